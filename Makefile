@@ -1,0 +1,33 @@
+# Everything on a fresh machine: `make demo` (set up, run the main job), `make test` (set up, test).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+OUT ?= lensdiv-out/demo
+
+.PHONY: setup demo test bench lint clean
+
+setup: $(VENV)/.installed
+
+# torch is installed first, from the pinned constraint, so nothing pulls a CUDA build behind our back.
+$(VENV)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -c constraints.txt torch
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
+	touch $@
+
+demo: setup
+	$(BIN)/lensdiv analyze toy --plugins lens,contrib --out $(OUT)
+
+test: setup
+	HF_HUB_OFFLINE=1 MPLBACKEND=Agg $(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/python bench/bench_fused.py
+
+lint: setup
+	$(BIN)/ruff check lensdiv tests bench plugins
+	$(BIN)/ruff format --check lensdiv
+
+clean:
+	rm -rf $(VENV) lensdiv-out .pytest_cache

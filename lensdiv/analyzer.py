@@ -1,0 +1,259 @@
+"""The analyzer contract: one abstract base class every analysis (built-in or plugin) implements.
+
+An analyzer is a frozen dataclass whose fields are its options. It declares, as class attributes,
+what it needs (hooks, logits, extra forward passes, gradients, numerics), so the runner can fuse
+all selected analyzers into one forward pass per batch. Read-only analyzers stream::
+
+    state = analyzer.init(info)            # a mergeable Stats
+    for step in steps: analyzer.update(state, step)
+    result = analyzer.finalize(state, info)
+
+States of two data shards merge with ``Stats.merge``.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, get_type_hints
+
+import torch
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+
+from lensdiv.errors import OptionError, did_you_mean
+from lensdiv.stats import Stats
+
+if TYPE_CHECKING:
+    from lensdiv.results import Result
+
+Numerics = Literal["raw", "folded"]
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What analyzers may know about the model before any forward pass.
+
+    Args:
+        name: The spec or id the model was loaded from.
+        n_layers: Number of blocks ``L``.
+        d_model: Residual stream width.
+        d_vocab: Vocabulary size.
+        n_heads: Attention heads per block.
+        normalization: ``"LN"``, ``"RMS"``, ... or ``None``.
+        parallel_residual: Attention and MLP both read ``h_l`` (GPT-NeoX/Pythia).
+        hook_names: Every hook the model exposes.
+    """
+
+    name: str
+    n_layers: int
+    d_model: int
+    d_vocab: int
+    n_heads: int
+    normalization: str | None
+    parallel_residual: bool
+    hook_names: frozenset[str]
+
+    @classmethod
+    def from_model(cls, model: Any, name: str | None = None) -> ModelInfo:
+        """Read the facts off a ``TransformerBridge``."""
+        cfg = model.cfg
+        return cls(
+            name=name or str(getattr(cfg, "model_name", "model")),
+            n_layers=int(cfg.n_layers),
+            d_model=int(cfg.d_model),
+            d_vocab=int(model.W_U.shape[1]),
+            n_heads=int(cfg.n_heads),
+            normalization=getattr(cfg, "normalization_type", None),
+            parallel_residual=bool(getattr(cfg, "parallel_attn_mlp", False)),
+            hook_names=frozenset(model.hook_dict),
+        )
+
+    def resid(self, layer: int) -> str:
+        """Hook holding ``h_layer`` (``0 ≤ layer ≤ L``): block inputs, then the last output."""
+        if not 0 <= layer <= self.n_layers:
+            raise ValueError(f"residual index {layer} outside 0..{self.n_layers}")
+        if layer == self.n_layers:
+            return f"blocks.{self.n_layers - 1}.hook_resid_post"
+        return f"blocks.{layer}.hook_resid_pre"
+
+
+@dataclass
+class Batch:
+    """One batch of packed sequences.
+
+    Args:
+        tokens: Token ids; pad positions hold the pad id.
+        mask: True at real tokens. Sequences are right-padded, so with causal attention no real
+            position ever attends to a pad.
+        bos: Whether position 0 of every row is a BOS token.
+        index: Batch number in the run.
+    """
+
+    tokens: Int[Tensor, "batch pos"]
+    mask: Bool[Tensor, "batch pos"]
+    bos: bool = True
+    index: int = 0
+
+    @property
+    def n_tokens(self) -> int:
+        """Number of real (non-pad) tokens."""
+        return int(self.mask.sum())
+
+    def positions(self, *, exclude_bos: bool = False) -> Bool[Tensor, "batch pos"]:
+        """Positions that may enter a statistic: real tokens, optionally without BOS."""
+        keep = self.mask.clone()
+        if exclude_bos and self.bos:
+            keep[:, 0] = False
+        return keep
+
+    def next_tokens(self) -> tuple[Int[Tensor, "batch pos"], Bool[Tensor, "batch pos"]]:
+        """Next-token targets and where they exist (the last real token of a row has none)."""
+        targets = torch.zeros_like(self.tokens)
+        targets[:, :-1] = self.tokens[:, 1:]
+        valid = torch.zeros_like(self.mask)
+        valid[:, :-1] = self.mask[:, :-1] & self.mask[:, 1:]
+        return targets, valid
+
+
+@dataclass
+class Step:
+    """What ``Analyzer.update`` sees for one batch: the clean pass and a way to run more.
+
+    Args:
+        batch: The tokens and mask.
+        cache: Activations of the clean pass for the union of declared hooks.
+        logits: Output logits, when some analyzer declared ``needs_logits``.
+        model: The ``TransformerBridge`` (for readouts and interventions).
+        info: Model facts.
+    """
+
+    batch: Batch
+    cache: Mapping[str, Tensor]
+    logits: Float[Tensor, "batch pos d_vocab"] | None
+    model: Any
+    info: ModelInfo
+
+    def resid(self, layer: int) -> Float[Tensor, "batch pos d_model"]:
+        """``h_layer`` from the clean pass."""
+        return self.cache[self.info.resid(layer)]
+
+    def forward(
+        self,
+        tokens: Int[Tensor, "batch pos"] | None = None,
+        fwd_hooks: Sequence[tuple[str, Callable[..., Any]]] = (),
+    ) -> Float[Tensor, "batch pos d_vocab"]:
+        """Run an extra (intervened) forward pass and return its logits."""
+        tokens = self.batch.tokens if tokens is None else tokens
+        with torch.no_grad(), self.model.hooks(fwd_hooks=list(fwd_hooks)):
+            return self.model(tokens)
+
+
+class Analyzer(abc.ABC):
+    """Base class of every analysis. Subclasses are ``@dataclass(frozen=True)``; fields = options.
+
+    Class attributes declare the plugin and its needs (the runner reads them, never probes):
+
+    Attributes:
+        name: Plugin name (also the output folder).
+        aliases: Short names accepted on the command line.
+        description: One line for ``lensdiv plugins list``.
+        needs_logits: The clean pass must run to the logits.
+        extra_forwards: ``update`` runs further forward passes (interventional).
+        needs_grad: ``update`` needs autograd.
+        numerics: ``"raw"`` (Hugging Face weights as they are; right for norms and angles) or
+            ``"folded"`` (LayerNorm folded, unembedding centred).
+    """
+
+    name: ClassVar[str]
+    aliases: ClassVar[tuple[str, ...]] = ()
+    description: ClassVar[str] = ""
+    needs_logits: ClassVar[bool] = False
+    extra_forwards: ClassVar[bool] = False
+    needs_grad: ClassVar[bool] = False
+    numerics: ClassVar[Numerics] = "raw"
+
+    @abc.abstractmethod
+    def hooks(self, info: ModelInfo) -> list[str]:
+        """TransformerLens hook names this analyzer reads from the clean pass."""
+
+    def init(self, info: ModelInfo) -> Stats:
+        """Empty state before the first batch."""
+        return Stats()
+
+    @abc.abstractmethod
+    def update(self, state: Stats, step: Step) -> None:
+        """Fold one batch into ``state``."""
+
+    @abc.abstractmethod
+    def finalize(self, state: Stats, info: ModelInfo) -> Result:
+        """Turn the accumulated state into a result."""
+
+    # -- options -------------------------------------------------------------------------------
+    def options(self) -> dict[str, Any]:
+        """The option values, as recorded in every result."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+
+    @classmethod
+    def option_fields(cls) -> list[dataclasses.Field[Any]]:
+        """The dataclass fields that are this analyzer's options."""
+        return list(dataclasses.fields(cls)) if dataclasses.is_dataclass(cls) else []
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any] | None = None) -> Analyzer:
+        """Build an instance from ``{option: value}``; strings are parsed to the field's type."""
+        options = dict(options or {})
+        fields = {f.name: f for f in cls.option_fields()}
+        hints = get_type_hints(cls) if fields else {}
+        parsed = {}
+        for key, value in options.items():
+            if key not in fields:
+                known = ", ".join(fields) or "none"
+                raise OptionError(
+                    f"analyzer {cls.name!r} has no option {key!r}{did_you_mean(key, list(fields))}",
+                    hint=f"its options are: {known}",
+                )
+            parsed[key] = _parse_option(cls.name, key, value, hints.get(key, Any))
+        try:
+            return cls(**parsed)
+        except (TypeError, ValueError) as err:
+            raise OptionError(f"analyzer {cls.name!r}: {err}") from None
+
+
+def _parse_option(analyzer: str, key: str, value: Any, hint: Any) -> Any:
+    """Coerce a command-line string to the annotated type of an option."""
+    if not isinstance(value, str):
+        return value
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin is Literal:
+        if value not in args:
+            raise OptionError(
+                f"option {analyzer}.{key} must be one of {', '.join(map(str, args))}, not {value!r}"
+            )
+        return value
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        if value.lower() in ("none", "null") and len(inner) < len(args):
+            return None
+        hint = inner[0] if len(inner) == 1 else str
+    if origin in (tuple, list):
+        return tuple(_parse_option(analyzer, key, v, args[0] if args else str)
+                     for v in value.split(",") if v)
+    try:
+        if hint is bool:
+            lowered = value.lower()
+            if lowered not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError(value)
+            return lowered in ("true", "1", "yes")
+        if hint in (int, float):
+            return hint(value)
+    except ValueError:
+        raise OptionError(
+            f"option {analyzer}.{key} expects {hint.__name__}, got {value!r}"
+        ) from None
+    return value

@@ -1,0 +1,117 @@
+"""``contrib`` — relative sublayer contributions (SCIENCE.md A1).
+
+Per layer, averaged over tokens: ``r_attn = ||a_l||/||h_l||``, ``r_mlp = ||m_l||/||h_l + a_l||``
+(``||m_l||/||h_l||`` for parallel-residual models, whose MLP reads ``h_l``),
+``r_block = ||a_l + m_l||/||h_l||``; cosines of each write with what it was added to, of the
+update ``Δ_l = h_{l+1} - h_l`` with ``h_l`` and of ``h_{l+1}`` with ``h_l``; mean and max norms.
+Denominators are clamped at 1e-6.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from lensdiv.analyzer import Analyzer, ModelInfo, Step
+from lensdiv.results import Plot, Result, Table
+from lensdiv.stats import Stats
+
+EPS = 1e-6
+RATIOS = ("r_attn", "r_mlp", "r_block")
+COSINES = ("cos_attn", "cos_mlp", "cos_update", "cos_next")
+NORMS = ("resid", "attn", "mlp")
+
+
+def _norm(x: Float[Tensor, "... d_model"]) -> Float[Tensor, "..."]:
+    return x.norm(dim=-1)
+
+
+def _cos(x: Float[Tensor, "... d_model"], y: Float[Tensor, "... d_model"]) -> Float[Tensor, "..."]:
+    return (x * y).sum(-1) / (_norm(x) * _norm(y)).clamp_min(EPS)
+
+
+@dataclass(frozen=True)
+class Contribution(Analyzer):
+    """How much each attention and MLP sublayer changes the residual stream.
+
+    Args:
+        exclude_bos: Leave the BOS position (huge norms in many models) out of the averages.
+    """
+
+    name = "contrib"
+    aliases = ("contribution", "sublayer")
+    description = "Relative contribution and cosines of each attention/MLP sublayer, per layer"
+
+    exclude_bos: bool = True
+
+    def hooks(self, info: ModelInfo) -> list[str]:
+        names = [info.resid(layer) for layer in range(info.n_layers + 1)]
+        for layer in range(info.n_layers):
+            names += [f"blocks.{layer}.hook_attn_out", f"blocks.{layer}.hook_mlp_out"]
+        return names
+
+    def update(self, state: Stats, step: Step) -> None:
+        info = step.info
+        keep = step.batch.positions(exclude_bos=self.exclude_bos)
+        if not keep.any():
+            return
+        L = info.n_layers
+        h = torch.stack([step.resid(layer)[keep] for layer in range(L + 1)]).float()
+        a = torch.stack([step.cache[f"blocks.{l}.hook_attn_out"][keep] for l in range(L)]).float()
+        m = torch.stack([step.cache[f"blocks.{l}.hook_mlp_out"][keep] for l in range(L)]).float()
+        h_in, h_next = h[:-1], h[1:]
+        mlp_in = h_in if info.parallel_residual else h_in + a
+        norms = {"resid": _norm(h_in), "attn": _norm(a), "mlp": _norm(m)}
+        values = {
+            "r_attn": norms["attn"] / norms["resid"].clamp_min(EPS),
+            "r_mlp": norms["mlp"] / _norm(mlp_in).clamp_min(EPS),
+            "r_block": _norm(a + m) / norms["resid"].clamp_min(EPS),
+            "cos_attn": _cos(a, h_in),
+            "cos_mlp": _cos(m, mlp_in),
+            "cos_update": _cos(h_next - h_in, h_in),
+            "cos_next": _cos(h_next, h_in),
+        }
+        state.add("n", h.shape[1])
+        for key, value in values.items():
+            state.add(key, value.sum(1))
+        for key, value in norms.items():
+            state.add(f"norm_{key}", value.sum(1))
+            state.max(f"norm_{key}_max", value.amax(1))
+
+    def finalize(self, state: Stats, info: ModelInfo) -> Result:
+        n = float(state["n"])
+        layers = list(range(info.n_layers))
+        columns: dict[str, list] = {"layer": layers}
+        for key in RATIOS + COSINES:
+            columns[key] = (state[key] / n).tolist()
+        for key in NORMS:
+            columns[f"norm_{key}_mean"] = (state[f"norm_{key}"] / n).tolist()
+            columns[f"norm_{key}_max"] = state[f"norm_{key}_max"].tolist()
+        table = Table("contrib", columns, "Relative contribution of each block's sublayers")
+        r = table["r_block"]
+        half = max(1, len(r) // 2)
+        first, second = float(r[:half].mean()), float(r[half:].mean()) if len(r) > 1 else float("nan")
+        summary = (
+            f"Mean relative block contribution ||a+m||/||h||: first half {first:.3g}, second half "
+            f"{second:.3g} (ratio {second / first if first else float('nan'):.2f}); largest at "
+            f"layer {int(r.argmax())}. Averaged over {int(n)} positions"
+            + (" (BOS excluded)." if self.exclude_bos else ".")
+        )
+        return Result(
+            analyzer=self.name,
+            summary=summary,
+            tables={"contrib": table},
+            plots=(
+                Plot("line", "contrib_ratios", "Relative contribution per layer", "contrib",
+                     x="layer", y=RATIOS, xlabel="layer", ylabel="||write|| / ||residual||"),
+                Plot("line", "contrib_cosines", "Cosines with the residual", "contrib", x="layer",
+                     y=COSINES, xlabel="layer", ylabel="cosine"),
+                Plot("line", "contrib_norms", "Mean norms", "contrib", x="layer",
+                     y=tuple(f"norm_{k}_mean" for k in NORMS), xlabel="layer", ylabel="L2 norm",
+                     logy=True),
+            ),
+            meta={"positions": int(n), "mlp_reference": "h_l" if info.parallel_residual else "h_l + a_l"},
+        )

@@ -1,0 +1,211 @@
+"""The ``lensdiv`` command line: parse, call the Python API, print. Heavy imports stay inside the
+commands so ``lensdiv --help`` answers at once.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+app = typer.Typer(
+    name="lensdiv",
+    help="How does a transformer use its depth? Run depth analyses on any TransformerLens model.\n\n"
+    "Example: lensdiv analyze gpt2-medium --plugins lens,contrib --data text.txt",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+)
+plugins_app = typer.Typer(help="Inspect the analyzer plugins.", no_args_is_help=True)
+app.add_typer(plugins_app, name="plugins")
+
+
+def _console(stderr: bool = False) -> Any:
+    from rich.console import Console
+
+    return Console(stderr=stderr, highlight=False)
+
+
+def _fail(err: Exception) -> None:
+    """Print one line for a user error and exit 2."""
+    from lensdiv.errors import LensdivError
+
+    code = err.exit_code if isinstance(err, LensdivError) else 2
+    _console(stderr=True).print(f"[bold red]error:[/bold red] {err}", markup=True, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def _parse_options(pairs: list[str]) -> dict[str, dict[str, str]]:
+    from lensdiv.errors import OptionError
+
+    options: dict[str, dict[str, str]] = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        analyzer, dot, option = key.partition(".")
+        if not eq or not dot or not analyzer or not option:
+            raise OptionError(f"bad option {pair!r}", hint="write ANALYZER.OPTION=VALUE, e.g. -O lens.top_k=10")
+        options.setdefault(analyzer.strip().lower(), {})[option.strip()] = value
+    return options
+
+
+def _default_out(model: str) -> Path:
+    import re
+    import time
+
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", Path(model).name or model).strip("-") or "model"
+    return Path("lensdiv-out") / f"{slug}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+@app.command()
+def analyze(
+    model: Annotated[str, typer.Argument(help="Hub name (gpt2-medium), local HF folder, or toy model (toy, toy:d8).")] = "toy",
+    plugins: Annotated[str, typer.Option("--plugins", "-p", help="Comma-separated analyzers (see `lensdiv plugins list`).")] = "lens,contrib",
+    data: Annotated[Optional[str], typer.Option("--data", "-d", help="Text file, .jsonl, folder of .txt, or hf:NAME[:CONFIG]. Default: built-in corpus.")] = None,
+    field: Annotated[str, typer.Option(help="JSONL / data-set field holding the text.")] = "text",
+    split: Annotated[str, typer.Option(help="Split of an hf: data set.")] = "train",
+    seq_len: Annotated[int, typer.Option(help="Tokens per sequence (BOS included).")] = 128,
+    max_tokens: Annotated[int, typer.Option(help="Stop after this many tokens.")] = 16384,
+    batch_size: Annotated[int, typer.Option(help="Sequences per forward pass.")] = 8,
+    bos: Annotated[str, typer.Option(help="BOS policy: prepend | none.")] = "prepend",
+    option: Annotated[Optional[list[str]], typer.Option("--option", "-O", help="Analyzer option, ANALYZER.OPTION=VALUE (repeatable).")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Output folder. Default: lensdiv-out/MODEL-TIME.")] = None,
+    device: Annotated[Optional[str], typer.Option(help="cpu, cuda, cuda:1 ... Default: best available.")] = None,
+    dtype: Annotated[Optional[str], typer.Option(help="float32 (default), bfloat16, float16.")] = None,
+    seed: Annotated[int, typer.Option(help="Random seed (recorded in every result).")] = 0,
+    trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Allow hub models that ship their own code.")] = False,
+    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+) -> None:
+    """Analyze MODEL with the chosen analyzers: one fused pass, a summary here, files in --out.
+
+    Example: lensdiv analyze gpt2-medium --plugins lens,contrib --data corpus.txt --max-tokens 20000
+    """
+    from lensdiv.errors import LensdivError
+
+    out = out or _default_out(model)
+    try:
+        from lensdiv.runner import analyze as run_analyze
+
+        run = run_analyze(
+            model, data, plugins, out=out, options=_parse_options(option or []), seq_len=seq_len,
+            max_tokens=max_tokens, batch_size=batch_size, field=field, split=split, bos=bos,
+            device=device, dtype=dtype, seed=seed, trust_remote_code=trust_remote_code,
+            progress=progress,
+        )
+    except LensdivError as err:
+        _fail(err)
+    console = _console()
+    console.print(run)
+    console.print(f"results in [bold]{out}[/bold] (manifest.json, one folder per analyzer)")
+    if run.manifest.get("status") == "interrupted":
+        raise typer.Exit(130)
+    if run.errors:
+        raise typer.Exit(1)
+
+
+@app.command()
+def report(
+    out: Annotated[Path, typer.Argument(help="A folder written by `lensdiv analyze`.")],
+    plots: Annotated[bool, typer.Option(help="Redraw the PNG plots.")] = False,
+) -> None:
+    """Re-render a saved run: summaries and tables (and, with --plots, the PNGs).
+
+    Example: lensdiv report lensdiv-out/toy-20261121-120000 --plots
+    """
+    from lensdiv.errors import LensdivError
+    from lensdiv.runner import load_run
+
+    try:
+        run = load_run(out)
+    except LensdivError as err:
+        _fail(err)
+    if plots:
+        for name, result in run.results.items():
+            result.save_plots(out / name)
+    console = _console()
+    meta = run.manifest.get("model", {})
+    console.print(f"[bold]{meta.get('spec', '?')}[/bold] ({meta.get('resolved', '?')}), "
+                  f"{run.manifest.get('timings', {}).get('tokens', '?')} tokens, "
+                  f"status {run.manifest.get('status', '?')}")
+    console.print(run)
+    missing = [n for n, e in run.manifest.get("analyzers", {}).items()
+               if n not in run.results and n not in run.errors]
+    if missing:
+        console.print(f"[yellow]missing (not finished):[/yellow] {', '.join(missing)}")
+
+
+@plugins_app.command("list")
+def plugins_list() -> None:
+    """List the installed analyzers: name, aliases, description and providing package.
+
+    Example: lensdiv plugins list
+    """
+    from rich.table import Table
+
+    from lensdiv.registry import default_registry
+
+    registry = default_registry()
+    table = Table(title="lensdiv analyzers", title_justify="left")
+    for col in ("name", "aliases", "description", "provided by"):
+        table.add_column(col)
+    for entry in registry.entries.values():
+        style = "red" if entry.cls is None else None
+        table.add_row(entry.name, ", ".join(entry.aliases), entry.description, entry.provider, style=style)
+    console = _console()
+    console.print(table)
+    for problem in registry.problems:
+        _console(stderr=True).print(f"[yellow]warning:[/yellow] {problem}")
+
+
+@plugins_app.command("show")
+def plugins_show(name: Annotated[str, typer.Argument(help="Analyzer name or alias.")]) -> None:
+    """Show one analyzer's description, needs and options.
+
+    Example: lensdiv plugins show lens
+    """
+    import dataclasses
+
+    from lensdiv.errors import LensdivError
+    from lensdiv.registry import get_analyzer
+
+    try:
+        cls = get_analyzer(name)
+    except LensdivError as err:
+        _fail(err)
+    console = _console()
+    console.print(f"[bold]{cls.name}[/bold] ({', '.join(cls.aliases) or 'no aliases'}): {cls.description}")
+    console.print(f"needs logits: {cls.needs_logits}, extra forwards: {cls.extra_forwards}, "
+                  f"gradients: {cls.needs_grad}, numerics: {cls.numerics}")
+    for f in cls.option_fields():
+        default = f.default if f.default is not dataclasses.MISSING else "(required)"
+        console.print(f"  -O {cls.name}.{f.name}={default}   [dim]{f.type}[/dim]")
+
+
+def _version(value: Optional[bool]) -> None:
+    if value:
+        from lensdiv import __version__
+
+        typer.echo(f"lensdiv {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[Optional[bool], typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")] = None,
+) -> None:
+    """How does a transformer use its depth?"""
+
+
+def main() -> None:
+    """Console-script entry point."""
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted\n")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,250 @@
+"""Model loading: one entry point for hub names, local Hugging Face folders, toy models and bridges.
+
+Raw Hugging Face numerics by default (norms and angles need them); folded weights only when an
+analyzer declares ``numerics = "folded"``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lensdiv.errors import ModelLoadError
+
+DEFAULT_MODEL = "toy"
+
+# Short names people type that the TransformerLens registry only knows under their hub ids.
+ALIASES = {
+    "gpt2": "openai-community/gpt2",
+    "gpt2-small": "openai-community/gpt2",
+    "gpt2-medium": "openai-community/gpt2-medium",
+    "gpt2-large": "openai-community/gpt2-large",
+    "gpt2-xl": "openai-community/gpt2-xl",
+    "distilgpt2": "distilbert/distilgpt2",
+}
+
+DTYPES = {
+    "float32": "float32", "fp32": "float32", "float": "float32",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+    "float64": "float64", "fp64": "float64",
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A parsed model spec.
+
+    Args:
+        spec: What the user typed.
+        kind: ``"toy"``, ``"local"``, ``"hub"`` or ``"bridge"``.
+        resolved: The toy name, absolute folder or hub id actually loaded.
+    """
+
+    spec: str
+    kind: str
+    resolved: str
+
+
+def resolve_spec(spec: str) -> ModelSpec:
+    """Classify a spec string without loading anything (no network, no TransformerLens)."""
+    text = spec.strip()
+    if not text:
+        raise ModelLoadError("empty model spec", hint="pass a hub name, a local folder or 'toy'")
+    if text == "toy" or text.startswith("toy:"):
+        return ModelSpec(text, "toy", text)
+    path = Path(os.path.expanduser(text))
+    if path.exists():
+        if not path.is_dir() or not (path / "config.json").is_file():
+            raise ModelLoadError(
+                f"{text!r} is not a Hugging Face model folder (no config.json)",
+                hint="pass a folder written by save_pretrained, a hub name, or 'toy'",
+            )
+        return ModelSpec(text, "local", str(path.resolve()))
+    if text.startswith((".", "/", "~")) or text.count("/") > 1 or os.sep + os.sep in text:
+        raise ModelLoadError(
+            f"model folder {text!r} does not exist",
+            hint="check the path, or pass a hub name or 'toy'",
+        )
+    resolved = ALIASES.get(text.lower())
+    if resolved is None:
+        resolved = _registry_aliases().get(text, text)
+    return ModelSpec(text, "hub", resolved)
+
+
+def _registry_aliases() -> dict[str, str]:
+    """TransformerLens' alias table (short name -> hub id), read without importing the package."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.find_spec("transformer_lens")
+    if spec is None or not spec.submodule_search_locations:
+        return {}
+    path = Path(next(iter(spec.submodule_search_locations)))
+    path = path / "tools" / "model_registry" / "data" / "model_aliases.json"
+    try:
+        table = json.loads(path.read_text())["aliases"]
+    except (OSError, KeyError, ValueError):  # the table moved: the plain id is still worth trying
+        return {}
+    return {alias: official for official, aliases in table.items() for alias in aliases}
+
+
+def parse_dtype(dtype: Any) -> Any:
+    """Turn ``"bf16"`` and friends into a ``torch.dtype`` (``None`` stays ``None``)."""
+    import torch
+
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    name = DTYPES.get(str(dtype).lower())
+    if name is None:
+        raise ModelLoadError(f"unknown dtype {dtype!r}", hint=f"use one of {', '.join(DTYPES)}")
+    return getattr(torch, name)
+
+
+def parse_device(device: Any) -> str:
+    """``None``/``"auto"`` → CUDA when available, else CPU."""
+    import torch
+
+    if device is None or str(device) == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return str(device)
+
+
+def load_model(
+    spec: Any = DEFAULT_MODEL,
+    *,
+    device: Any = None,
+    dtype: Any = None,
+    trust_remote_code: bool = False,
+    numerics: str = "raw",
+) -> Any:
+    """Load a ``TransformerBridge`` in eval mode.
+
+    Args:
+        spec: A hub name (``gpt2-medium``, ``EleutherAI/pythia-70m``), a local Hugging Face
+            folder, a built-in toy model (``toy``, ``toy:d4``), or a ``TransformerBridge``.
+        device: ``"cpu"``, ``"cuda"``, ... or ``None`` for the best available.
+        dtype: ``"float32"``, ``"bf16"``, a ``torch.dtype`` or ``None`` (float32).
+        trust_remote_code: Allow hub models that ship their own code.
+        numerics: ``"raw"`` (default) or ``"folded"`` (``enable_compatibility_mode``).
+
+    Returns:
+        The bridge, with ``model.lensdiv_spec`` set to the resolved :class:`ModelSpec`.
+
+    Raises:
+        ModelLoadError: The spec names nothing loadable; the message says what was tried.
+    """
+    torch_dtype = parse_dtype(dtype)
+    if not isinstance(spec, str):
+        model = spec
+        if not hasattr(model, "hook_dict") or not hasattr(model, "cfg"):
+            raise ModelLoadError(
+                f"cannot analyze a {type(model).__name__}: pass a TransformerBridge or a spec string"
+            )
+        if device is not None:
+            model = model.to(parse_device(device))
+        if torch_dtype is not None:
+            model = model.to(torch_dtype)
+        parsed = getattr(model, "lensdiv_spec", None) or ModelSpec(
+            str(getattr(model.cfg, "model_name", "bridge")), "bridge",
+            str(getattr(model.cfg, "model_name", "bridge")),
+        )
+    else:
+        parsed = resolve_spec(spec)
+        device = parse_device(device)
+        if parsed.kind == "toy":
+            from lensdiv.toy import load_toy
+
+            model = load_toy(parsed.resolved, device=device, dtype=torch_dtype)
+        else:
+            model = _boot_hf(parsed, device=device, dtype=torch_dtype,
+                             trust_remote_code=trust_remote_code)
+    model.eval()
+    if numerics == "folded" and not getattr(model, "compatibility_mode", False):
+        model.enable_compatibility_mode()
+    model.lensdiv_spec = parsed
+    return model
+
+
+def _boot_hf(parsed: ModelSpec, *, device: str, dtype: Any, trust_remote_code: bool) -> Any:
+    where = "local folder" if parsed.kind == "local" else "hub id"
+    if parsed.kind == "hub" and not _cached(parsed.resolved):
+        offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+        if offline or not _hub_reachable():
+            why = "HF_HUB_OFFLINE is set" if offline else "the hub is unreachable"
+            raise ModelLoadError(
+                f"cannot load model {parsed.spec!r} (hub id {parsed.resolved!r}): {why} and the "
+                "model is not in the local Hugging Face cache",
+                hint="connect to the internet, or pass a local Hugging Face folder or a built-in "
+                "toy model ('toy')",
+            )
+    import torch
+    from transformer_lens import TransformerBridge
+
+    try:
+        return TransformerBridge.boot_transformers(
+            parsed.resolved,
+            device=device,
+            dtype=dtype or torch.float32,
+            trust_remote_code=trust_remote_code,
+        )
+    except KeyboardInterrupt:
+        raise
+    except Exception as err:
+        reason = _short_reason(err)
+        remote = "trust_remote_code" in reason or "custom code" in reason
+        hint = (
+            "rerun with --trust-remote-code if you trust this model's code"
+            if remote and not trust_remote_code
+            else "check the name and your connection, or pass a local Hugging Face folder "
+            "or a built-in toy model ('toy')"
+            if parsed.kind == "hub"
+            else "check that the folder holds a complete save_pretrained model and tokenizer"
+        )
+        raise ModelLoadError(
+            f"cannot load model {parsed.spec!r} ({where} {parsed.resolved!r}): {reason}",
+            hint=hint,
+        ) from None
+
+
+def _short_reason(err: Exception) -> str:
+    """One readable clause for why Hugging Face / TransformerLens refused a model."""
+    text = " ".join(str(err).split())
+    lowered = text.lower()
+    if "couldn't connect" in lowered or "offline" in lowered or "connection" in lowered:
+        return "the hub is unreachable and the model is not in the local Hugging Face cache"
+    if "not a valid model identifier" in lowered or "repository not found" in lowered or "404" in text:
+        return "no such model on the Hugging Face hub"
+    if "gated" in lowered or "401" in text or "403" in text:
+        return "the model is gated: log in with `hf auth login` and accept its licence"
+    first = text.split(". ")[0]
+    return f"{type(err).__name__}: {first[:200]}"
+
+
+def _cached(repo_id: str) -> bool:
+    """Whether the model's config is already in the local Hugging Face cache."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except Exception:  # an odd repo id or cache layout: let the real load decide
+        return True
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """A DNS lookup of the hub host: without it, huggingface_hub retries for half a minute."""
+    import socket
+    from urllib.parse import urlparse
+
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or ""
+    previous = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(timeout)
+    try:
+        socket.getaddrinfo(host, 443)
+        return True
+    except OSError:
+        return False
+    finally:
+        socket.setdefaulttimeout(previous)

@@ -1,0 +1,328 @@
+"""Result objects: frozen, self-rendering (terminal and notebook), JSON round-trip, CSV, PNG plots.
+
+A :class:`Result` is plain data: named :class:`Table` s (columns of numbers or strings), named
+arrays (matrices such as a layer × layer effect map), declarative :class:`Plot` specs and the
+metadata that produced it. Because plots are data too, ``lensdiv report`` redraws a saved run
+without the analyzer that made it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from rich.jupyter import JupyterMixin
+
+from lensdiv.errors import ResultError
+
+SCHEMA = 1
+
+
+@dataclass(frozen=True)
+class Table(JupyterMixin):
+    """Named columns of equal length.
+
+    Args:
+        name: File stem and key of the table.
+        columns: Column name to list of values (numbers or strings).
+        description: One line saying what a row is.
+    """
+
+    name: str
+    columns: Mapping[str, Sequence[Any]]
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        lengths = {len(v) for v in self.columns.values()}
+        if len(lengths) > 1:
+            raise ValueError(f"table {self.name!r} has columns of different lengths {lengths}")
+        object.__setattr__(self, "columns", {k: _plain(v) for k, v in self.columns.items()})
+
+    def __len__(self) -> int:
+        return len(next(iter(self.columns.values()), []))
+
+    def __getitem__(self, column: str) -> np.ndarray:
+        return np.asarray(self.columns[column])
+
+    @property
+    def rows(self) -> list[dict[str, Any]]:
+        """The table as a list of row dicts."""
+        keys = list(self.columns)
+        return [dict(zip(keys, vals)) for vals in zip(*self.columns.values())]
+
+    def to_pandas(self) -> Any:
+        """Return a ``pandas.DataFrame`` (needs the ``pandas`` extra)."""
+        try:
+            import pandas as pd
+        except ImportError:
+            raise ImportError("to_pandas needs pandas: pip install 'lensdiv[pandas]'") from None
+        return pd.DataFrame(dict(self.columns))
+
+    def to_csv(self, path: str | os.PathLike[str]) -> None:
+        """Write the table as CSV (header row, then one line per row)."""
+        import csv
+
+        with _atomic(Path(path)) as tmp, open(tmp, "w", newline="") as fh:
+            writer = csv.writer(fh)
+            writer.writerow(self.columns)
+            writer.writerows(zip(*self.columns.values()))
+
+    def __rich_console__(self, console: Any, options: Any) -> Any:
+        # A table wider than the terminal is cut into several, each repeating the first (key)
+        # column, rather than shrinking every number to an ellipsis.
+        from rich.table import Table as RichTable
+
+        names = list(self.columns)
+        cells = {c: [_fmt(v) for v in self.columns[c]] for c in names}
+        widths = {c: max([len(c), *map(len, cells[c])]) + 3 for c in names}
+        key, rest = names[0], names[1:]
+        groups: list[list[str]] = []
+        for col in rest:
+            if groups and sum(widths[c] for c in [key, *groups[-1], col]) < options.max_width:
+                groups[-1].append(col)
+            else:
+                groups.append([col])
+        for i, group in enumerate(groups or [[]]):
+            title = (self.description or self.name) if i == 0 else None
+            table = RichTable(title=title, title_justify="left")
+            for col in [key, *group]:
+                table.add_column(col, justify="right", no_wrap=True)
+            for row in zip(*(cells[c] for c in [key, *group])):
+                table.add_row(*row)
+            yield table
+
+
+@dataclass(frozen=True)
+class Plot:
+    """A declarative plot of a table (``line``) or an array (``heatmap``).
+
+    Args:
+        kind: ``"line"`` draws ``y`` columns against ``x``; ``"heatmap"`` draws array ``source``.
+        name: File stem of the PNG.
+        title: Figure title.
+        source: Table name (line) or array name (heatmap).
+        x: Column for the x axis (line).
+        y: Columns drawn as lines (line).
+        xlabel, ylabel: Axis labels.
+        logy: Logarithmic y axis.
+    """
+
+    kind: Literal["line", "heatmap"]
+    name: str
+    title: str
+    source: str
+    x: str | None = None
+    y: tuple[str, ...] = ()
+    xlabel: str = ""
+    ylabel: str = ""
+    logy: bool = False
+
+    def draw(self, result: Result, ax: Any) -> None:
+        """Draw onto a matplotlib ``Axes``."""
+        if self.kind == "line":
+            table = result.tables[self.source]
+            xs = table[self.x] if self.x else np.arange(len(table))
+            for col in self.y:
+                ax.plot(xs, table[col], marker="o", markersize=3, label=col)
+            if len(self.y) > 1:
+                ax.legend(fontsize=8)
+            if self.logy:
+                ax.set_yscale("log")
+        else:
+            image = ax.imshow(result.arrays[self.source], aspect="auto", origin="lower")
+            ax.figure.colorbar(image, ax=ax)
+        ax.set_title(self.title)
+        ax.set_xlabel(self.xlabel or (self.x or ""))
+        ax.set_ylabel(self.ylabel)
+
+
+@dataclass(frozen=True)
+class Result(JupyterMixin):
+    """What an analyzer returns: tables, arrays, plots and the settings that produced them.
+
+    Args:
+        analyzer: Name of the analyzer (and of its output folder).
+        summary: A few plain sentences on what the numbers show.
+        tables: Named tables; the first is the main one.
+        arrays: Named numeric arrays (matrices, curves).
+        plots: Plot specs drawn by :meth:`save_plots`.
+        meta: Options, model, data, token counts and versions.
+    """
+
+    analyzer: str
+    summary: str = ""
+    tables: Mapping[str, Table] = field(default_factory=dict)
+    arrays: Mapping[str, Any] = field(default_factory=dict)
+    plots: tuple[Plot, ...] = ()
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        arrays = {k: np.asarray(v, dtype=float) for k, v in self.arrays.items()}
+        object.__setattr__(self, "arrays", arrays)
+        object.__setattr__(self, "tables", dict(self.tables))
+        object.__setattr__(self, "plots", tuple(self.plots))
+        object.__setattr__(self, "meta", _plain(dict(self.meta)))
+
+    def table(self, name: str | None = None) -> Table:
+        """The named table, or the main (first) one."""
+        if name is None:
+            return next(iter(self.tables.values()))
+        return self.tables[name]
+
+    def to_pandas(self, table: str | None = None) -> Any:
+        """The named (or main) table as a ``pandas.DataFrame``."""
+        return self.table(table).to_pandas()
+
+    # -- serialisation -------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able data; :meth:`from_dict` inverts it exactly."""
+        return {
+            "schema": SCHEMA,
+            "analyzer": self.analyzer,
+            "summary": self.summary,
+            "tables": {
+                k: {"columns": dict(t.columns), "description": t.description}
+                for k, t in self.tables.items()
+            },
+            "arrays": {k: v.tolist() for k, v in self.arrays.items()},
+            "plots": [
+                {**p.__dict__, "y": list(p.y)} for p in self.plots
+            ],
+            "meta": dict(self.meta),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Result:
+        """Rebuild a result from :meth:`to_dict` output."""
+        try:
+            return cls(
+                analyzer=data["analyzer"],
+                summary=data.get("summary", ""),
+                tables={
+                    k: Table(k, t["columns"], t.get("description", ""))
+                    for k, t in data.get("tables", {}).items()
+                },
+                arrays=data.get("arrays", {}),
+                plots=tuple(
+                    Plot(**{**p, "y": tuple(p.get("y", ()))}) for p in data.get("plots", [])
+                ),
+                meta=data.get("meta", {}),
+            )
+        except (KeyError, TypeError, ValueError) as err:
+            raise ResultError(f"not a lensdiv result: {err}") from None
+
+    def to_json(self, indent: int | None = 1) -> str:
+        """JSON text (NaN and infinities are written as JSON's ``NaN``/``Infinity``)."""
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> Result:
+        """Inverse of :meth:`to_json`."""
+        return cls.from_dict(json.loads(text))
+
+    def save(self, directory: str | os.PathLike[str], *, plots: bool = True) -> list[Path]:
+        """Write ``result.json``, one CSV per table and one PNG per plot; return the paths."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        written = []
+        for name, table in self.tables.items():
+            table.to_csv(directory / f"{name}.csv")
+            written.append(directory / f"{name}.csv")
+        if plots:
+            written += self.save_plots(directory)
+        # result.json last: its presence means the folder is complete.
+        with _atomic(directory / "result.json") as tmp:
+            tmp.write_text(self.to_json())
+        written.append(directory / "result.json")
+        return written
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Result:
+        """Read a result from its folder or its ``result.json``."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / "result.json"
+        try:
+            return cls.from_json(path.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise ResultError(f"cannot read result {path}: {err}") from None
+
+    def save_plots(self, directory: str | os.PathLike[str]) -> list[Path]:
+        """Draw every plot to ``directory/<plot.name>.png``."""
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+
+        paths = []
+        for spec in self.plots:
+            fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
+            try:
+                spec.draw(self, ax)
+                fig.tight_layout()
+                path = Path(directory) / f"{spec.name}.png"
+                with _atomic(path) as tmp:
+                    fig.savefig(tmp, format="png")
+                paths.append(path)
+            finally:
+                plt.close(fig)
+        return paths
+
+    # -- rendering -----------------------------------------------------------------------------
+    def __rich_console__(self, console: Any, options: Any) -> Any:
+        from rich.panel import Panel
+
+        yield Panel(self.summary or "(no summary)", title=f"[bold]{self.analyzer}[/bold]", expand=False)
+        if self.tables:
+            yield self.table()
+
+
+def _plain(value: Any) -> Any:
+    """Convert numpy / torch scalars and arrays to JSON-able Python values."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if hasattr(value, "tolist") and not isinstance(value, (str, bytes)):
+        return value.tolist()
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    return value
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        if math.isnan(value) or math.isinf(value):
+            return str(value)
+        return f"{value:.4g}"
+    return str(value)
+
+
+class _atomic:
+    """Context manager yielding a temporary path that replaces ``path`` on success."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+
+    def __enter__(self) -> Path:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        return self.tmp
+
+    def __exit__(self, exc_type: Any, *rest: Any) -> None:
+        if exc_type is None:
+            os.replace(self.tmp, self.path)
+        else:
+            self.tmp.unlink(missing_ok=True)
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write JSON so a reader never sees a half-written file."""
+    with _atomic(path) as tmp:
+        tmp.write_text(json.dumps(_plain(data), indent=1))
