@@ -29,12 +29,22 @@ if TYPE_CHECKING:
     from lensdiv.stats import Stats as Stats
 
 _EXPORTS = {
-    "Analyzer": "lensdiv.analyzer", "Batch": "lensdiv.analyzer", "ModelInfo": "lensdiv.analyzer",
-    "Step": "lensdiv.analyzer", "DataSpec": "lensdiv.data", "LensdivError": "lensdiv.errors",
-    "load_model": "lensdiv.models", "get_analyzer": "lensdiv.registry",
-    "list_plugins": "lensdiv.registry", "Plot": "lensdiv.results", "Result": "lensdiv.results",
-    "Table": "lensdiv.results", "Run": "lensdiv.runner", "analyze": "lensdiv.runner",
-    "load_run": "lensdiv.runner", "Stats": "lensdiv.stats",
+    "Analyzer": "lensdiv.analyzer",
+    "Batch": "lensdiv.analyzer",
+    "ModelInfo": "lensdiv.analyzer",
+    "Step": "lensdiv.analyzer",
+    "DataSpec": "lensdiv.data",
+    "LensdivError": "lensdiv.errors",
+    "load_model": "lensdiv.models",
+    "get_analyzer": "lensdiv.registry",
+    "list_plugins": "lensdiv.registry",
+    "Plot": "lensdiv.results",
+    "Result": "lensdiv.results",
+    "Table": "lensdiv.results",
+    "Run": "lensdiv.runner",
+    "analyze": "lensdiv.runner",
+    "load_run": "lensdiv.runner",
+    "Stats": "lensdiv.stats",
 }
 __all__ = sorted(_EXPORTS) + ["__version__"]
 

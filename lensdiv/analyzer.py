@@ -133,7 +133,7 @@ class Step:
     """
 
     batch: Batch
-    cache: Mapping[str, Tensor]
+    cache: Any  # {hook name: Tensor}: a dict, or TransformerLens' ActivationCache
     logits: Float[Tensor, "batch pos d_vocab"] | None
     model: Any
     info: ModelInfo
@@ -228,22 +228,23 @@ def _parse_option(analyzer: str, key: str, value: Any, hint: Any) -> Any:
     """Coerce a command-line string to the annotated type of an option."""
     if not isinstance(value, str):
         return value
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        if value.lower() in ("none", "null") and len(inner) < len(args):
+            return None
+        hint = inner[0] if len(inner) == 1 else str
+        origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin is Literal:
         if value not in args:
             raise OptionError(
                 f"option {analyzer}.{key} must be one of {', '.join(map(str, args))}, not {value!r}"
             )
         return value
-    if origin in (typing.Union, types.UnionType):
-        inner = [a for a in args if a is not type(None)]
-        if value.lower() in ("none", "null") and len(inner) < len(args):
-            return None
-        hint = inner[0] if len(inner) == 1 else str
     if origin in (tuple, list):
-        return tuple(_parse_option(analyzer, key, v, args[0] if args else str)
-                     for v in value.split(",") if v)
+        return tuple(
+            _parse_option(analyzer, key, v, args[0] if args else str) for v in value.split(",") if v
+        )
     try:
         if hint is bool:
             lowered = value.lower()

@@ -9,6 +9,7 @@ fire twice) and aborts the pass at the final norm.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from contextlib import suppress
 from typing import Any
 
 import torch
@@ -65,9 +66,6 @@ def capture(
 
         fwd_hooks.append((stop, halt))
     logits = None
-    with torch.set_grad_enabled(grad), model.hooks(fwd_hooks=fwd_hooks):
-        try:
-            logits = model(tokens)
-        except _Stop:
-            pass
+    with torch.set_grad_enabled(grad), model.hooks(fwd_hooks=fwd_hooks), suppress(_Stop):
+        logits = model(tokens)
     return logits, store

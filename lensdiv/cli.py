@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 
@@ -46,7 +46,9 @@ def _parse_options(pairs: list[str]) -> dict[str, dict[str, str]]:
         key, eq, value = pair.partition("=")
         analyzer, dot, option = key.partition(".")
         if not eq or not dot or not analyzer or not option:
-            raise OptionError(f"bad option {pair!r}", hint="write ANALYZER.OPTION=VALUE, e.g. -O lens.top_k=10")
+            raise OptionError(
+                f"bad option {pair!r}", hint="write ANALYZER.OPTION=VALUE, e.g. -O lens.top_k=10"
+            )
         options.setdefault(analyzer.strip().lower(), {})[option.strip()] = value
     return options
 
@@ -61,21 +63,46 @@ def _default_out(model: str) -> Path:
 
 @app.command()
 def analyze(
-    model: Annotated[str, typer.Argument(help="Hub name (gpt2-medium), local HF folder, or toy model (toy, toy:d8).")] = "toy",
-    plugins: Annotated[str, typer.Option("--plugins", "-p", help="Comma-separated analyzers (see `lensdiv plugins list`).")] = "lens,contrib",
-    data: Annotated[Optional[str], typer.Option("--data", "-d", help="Text file, .jsonl, folder of .txt, or hf:NAME[:CONFIG]. Default: built-in corpus.")] = None,
+    model: Annotated[
+        str,
+        typer.Argument(help="Hub name (gpt2-medium), local HF folder, or toy model (toy, toy:d8)."),
+    ] = "toy",
+    plugins: Annotated[
+        str,
+        typer.Option(
+            "--plugins", "-p", help="Comma-separated analyzers (see `lensdiv plugins list`)."
+        ),
+    ] = "lens,contrib",
+    data: Annotated[
+        str | None,
+        typer.Option(
+            "--data",
+            "-d",
+            help="Text file, .jsonl, folder of .txt, or hf:NAME[:CONFIG]. Default: built-in corpus.",
+        ),
+    ] = None,
     field: Annotated[str, typer.Option(help="JSONL / data-set field holding the text.")] = "text",
     split: Annotated[str, typer.Option(help="Split of an hf: data set.")] = "train",
     seq_len: Annotated[int, typer.Option(help="Tokens per sequence (BOS included).")] = 128,
     max_tokens: Annotated[int, typer.Option(help="Stop after this many tokens.")] = 16384,
     batch_size: Annotated[int, typer.Option(help="Sequences per forward pass.")] = 8,
     bos: Annotated[str, typer.Option(help="BOS policy: prepend | none.")] = "prepend",
-    option: Annotated[Optional[list[str]], typer.Option("--option", "-O", help="Analyzer option, ANALYZER.OPTION=VALUE (repeatable).")] = None,
-    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Output folder. Default: lensdiv-out/MODEL-TIME.")] = None,
-    device: Annotated[Optional[str], typer.Option(help="cpu, cuda, cuda:1 ... Default: best available.")] = None,
-    dtype: Annotated[Optional[str], typer.Option(help="float32 (default), bfloat16, float16.")] = None,
+    option: Annotated[
+        list[str] | None,
+        typer.Option("--option", "-O", help="Analyzer option, ANALYZER.OPTION=VALUE (repeatable)."),
+    ] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", "-o", help="Output folder. Default: lensdiv-out/MODEL-TIME."),
+    ] = None,
+    device: Annotated[
+        str | None, typer.Option(help="cpu, cuda, cuda:1 ... Default: best available.")
+    ] = None,
+    dtype: Annotated[str | None, typer.Option(help="float32 (default), bfloat16, float16.")] = None,
     seed: Annotated[int, typer.Option(help="Random seed (recorded in every result).")] = 0,
-    trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Allow hub models that ship their own code.")] = False,
+    trust_remote_code: Annotated[
+        bool, typer.Option("--trust-remote-code", help="Allow hub models that ship their own code.")
+    ] = False,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
 ) -> None:
     """Analyze MODEL with the chosen analyzers: one fused pass, a summary here, files in --out.
@@ -89,9 +116,21 @@ def analyze(
         from lensdiv.runner import analyze as run_analyze
 
         run = run_analyze(
-            model, data, plugins, out=out, options=_parse_options(option or []), seq_len=seq_len,
-            max_tokens=max_tokens, batch_size=batch_size, field=field, split=split, bos=bos,
-            device=device, dtype=dtype, seed=seed, trust_remote_code=trust_remote_code,
+            model,
+            data,
+            plugins,
+            out=out,
+            options=_parse_options(option or []),
+            seq_len=seq_len,
+            max_tokens=max_tokens,
+            batch_size=batch_size,
+            field=field,
+            split=split,
+            bos=bos,
+            device=device,
+            dtype=dtype,
+            seed=seed,
+            trust_remote_code=trust_remote_code,
             progress=progress,
         )
     except LensdivError as err:
@@ -126,12 +165,17 @@ def report(
             result.save_plots(out / name)
     console = _console()
     meta = run.manifest.get("model", {})
-    console.print(f"[bold]{meta.get('spec', '?')}[/bold] ({meta.get('resolved', '?')}), "
-                  f"{run.manifest.get('timings', {}).get('tokens', '?')} tokens, "
-                  f"status {run.manifest.get('status', '?')}")
+    console.print(
+        f"[bold]{meta.get('spec', '?')}[/bold] ({meta.get('resolved', '?')}), "
+        f"{run.manifest.get('timings', {}).get('tokens', '?')} tokens, "
+        f"status {run.manifest.get('status', '?')}"
+    )
     console.print(run)
-    missing = [n for n, e in run.manifest.get("analyzers", {}).items()
-               if n not in run.results and n not in run.errors]
+    missing = [
+        n
+        for n, e in run.manifest.get("analyzers", {}).items()
+        if n not in run.results and n not in run.errors
+    ]
     if missing:
         console.print(f"[yellow]missing (not finished):[/yellow] {', '.join(missing)}")
 
@@ -149,10 +193,12 @@ def plugins_list() -> None:
     registry = default_registry()
     table = Table(title="lensdiv analyzers", title_justify="left")
     for col in ("name", "aliases", "description", "provided by"):
-        table.add_column(col)
+        table.add_column(col, no_wrap=col in ("name", "provided by"))
     for entry in registry.entries.values():
         style = "red" if entry.cls is None else None
-        table.add_row(entry.name, ", ".join(entry.aliases), entry.description, entry.provider, style=style)
+        table.add_row(
+            entry.name, ", ".join(entry.aliases), entry.description, entry.provider, style=style
+        )
     console = _console()
     console.print(table)
     for problem in registry.problems:
@@ -175,15 +221,19 @@ def plugins_show(name: Annotated[str, typer.Argument(help="Analyzer name or alia
     except LensdivError as err:
         _fail(err)
     console = _console()
-    console.print(f"[bold]{cls.name}[/bold] ({', '.join(cls.aliases) or 'no aliases'}): {cls.description}")
-    console.print(f"needs logits: {cls.needs_logits}, extra forwards: {cls.extra_forwards}, "
-                  f"gradients: {cls.needs_grad}, numerics: {cls.numerics}")
+    console.print(
+        f"[bold]{cls.name}[/bold] ({', '.join(cls.aliases) or 'no aliases'}): {cls.description}"
+    )
+    console.print(
+        f"needs logits: {cls.needs_logits}, extra forwards: {cls.extra_forwards}, "
+        f"gradients: {cls.needs_grad}, numerics: {cls.numerics}"
+    )
     for f in cls.option_fields():
         default = f.default if f.default is not dataclasses.MISSING else "(required)"
         console.print(f"  -O {cls.name}.{f.name}={default}   [dim]{f.type}[/dim]")
 
 
-def _version(value: Optional[bool]) -> None:
+def _version(value: bool | None) -> None:
     if value:
         from lensdiv import __version__
 
@@ -193,7 +243,10 @@ def _version(value: Optional[bool]) -> None:
 
 @app.callback()
 def _root(
-    version: Annotated[Optional[bool], typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")] = None,
+    version: Annotated[
+        bool | None,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
+    ] = None,
 ) -> None:
     """How does a transformer use its depth?"""
 

@@ -9,13 +9,38 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 
-_NOUNS = [("cat", "cats"), ("dog", "dogs"), ("teacher", "teachers"), ("child", "children"),
-          ("bird", "birds"), ("farmer", "farmers"), ("robot", "robots"), ("king", "kings"),
-          ("student", "students"), ("river", "rivers"), ("doctor", "doctors"), ("city", "cities")]
-_VERBS = [("sees", "see"), ("likes", "like"), ("follows", "follow"), ("helps", "help"),
-          ("finds", "find"), ("watches", "watch"), ("knows", "know"), ("calls", "call")]
-_INTRANSITIVE = [("sleeps", "sleep"), ("sings", "sing"), ("waits", "wait"), ("runs", "run"),
-                 ("laughs", "laugh"), ("works", "work")]
+_NOUNS = [
+    ("cat", "cats"),
+    ("dog", "dogs"),
+    ("teacher", "teachers"),
+    ("child", "children"),
+    ("bird", "birds"),
+    ("farmer", "farmers"),
+    ("robot", "robots"),
+    ("king", "kings"),
+    ("student", "students"),
+    ("river", "rivers"),
+    ("doctor", "doctors"),
+    ("city", "cities"),
+]
+_VERBS = [
+    ("sees", "see"),
+    ("likes", "like"),
+    ("follows", "follow"),
+    ("helps", "help"),
+    ("finds", "find"),
+    ("watches", "watch"),
+    ("knows", "know"),
+    ("calls", "call"),
+]
+_INTRANSITIVE = [
+    ("sleeps", "sleep"),
+    ("sings", "sing"),
+    ("waits", "wait"),
+    ("runs", "run"),
+    ("laughs", "laugh"),
+    ("works", "work"),
+]
 _ADJECTIVES = ["old", "small", "green", "quiet", "clever", "tall", "happy", "distant"]
 _ADVERBS = ["today", "again", "at night", "in the morning", "slowly", "often"]
 

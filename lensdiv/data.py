@@ -10,7 +10,7 @@ influence a real position).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,10 +49,14 @@ class DataSpec:
     def __post_init__(self) -> None:
         for name in ("seq_len", "max_tokens", "batch_size"):
             if getattr(self, name) < (2 if name == "seq_len" else 1):
-                raise DataError(f"{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+                raise DataError(
+                    f"{name.replace('_', '-')} must be positive, got {getattr(self, name)}"
+                )
         if self.bos not in ("prepend", "none"):
-            raise DataError(f"bos policy must be 'prepend' or 'none', not {self.bos!r}",
-                            hint="use --bos prepend (default) or --bos none")
+            raise DataError(
+                f"bos policy must be 'prepend' or 'none', not {self.bos!r}",
+                hint="use --bos prepend (default) or --bos none",
+            )
 
 
 def check_source(spec: DataSpec) -> str:
@@ -62,15 +66,23 @@ def check_source(spec: DataSpec) -> str:
         return "builtin"
     if src.startswith("hf:"):
         if len(src) <= 3:
-            raise DataError("empty hub data set name in 'hf:'", hint="use hf:NAME or hf:NAME:CONFIG")
+            raise DataError(
+                "empty hub data set name in 'hf:'", hint="use hf:NAME or hf:NAME:CONFIG"
+            )
         return "hub"
     path = Path(src).expanduser()
     if not path.exists():
-        raise DataError(f"data file {src!r} does not exist", hint="check the path (or omit --data for the built-in corpus)")
+        raise DataError(
+            f"data file {src!r} does not exist",
+            hint="check the path (or omit --data for the built-in corpus)",
+        )
     if path.is_dir():
         files = sorted(path.rglob("*.txt"))
         if not files:
-            raise DataError(f"folder {src!r} holds no .txt files", hint="put text in *.txt files, or pass a file")
+            raise DataError(
+                f"folder {src!r} holds no .txt files",
+                hint="put text in *.txt files, or pass a file",
+            )
         for f in files:
             _check_file(f)
         return "folder"
@@ -86,14 +98,18 @@ def _check_file(path: Path) -> None:
     if not head.strip():
         raise DataError(f"data file {str(path)!r} is empty", hint="give it some text")
     if b"\x00" in head:
-        raise DataError(f"data file {str(path)!r} looks binary (it contains NUL bytes)",
-                        hint="pass UTF-8 text, JSONL, or a folder of .txt files")
+        raise DataError(
+            f"data file {str(path)!r} looks binary (it contains NUL bytes)",
+            hint="pass UTF-8 text, JSONL, or a folder of .txt files",
+        )
     try:
         # A multi-byte character may be cut at the sniff boundary; ignore only that tail.
         head.decode("utf-8") if len(head) < _SNIFF_BYTES else head[:-4].decode("utf-8")
     except UnicodeDecodeError:
-        raise DataError(f"data file {str(path)!r} is not UTF-8 text",
-                        hint="convert it to UTF-8 (e.g. iconv -t utf-8)") from None
+        raise DataError(
+            f"data file {str(path)!r} is not UTF-8 text",
+            hint="convert it to UTF-8 (e.g. iconv -t utf-8)",
+        ) from None
 
 
 def documents(spec: DataSpec) -> Iterator[str]:
@@ -122,19 +138,28 @@ def _read_text(path: Path) -> str:
 
 
 def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{path.name} line {lineno} is not JSON: {err.msg}") from None
-            if not isinstance(row, dict) or field not in row:
-                keys = ", ".join(row) if isinstance(row, dict) else type(row).__name__
-                raise DataError(f"{path.name} line {lineno} has no field {field!r} (it has: {keys})",
-                                hint="choose the text field with --field")
-            yield str(row[field])
+    try:
+        with path.open(encoding="utf-8") as fh:
+            yield from _jsonl_rows(fh, path.name, field)
+    except UnicodeDecodeError as err:
+        raise DataError(f"{path.name} is not UTF-8 text (byte {err.start})") from None
+
+
+def _jsonl_rows(lines: Iterable[str], name: str, field: str) -> Iterator[str]:
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{name} line {lineno} is not JSON: {err.msg}") from None
+        if not isinstance(row, dict) or field not in row:
+            keys = ", ".join(row) if isinstance(row, dict) else type(row).__name__
+            raise DataError(
+                f"{name} line {lineno} has no field {field!r} (it has: {keys})",
+                hint="choose the text field with --field",
+            )
+        yield str(row[field])
 
 
 def _hub_documents(spec: DataSpec) -> Iterator[str]:
@@ -142,8 +167,9 @@ def _hub_documents(spec: DataSpec) -> Iterator[str]:
     try:
         import datasets
     except ImportError:
-        raise DataError("hub data sets need the 'datasets' package",
-                        hint="pip install 'lensdiv[hub]'") from None
+        raise DataError(
+            "hub data sets need the 'datasets' package", hint="pip install 'lensdiv[hub]'"
+        ) from None
     try:
         ds = datasets.load_dataset(name, config or None, split=spec.split, streaming=True)
         rows = iter(ds)
@@ -152,11 +178,15 @@ def _hub_documents(spec: DataSpec) -> Iterator[str]:
         raise DataError(f"hub data set {name!r} split {spec.split!r} is empty") from None
     except Exception as err:
         reason = " ".join(str(err).split())[:200]
-        raise DataError(f"cannot load data set {name!r} (split {spec.split!r}): {reason}",
-                        hint="check the name, --split and your connection") from None
+        raise DataError(
+            f"cannot load data set {name!r} (split {spec.split!r}): {reason}",
+            hint="check the name, --split and your connection",
+        ) from None
     if spec.field not in first:
-        raise DataError(f"data set {name!r} has no field {spec.field!r} (it has: {', '.join(first)})",
-                        hint="choose the text field with --field")
+        raise DataError(
+            f"data set {name!r} has no field {spec.field!r} (it has: {', '.join(first)})",
+            hint="choose the text field with --field",
+        )
     yield str(first[spec.field])
     for row in rows:
         yield str(row[spec.field])
@@ -214,6 +244,8 @@ def token_batches(spec: DataSpec, tokenizer: Any) -> Iterator[Any]:
     if budget > 0 and buffer:
         take(buffer)
     if index == 0 and not rows:
-        raise DataError(f"data {spec.source!r} produced no tokens",
-                        hint="check that the text (or --field) is not empty")
+        raise DataError(
+            f"data {spec.source!r} produced no tokens",
+            hint="check that the text (or --field) is not empty",
+        )
     yield from emit(final=True)

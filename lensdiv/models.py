@@ -26,10 +26,16 @@ ALIASES = {
 }
 
 DTYPES = {
-    "float32": "float32", "fp32": "float32", "float": "float32",
-    "bfloat16": "bfloat16", "bf16": "bfloat16",
-    "float16": "float16", "fp16": "float16", "half": "float16",
-    "float64": "float64", "fp64": "float64",
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+    "float64": "float64",
+    "fp64": "float64",
 }
 
 
@@ -148,7 +154,8 @@ def load_model(
         if torch_dtype is not None:
             model = model.to(torch_dtype)
         parsed = getattr(model, "lensdiv_spec", None) or ModelSpec(
-            str(getattr(model.cfg, "model_name", "bridge")), "bridge",
+            str(getattr(model.cfg, "model_name", "bridge")),
+            "bridge",
             str(getattr(model.cfg, "model_name", "bridge")),
         )
     else:
@@ -159,8 +166,9 @@ def load_model(
 
             model = load_toy(parsed.resolved, device=device, dtype=torch_dtype)
         else:
-            model = _boot_hf(parsed, device=device, dtype=torch_dtype,
-                             trust_remote_code=trust_remote_code)
+            model = _boot_hf(
+                parsed, device=device, dtype=torch_dtype, trust_remote_code=trust_remote_code
+            )
     model.eval()
     if numerics == "folded" and not getattr(model, "compatibility_mode", False):
         model.enable_compatibility_mode()
@@ -215,7 +223,11 @@ def _short_reason(err: Exception) -> str:
     lowered = text.lower()
     if "couldn't connect" in lowered or "offline" in lowered or "connection" in lowered:
         return "the hub is unreachable and the model is not in the local Hugging Face cache"
-    if "not a valid model identifier" in lowered or "repository not found" in lowered or "404" in text:
+    if (
+        "not a valid model identifier" in lowered
+        or "repository not found" in lowered
+        or "404" in text
+    ):
         return "no such model on the Hugging Face hub"
     if "gated" in lowered or "401" in text or "403" in text:
         return "the model is gated: log in with `hf auth login` and accept its licence"

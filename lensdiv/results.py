@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -35,7 +35,7 @@ class Table(JupyterMixin):
     """
 
     name: str
-    columns: Mapping[str, Sequence[Any]]
+    columns: Mapping[str, Any]  # sequences, numpy arrays or tensors; stored as lists
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -54,7 +54,10 @@ class Table(JupyterMixin):
     def rows(self) -> list[dict[str, Any]]:
         """The table as a list of row dicts."""
         keys = list(self.columns)
-        return [dict(zip(keys, vals)) for vals in zip(*self.columns.values())]
+        return [
+            dict(zip(keys, vals, strict=False))
+            for vals in zip(*self.columns.values(), strict=False)
+        ]
 
     def to_pandas(self) -> Any:
         """Return a ``pandas.DataFrame`` (needs the ``pandas`` extra)."""
@@ -71,7 +74,7 @@ class Table(JupyterMixin):
         with _atomic(Path(path)) as tmp, open(tmp, "w", newline="") as fh:
             writer = csv.writer(fh)
             writer.writerow(self.columns)
-            writer.writerows(zip(*self.columns.values()))
+            writer.writerows(zip(*self.columns.values(), strict=False))
 
     def __rich_console__(self, console: Any, options: Any) -> Any:
         # A table wider than the terminal is cut into several, each repeating the first (key)
@@ -93,7 +96,7 @@ class Table(JupyterMixin):
             table = RichTable(title=title, title_justify="left")
             for col in [key, *group]:
                 table.add_column(col, justify="right", no_wrap=True)
-            for row in zip(*(cells[c] for c in [key, *group])):
+            for row in zip(*(cells[c] for c in [key, *group]), strict=False):
                 table.add_row(*row)
             yield table
 
@@ -135,8 +138,13 @@ class Plot:
             if self.logy:
                 ax.set_yscale("log")
         else:
+            from matplotlib.ticker import MaxNLocator
+
             image = ax.imshow(result.arrays[self.source], aspect="auto", origin="lower")
             ax.figure.colorbar(image, ax=ax)
+            # Rows and columns are layers, heads or positions: integer ticks only.
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_title(self.title)
         ax.set_xlabel(self.xlabel or (self.x or ""))
         ax.set_ylabel(self.ylabel)
@@ -191,9 +199,7 @@ class Result(JupyterMixin):
                 for k, t in self.tables.items()
             },
             "arrays": {k: v.tolist() for k, v in self.arrays.items()},
-            "plots": [
-                {**p.__dict__, "y": list(p.y)} for p in self.plots
-            ],
+            "plots": [{**p.__dict__, "y": list(p.y)} for p in self.plots],
             "meta": dict(self.meta),
         }
 
@@ -278,7 +284,9 @@ class Result(JupyterMixin):
     def __rich_console__(self, console: Any, options: Any) -> Any:
         from rich.panel import Panel
 
-        yield Panel(self.summary or "(no summary)", title=f"[bold]{self.analyzer}[/bold]", expand=False)
+        yield Panel(
+            self.summary or "(no summary)", title=f"[bold]{self.analyzer}[/bold]", expand=False
+        )
         if self.tables:
             yield self.table()
 

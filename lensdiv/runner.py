@@ -139,13 +139,26 @@ def analyze(
     if isinstance(data, DataSpec):
         spec = data
     else:
-        spec = DataSpec(source=data or "builtin", field=field, split=split, seq_len=seq_len,
-                        max_tokens=max_tokens, batch_size=batch_size, bos=bos, seed=seed)
+        spec = DataSpec(
+            source=data or "builtin",
+            field=field,
+            split=split,
+            seq_len=seq_len,
+            max_tokens=max_tokens,
+            batch_size=batch_size,
+            bos=bos,
+            seed=seed,
+        )
     check_source(spec)
     torch.manual_seed(seed)
     folded_only = all(a.numerics == "folded" for a in analyzers)
-    bridge = load_model(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code,
-                        numerics="folded" if folded_only else "raw")
+    bridge = load_model(
+        model,
+        device=device,
+        dtype=dtype,
+        trust_remote_code=trust_remote_code,
+        numerics="folded" if folded_only else "raw",
+    )
     parsed = bridge.lensdiv_spec
     info = ModelInfo.from_model(bridge, name=parsed.spec)
     hooks = check_hooks(analyzers, info)
@@ -155,15 +168,24 @@ def analyze(
     run.manifest = {
         "lensdiv_manifest": 1,
         "status": "running",
-        "model": {"spec": parsed.spec, "kind": parsed.kind, "resolved": parsed.resolved,
-                  "n_layers": info.n_layers, "d_model": info.d_model, "d_vocab": info.d_vocab,
-                  "normalization": info.normalization, "parallel_residual": info.parallel_residual,
-                  "device": str(next(bridge.parameters()).device),
-                  "dtype": str(next(bridge.parameters()).dtype).replace("torch.", "")},
+        "model": {
+            "spec": parsed.spec,
+            "kind": parsed.kind,
+            "resolved": parsed.resolved,
+            "n_layers": info.n_layers,
+            "d_model": info.d_model,
+            "d_vocab": info.d_vocab,
+            "normalization": info.normalization,
+            "parallel_residual": info.parallel_residual,
+            "device": str(next(bridge.parameters()).device),
+            "dtype": str(next(bridge.parameters()).dtype).replace("torch.", ""),
+        },
         "data": dataclasses.asdict(spec),
         "seed": seed,
-        "analyzers": {a.name: {"options": a.options(), "status": "pending", "numerics": a.numerics}
-                      for a in analyzers},
+        "analyzers": {
+            a.name: {"options": a.options(), "status": "pending", "numerics": a.numerics}
+            for a in analyzers
+        },
         "versions": versions(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
         "timings": {},
@@ -181,18 +203,28 @@ def analyze(
             continue
         if group[0].numerics == "folded" and not getattr(bridge, "compatibility_mode", False):
             bridge.enable_compatibility_mode()
-        interrupted = _stream(bridge, group, spec, info, hooks, run, out_dir, progress,
-                              save_manifest)
-    run.manifest["status"] = "interrupted" if interrupted else (
-        "failed" if run.errors else "complete")
+        interrupted = _stream(
+            bridge, group, spec, info, hooks, run, out_dir, progress, save_manifest
+        )
+    run.manifest["status"] = (
+        "interrupted" if interrupted else ("failed" if run.errors else "complete")
+    )
     run.manifest["timings"]["total_s"] = round(time.time() - started, 3)
     save_manifest()
     return run
 
 
-def _stream(bridge: Any, analyzers: list[Analyzer], spec: DataSpec, info: ModelInfo,
-            hooks: dict[str, list[str]], run: Run, out_dir: Path | None, progress: bool,
-            save_manifest: Any) -> bool:
+def _stream(
+    bridge: Any,
+    analyzers: list[Analyzer],
+    spec: DataSpec,
+    info: ModelInfo,
+    hooks: dict[str, list[str]],
+    run: Run,
+    out_dir: Path | None,
+    progress: bool,
+    save_manifest: Any,
+) -> bool:
     """Feed one numerics group batch by batch; finalize and save; True if interrupted."""
     import torch
 
@@ -218,8 +250,9 @@ def _stream(bridge: Any, analyzers: list[Analyzer], spec: DataSpec, info: ModelI
             for batch in token_batches(spec, bridge.tokenizer):
                 batch.tokens, batch.mask = batch.tokens.to(device), batch.mask.to(device)
                 t0 = time.perf_counter()
-                logits, cache = capture(bridge, batch.tokens, names, need_logits=need_logits,
-                                        grad=grad)
+                logits, cache = capture(
+                    bridge, batch.tokens, names, need_logits=need_logits, grad=grad
+                )
                 forward_s += time.perf_counter() - t0
                 step = Step(batch=batch, cache=cache, logits=logits, model=bridge, info=info)
                 for a in list(active):
@@ -241,13 +274,26 @@ def _stream(bridge: Any, analyzers: list[Analyzer], spec: DataSpec, info: ModelI
     timings["tokens"] = n_tokens
     for a in active:
         t0 = time.perf_counter()
+        if n_tokens == 0:
+            _fail(
+                run,
+                a.name,
+                RuntimeError("no batch was processed, so there is nothing to report"),
+                None,
+            )
+            continue
         try:
             result = a.finalize(states[a.name], info)
             meta = {
-                "analyzer": a.name, "options": a.options(), "numerics": a.numerics,
-                "model": run.manifest["model"], "data": run.manifest["data"],
-                "tokens": n_tokens, "seed": run.manifest["seed"],
-                "versions": run.manifest["versions"], "partial": interrupted,
+                "analyzer": a.name,
+                "options": a.options(),
+                "numerics": a.numerics,
+                "model": run.manifest["model"],
+                "data": run.manifest["data"],
+                "tokens": n_tokens,
+                "seed": run.manifest["seed"],
+                "versions": run.manifest["versions"],
+                "partial": interrupted,
                 **result.meta,
             }
             result = dataclasses.replace(result, meta=meta)
@@ -276,8 +322,14 @@ def _fail(run: Run, name: str, err: Exception, batch: int | None) -> None:
 
 def _progress(enabled: bool, label: str) -> Any:
     """A rich progress bar over tokens, with tokens/s."""
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn,
-                               TextColumn, TimeElapsedColumn)
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        ProgressColumn,
+        TextColumn,
+        TimeElapsedColumn,
+    )
     from rich.text import Text
 
     class SpeedColumn(ProgressColumn):
@@ -285,9 +337,15 @@ def _progress(enabled: bool, label: str) -> Any:
             speed = task.finished_speed or task.speed
             return Text(f"{speed:,.0f} tok/s" if speed else "… tok/s", style="cyan")
 
-    return Progress(TextColumn(f"[bold]{label}[/bold]"), BarColumn(), MofNCompleteColumn(),
-                    TextColumn("tokens"), SpeedColumn(), TimeElapsedColumn(),
-                    disable=not enabled)
+    return Progress(
+        TextColumn(f"[bold]{label}[/bold]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("tokens"),
+        SpeedColumn(),
+        TimeElapsedColumn(),
+        disable=not enabled,
+    )
 
 
 def load_run(out: str | Path) -> Run:
@@ -295,15 +353,20 @@ def load_run(out: str | Path) -> Run:
     out = Path(out)
     path = out / MANIFEST
     if not path.is_file():
-        raise ResultError(f"{str(out)!r} is not a lensdiv run folder (no {MANIFEST})",
-                          hint="pass the --out folder of `lensdiv analyze`")
+        raise ResultError(
+            f"{str(out)!r} is not a lensdiv run folder (no {MANIFEST})",
+            hint="pass the --out folder of `lensdiv analyze`",
+        )
     try:
         manifest = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise ResultError(f"{path} is not valid JSON: {err.msg}") from None
     run = Run(manifest=manifest, out=out)
     for name, entry in manifest.get("analyzers", {}).items():
-        if entry.get("status") in ("complete", "partial") and (out / name / "result.json").is_file():
+        if (
+            entry.get("status") in ("complete", "partial")
+            and (out / name / "result.json").is_file()
+        ):
             run.results[name] = Result.load(out / name)
         elif entry.get("status") == "failed":
             run.errors[name] = entry.get("error", "failed")

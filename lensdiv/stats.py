@@ -43,7 +43,9 @@ class Stats:
     @staticmethod
     def _extremum(store: dict[str, torch.Tensor], name: str, value: Any, op: Any) -> None:
         value = torch.as_tensor(value).detach().to(torch.float64)
-        store[name] = op(store[name], value.to(store[name].device)) if name in store else value.clone()
+        store[name] = (
+            op(store[name], value.to(store[name].device)) if name in store else value.clone()
+        )
 
     def __getitem__(self, name: str) -> torch.Tensor:
         for store in (self.sums, self.maxs, self.mins):
@@ -56,7 +58,7 @@ class Stats:
 
     def get(self, name: str, default: Any = None) -> Any:
         """Return the statistic ``name`` or ``default``."""
-        return self[name] if name in self else default
+        return self[name] if name in self else default  # noqa: SIM401 - this *is* get
 
     @property
     def empty(self) -> bool:

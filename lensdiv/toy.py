@@ -83,7 +83,10 @@ def load_toy(spec: str, *, device: Any = None, dtype: Any = None) -> Any:
 
     toy = parse_toy(spec)
     model = TransformerBridge.boot_native(
-        toy.bridge_config(), tokenizer=byte_tokenizer(), device=device, dtype=dtype,
+        toy.bridge_config(),
+        tokenizer=byte_tokenizer(),
+        device=device,
+        dtype=dtype,
         model_name=toy.name,
     )
     return model.eval()

@@ -99,14 +99,14 @@ def assert_tables_close(a: Result, b: Result, *, rtol: float, atol: float) -> No
 
 def resid_names(model: Any) -> list[str]:
     n = model.cfg.n_layers
-    return [f"blocks.{l}.hook_resid_pre" for l in range(n)] + [f"blocks.{n - 1}.hook_resid_post"]
+    return [f"blocks.{i}.hook_resid_pre" for i in range(n)] + [f"blocks.{n - 1}.hook_resid_post"]
 
 
 def sublayer_names(model: Any) -> list[str]:
     names = []
-    for l in range(model.cfg.n_layers):
-        names += [f"blocks.{l}.hook_resid_pre", f"blocks.{l}.hook_attn_out",
-                  f"blocks.{l}.hook_mlp_out", f"blocks.{l}.hook_resid_post"]
+    for i in range(model.cfg.n_layers):
+        names += [f"blocks.{i}.hook_resid_pre", f"blocks.{i}.hook_attn_out",
+                  f"blocks.{i}.hook_mlp_out", f"blocks.{i}.hook_resid_post"]
     return names
 
 
@@ -184,8 +184,8 @@ def test_residual_identity(model: Any) -> None:
     _, cache = capture(model, batch.tokens, sublayer_names(model), need_logits=False)
     n = model.cfg.n_layers
     total = cache["blocks.0.hook_resid_pre"].clone()
-    for l in range(n):
-        total += cache[f"blocks.{l}.hook_attn_out"] + cache[f"blocks.{l}.hook_mlp_out"]
+    for i in range(n):
+        total += cache[f"blocks.{i}.hook_attn_out"] + cache[f"blocks.{i}.hook_mlp_out"]
     h_last = cache[f"blocks.{n - 1}.hook_resid_post"]
     assert h_last.abs().max() > 1e-3  # not trivially zero
     torch.testing.assert_close(h_last, total, atol=1e-5, rtol=0)
@@ -215,7 +215,7 @@ def _naive_lens(model: Any, tokens: torch.Tensor, keep: torch.Tensor, k: int) ->
             stats["kl"].append(float((lp.exp() * (lp - out)).sum(-1).mean()))
             top = lp.topk(k, -1).indices
             stats["overlap"].append(np.mean([len(set(a.tolist()) & set(b.tolist())) / k
-                                             for a, b in zip(top, top_out)]))
+                                             for a, b in zip(top, top_out, strict=True)]))
             stats["entropy"].append(float(-(lp.exp() * lp).sum(-1).mean()))
             lpt = lp_all[:, :-1][has_target[:, :-1]]
             t_lp = lpt.gather(-1, target[:, None])[:, 0]
@@ -297,16 +297,16 @@ def _naive_contrib(cache: Any, mask: torch.Tensor, n_layers: int, parallel: bool
         return float(torch.dot(x, y)) / max(float(x.norm()) * float(y.norm()), eps)
 
     out: dict[str, list[float]] = {}
-    for l in range(n_layers):
+    for layer in range(n_layers):
         vals: dict[str, list[float]] = {}
         for b in range(mask.shape[0]):
             for t in range(mask.shape[1]):
                 if not mask[b, t] or (exclude_bos and t == 0):
                     continue
-                h = cache[f"blocks.{l}.hook_resid_pre"][b, t].double()
-                a = cache[f"blocks.{l}.hook_attn_out"][b, t].double()
-                m = cache[f"blocks.{l}.hook_mlp_out"][b, t].double()
-                h_next = cache[f"blocks.{l}.hook_resid_post"][b, t].double()
+                h = cache[f"blocks.{layer}.hook_resid_pre"][b, t].double()
+                a = cache[f"blocks.{layer}.hook_attn_out"][b, t].double()
+                m = cache[f"blocks.{layer}.hook_mlp_out"][b, t].double()
+                h_next = cache[f"blocks.{layer}.hook_resid_post"][b, t].double()
                 mlp_in = h if parallel else h + a
                 row = {
                     "r_attn": float(a.norm()) / max(float(h.norm()), eps),

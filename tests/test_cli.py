@@ -202,3 +202,15 @@ def test_help_has_examples() -> None:
         result = invoke(*args)
         assert result.exit_code == 0
         assert "Example" in result.output
+
+
+def test_analyze_local_hf_folder_every_architecture(tiny_dirs: dict[str, Path], tmp_path: Path) -> None:
+    for arch, folder in tiny_dirs.items():
+        out = tmp_path / arch
+        result = invoke("analyze", str(folder), "--plugins", "lens,contrib", "--out", str(out), *FAST)
+        assert result.exit_code == 0, f"{arch}: {result.output}"
+        manifest = json.loads((out / "manifest.json").read_text())
+        assert manifest["model"]["kind"] == "local"
+        assert manifest["status"] == "complete", arch
+        lens = json.loads((out / "lens" / "result.json").read_text())
+        assert lens["tables"]["lens"]["columns"]["kl"][-1] == pytest.approx(0.0, abs=1e-6), arch

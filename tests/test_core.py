@@ -240,7 +240,8 @@ def test_result_json_round_trip_is_exact(result: Result) -> None:
     back = Result.from_json(text)
     assert_results_equal(back, result)
     assert back.to_json() == text
-    assert math.isnan(back.tables["main"]["value"][1]) and back.tables["main"]["value"][2] == -math.inf
+    values = back.tables["main"]["value"]
+    assert math.isnan(values[1]) and values[2] == -math.inf
     assert np.isnan(back.arrays["map"][0, 1]) and back.arrays["map"][1, 0] == math.inf
     assert math.isnan(back.meta["nan"])
     # Numpy / torch / path values became plain JSON data, so a second trip changes nothing.
@@ -261,7 +262,8 @@ def test_result_save_and_load(result: Result, tmp_path: Path) -> None:
         with open(folder / f"{name}.csv", newline="") as fh:
             rows = list(csv.reader(fh))
         assert rows[0] == list(table.columns)
-        assert rows[1:] == [[str(v) for v in row] for row in zip(*table.columns.values())]
+        body = zip(*table.columns.values(), strict=True)
+        assert rows[1:] == [[str(v) for v in row] for row in body]
     assert_results_equal(Result.load(folder), result)
     assert_results_equal(Result.load(folder / "result.json"), result)
 
@@ -342,8 +344,6 @@ class Optionals(Alpha):
     kind: Literal["x", "y"] | None = None
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="lensdiv bug: _parse_option does not recompute the "
-                   "origin after unwrapping `X | None`, so tuple options stay strings")
 def test_from_options_parses_optional_tuple() -> None:
     assert Optionals.from_options({"ids": "1,2"}).ids == (1, 2)
 
@@ -462,7 +462,7 @@ def _stream(tokenizer: Any, docs: list[str]) -> list[int]:
 
 
 def _rows(batches: list[Batch]) -> list[list[int]]:
-    return [row[mask].tolist() for b in batches for row, mask in zip(b.tokens, b.mask)]
+    return [row[mask].tolist() for b in batches for row, mask in zip(b.tokens, b.mask, strict=True)]
 
 
 def _check_packing(batches: list[Batch], spec: DataSpec, stream: list[int]) -> list[list[int]]:
@@ -633,8 +633,6 @@ def test_jsonl_errors_name_line_and_field(tmp_path: Path, tokenizer: Any) -> Non
         list(token_batches(DataSpec(source=str(path), seq_len=8), tokenizer))
 
 
-@pytest.mark.xfail(strict=True, raises=UnicodeDecodeError, reason="lensdiv bug: a JSONL file that turns non-UTF-8 past "
-                   "the sniffed head raises UnicodeDecodeError, not DataError")
 def test_jsonl_late_bad_encoding_raises_data_error(tmp_path: Path, tokenizer: Any) -> None:
     path = tmp_path / "late.jsonl"
     good = (json.dumps({"text": "a" * 100}) + "\n").encode() * 1000  # > the 64 KiB sniff

@@ -154,7 +154,8 @@ def test_entropy_matches_naive_loop(plugin: Any, exclude_bos: bool) -> None:
     model = lensdiv.load_model("toy", device="cpu")
     info = ModelInfo.from_model(model, name="toy")
     analyzer = plugin.AttentionEntropy(exclude_bos=exclude_bos)
-    assert analyzer.hooks(info) == [f"blocks.{l}.attn.hook_pattern" for l in range(info.n_layers)]
+    hooks = [f"blocks.{layer}.attn.hook_pattern" for layer in range(info.n_layers)]
+    assert analyzer.hooks(info) == hooks
 
     torch.manual_seed(0)
     n_pos = 12

@@ -25,11 +25,11 @@ COSINES = ("cos_attn", "cos_mlp", "cos_update", "cos_next")
 NORMS = ("resid", "attn", "mlp")
 
 
-def _norm(x: Float[Tensor, "... d_model"]) -> Float[Tensor, "..."]:
+def _norm(x: Float[Tensor, "... d_model"]) -> Float[Tensor, ...]:
     return x.norm(dim=-1)
 
 
-def _cos(x: Float[Tensor, "... d_model"], y: Float[Tensor, "... d_model"]) -> Float[Tensor, "..."]:
+def _cos(x: Float[Tensor, "... d_model"], y: Float[Tensor, "... d_model"]) -> Float[Tensor, ...]:
     return (x * y).sum(-1) / (_norm(x) * _norm(y)).clamp_min(EPS)
 
 
@@ -60,8 +60,8 @@ class Contribution(Analyzer):
             return
         L = info.n_layers
         h = torch.stack([step.resid(layer)[keep] for layer in range(L + 1)]).float()
-        a = torch.stack([step.cache[f"blocks.{l}.hook_attn_out"][keep] for l in range(L)]).float()
-        m = torch.stack([step.cache[f"blocks.{l}.hook_mlp_out"][keep] for l in range(L)]).float()
+        a = torch.stack([step.cache[f"blocks.{i}.hook_attn_out"][keep] for i in range(L)]).float()
+        m = torch.stack([step.cache[f"blocks.{i}.hook_mlp_out"][keep] for i in range(L)]).float()
         h_in, h_next = h[:-1], h[1:]
         mlp_in = h_in if info.parallel_residual else h_in + a
         norms = {"resid": _norm(h_in), "attn": _norm(a), "mlp": _norm(m)}
@@ -93,7 +93,10 @@ class Contribution(Analyzer):
         table = Table("contrib", columns, "Relative contribution of each block's sublayers")
         r = table["r_block"]
         half = max(1, len(r) // 2)
-        first, second = float(r[:half].mean()), float(r[half:].mean()) if len(r) > 1 else float("nan")
+        first, second = (
+            float(r[:half].mean()),
+            float(r[half:].mean()) if len(r) > 1 else float("nan"),
+        )
         summary = (
             f"Mean relative block contribution ||a+m||/||h||: first half {first:.3g}, second half "
             f"{second:.3g} (ratio {second / first if first else float('nan'):.2f}); largest at "
@@ -105,13 +108,40 @@ class Contribution(Analyzer):
             summary=summary,
             tables={"contrib": table},
             plots=(
-                Plot("line", "contrib_ratios", "Relative contribution per layer", "contrib",
-                     x="layer", y=RATIOS, xlabel="layer", ylabel="||write|| / ||residual||"),
-                Plot("line", "contrib_cosines", "Cosines with the residual", "contrib", x="layer",
-                     y=COSINES, xlabel="layer", ylabel="cosine"),
-                Plot("line", "contrib_norms", "Mean norms", "contrib", x="layer",
-                     y=tuple(f"norm_{k}_mean" for k in NORMS), xlabel="layer", ylabel="L2 norm",
-                     logy=True),
+                Plot(
+                    "line",
+                    "contrib_ratios",
+                    "Relative contribution per layer",
+                    "contrib",
+                    x="layer",
+                    y=RATIOS,
+                    xlabel="layer",
+                    ylabel="||write|| / ||residual||",
+                ),
+                Plot(
+                    "line",
+                    "contrib_cosines",
+                    "Cosines with the residual",
+                    "contrib",
+                    x="layer",
+                    y=COSINES,
+                    xlabel="layer",
+                    ylabel="cosine",
+                ),
+                Plot(
+                    "line",
+                    "contrib_norms",
+                    "Mean norms",
+                    "contrib",
+                    x="layer",
+                    y=tuple(f"norm_{k}_mean" for k in NORMS),
+                    xlabel="layer",
+                    ylabel="L2 norm",
+                    logy=True,
+                ),
             ),
-            meta={"positions": int(n), "mlp_reference": "h_l" if info.parallel_residual else "h_l + a_l"},
+            meta={
+                "positions": int(n),
+                "mlp_reference": "h_l" if info.parallel_residual else "h_l + a_l",
+            },
         )

@@ -36,7 +36,9 @@ class LogitLens(Analyzer):
 
     name = "lens"
     aliases = ("logit-lens", "logitlens")
-    description = "Logit lens: KL to the output, top-k overlap, next-token CE/rank, entropy per layer"
+    description = (
+        "Logit lens: KL to the output, top-k overlap, next-token CE/rank, entropy per layer"
+    )
 
     top_k: int = 5
     exclude_bos: bool = False
@@ -61,13 +63,16 @@ class LogitLens(Analyzer):
         rows_per_block = max(1, _BLOCK_ELEMENTS // (n_states * info.d_vocab))
         for start in range(0, n_rows, rows_per_block):
             rows = slice(start, start + rows_per_block)
-            readout = logit_readout(step.model, stack[:, rows], return_type="log_probs",
-                                    chunk_size=4096)
+            readout = logit_readout(
+                step.model, stack[:, rows], return_type="log_probs", chunk_size=4096
+            )
             logp: Float[Tensor, "layer row d_vocab"] = readout.values.float()
             self._accumulate(state, logp, targets[rows], has_target[rows], k)
 
     @staticmethod
-    def _accumulate(state: Stats, logp: Tensor, targets: Tensor, has_target: Tensor, k: int) -> None:
+    def _accumulate(
+        state: Stats, logp: Tensor, targets: Tensor, has_target: Tensor, k: int
+    ) -> None:
         probs = logp.exp()
         kl = (probs * (logp - logp[-1:])).sum(-1).clamp_min(0.0)
         entropy = -(probs * logp).sum(-1)
@@ -123,13 +128,36 @@ class LogitLens(Analyzer):
             summary=summary,
             tables={"lens": table},
             plots=(
-                Plot("line", "lens_kl", "Logit lens: KL to the output", "lens", x="layer",
-                     y=("kl",), xlabel="residual state h_l", ylabel="KL (nats)"),
-                Plot("line", "lens_agreement", "Logit lens: agreement", "lens", x="layer",
-                     y=(f"top{self.top_k}_overlap", "top1_acc", "target_prob"),
-                     xlabel="residual state h_l", ylabel="fraction"),
-                Plot("line", "lens_ce", "Logit lens: loss and entropy", "lens", x="layer",
-                     y=("ce", "entropy"), xlabel="residual state h_l", ylabel="nats"),
+                Plot(
+                    "line",
+                    "lens_kl",
+                    "Logit lens: KL to the output",
+                    "lens",
+                    x="layer",
+                    y=("kl",),
+                    xlabel="residual state h_l",
+                    ylabel="KL (nats)",
+                ),
+                Plot(
+                    "line",
+                    "lens_agreement",
+                    "Logit lens: agreement",
+                    "lens",
+                    x="layer",
+                    y=(f"top{self.top_k}_overlap", "top1_acc", "target_prob"),
+                    xlabel="residual state h_l",
+                    ylabel="fraction",
+                ),
+                Plot(
+                    "line",
+                    "lens_ce",
+                    "Logit lens: loss and entropy",
+                    "lens",
+                    x="layer",
+                    y=("ce", "entropy"),
+                    xlabel="residual state h_l",
+                    ylabel="nats",
+                ),
             ),
             meta={"positions": int(n), "positions_with_target": int(nt)},
         )

@@ -104,8 +104,9 @@ class AttentionEntropy(Analyzer):
             sums["entropy"].append(ent)
             sums["norm_entropy"].append(norm)
             sums["bos_mass"].append(bos)
-        state.add("n", n)
-        state.add("n_norm", n_norm)
+        # Counts as floats: Stats.add's annotation has not always admitted int.
+        state.add("n", float(n))
+        state.add("n_norm", float(n_norm))
         for key, values in sums.items():
             state.add(key, torch.stack(values))  # [layer, head]
 
