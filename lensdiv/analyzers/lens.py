@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 
 import torch
-from jaxtyping import Float
+from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from lensdiv.analyzer import Analyzer, ModelInfo, Step
@@ -67,19 +67,26 @@ class LogitLens(Analyzer):
                 step.model, stack[:, rows], return_type="log_probs", chunk_size=4096
             )
             logp: Float[Tensor, "layer row d_vocab"] = readout.values.float()
-            self._accumulate(state, logp, targets[rows], has_target[rows], k)
+            entropy = readout.entropy.float()  # full-vocabulary, computed by the readout
+            self._accumulate(state, logp, entropy, targets[rows], has_target[rows], k)
 
     @staticmethod
     def _accumulate(
-        state: Stats, logp: Tensor, targets: Tensor, has_target: Tensor, k: int
+        state: Stats,
+        logp: Float[Tensor, "layer row d_vocab"],
+        entropy: Float[Tensor, "layer row"],
+        targets: Int[Tensor, " row"],
+        has_target: Bool[Tensor, " row"],
+        k: int,
     ) -> None:
+        # Full-vocabulary passes dominate the lens's cost: einsum reduces without a product
+        # temporary, and the rank count sums in int32 (a bool sum upcasts to int64).
         probs = logp.exp()
-        kl = (probs * (logp - logp[-1:])).sum(-1).clamp_min(0.0)
-        entropy = -(probs * logp).sum(-1)
+        kl = torch.einsum("lrv,lrv->lr", probs, logp - logp[-1:]).clamp_min(0.0)
         top = logp.topk(k, dim=-1).indices
         overlap = (top.unsqueeze(-1) == top[-1:].unsqueeze(-2)).any(-1).sum(-1).double() / k
         target_logp = logp.gather(-1, targets.view(1, -1, 1).expand(logp.shape[0], -1, 1))[..., 0]
-        rank = (logp > target_logp.unsqueeze(-1)).sum(-1).double()
+        rank = (logp > target_logp.unsqueeze(-1)).sum(-1, dtype=torch.int32).double()
         w = has_target.double()
         state.add("n", logp.shape[1])
         state.add("kl", kl.sum(1))
