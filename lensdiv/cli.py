@@ -21,6 +21,8 @@ app = typer.Typer(
 )
 plugins_app = typer.Typer(help="Inspect the analyzer plugins.", no_args_is_help=True)
 app.add_typer(plugins_app, name="plugins")
+toy_app = typer.Typer(help="Built-in toy models: list the zoo, train and cache models.", no_args_is_help=True)
+app.add_typer(toy_app, name="toy")
 
 
 def _console(stderr: bool = False) -> Any:
@@ -231,6 +233,62 @@ def plugins_show(name: Annotated[str, typer.Argument(help="Analyzer name or alia
     for f in cls.option_fields():
         default = f.default if f.default is not dataclasses.MISSING else "(required)"
         console.print(f"  -O {cls.name}.{f.name}={default}   [dim]{f.type}[/dim]")
+
+
+@toy_app.command("list")
+def toy_list() -> None:
+    """List the toy zoo: size, whether it is cached, and its training results.
+
+    Example: lensdiv toy list
+    """
+    from rich.table import Table
+
+    from lensdiv.toy import cache_root, cached_log, zoo
+
+    table = Table(title=f"toy models (cache: {cache_root() / 'toy'})", title_justify="left")
+    for col in ("name", "depth", "width", "cached", "held-out loss", "1-hop acc", "train s"):
+        table.add_column(col, justify="left" if col == "name" else "right")
+    for spec in zoo():
+        log = cached_log(spec)
+        default = " (default: toy)" if spec.name == "toy:d4-w64" else ""
+        if log is None:
+            table.add_row(spec.name + default, str(spec.depth), str(spec.width), "no", "", "", "")
+        else:
+            table.add_row(spec.name + default, str(spec.depth), str(spec.width), "yes",
+                          f"{log['heldout_loss']:.4f}", f"{log['multihop']['1']:.2f}",
+                          f"{log['train_seconds']:.0f}")
+    _console().print(table)
+
+
+@toy_app.command("train")
+def toy_train(
+    name: Annotated[str | None, typer.Argument(help="toy, toy:d4, toy:d8-w128 ...")] = None,
+    all_: Annotated[bool, typer.Option("--all", help="Train the whole zoo.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Retrain even if cached.")] = False,
+    progress: Annotated[bool, typer.Option(help="Show progress bars.")] = True,
+) -> None:
+    """Train toy models and cache them (weights, training log, loss curve PNG).
+
+    Example: lensdiv toy train --all
+    """
+    from lensdiv.errors import LensdivError, ModelLoadError
+    from lensdiv.toy import cached_log, entry_dir, parse_toy, train_toy, zoo
+
+    try:
+        if all_ == (name is not None):
+            raise ModelLoadError("name one toy model or pass --all", hint="e.g. lensdiv toy train toy:d8")
+        specs = zoo() if all_ else [parse_toy(name or "toy")]
+    except LensdivError as err:
+        _fail(err)
+    console = _console()
+    for spec in specs:
+        log = None if force else cached_log(spec)
+        if log is None:
+            _, log = train_toy(spec, progress=progress)
+        hops = ", ".join(f"{h} hop {log['multihop'][h]:.2f}" for h in ("1", "2", "3", "4"))
+        console.print(f"{spec.name}: held-out loss {log['heldout_loss']:.4f}, {hops} "
+                      f"(chance {log['multihop']['chance']:.2f}), trained in {log['train_seconds']:.0f} s "
+                      f"-> {entry_dir(spec)}")
 
 
 def _version(value: bool | None) -> None:

@@ -193,7 +193,12 @@ def _hub_documents(spec: DataSpec) -> Iterator[str]:
 
 
 def token_batches(spec: DataSpec, tokenizer: Any) -> Iterator[Any]:
-    """Tokenise and pack the documents into :class:`~lensdiv.analyzer.Batch` es."""
+    """Tokenise and pack the documents of ``spec`` into :class:`~lensdiv.analyzer.Batch` es."""
+    return pack(documents(spec), tokenizer, spec, source=spec.source)
+
+
+def pack(docs: Iterable[str], tokenizer: Any, spec: DataSpec, *, source: str = "documents") -> Iterator[Any]:
+    """Pack any stream of documents the way :func:`token_batches` does (``spec`` gives the sizes)."""
     import torch
 
     from lensdiv.analyzer import Batch
@@ -229,7 +234,7 @@ def token_batches(spec: DataSpec, tokenizer: Any) -> Iterator[Any]:
             rows.append(row)
 
     n_docs = 0
-    for doc in documents(spec):
+    for doc in docs:
         if not doc.strip():
             continue
         n_docs += 1

@@ -118,6 +118,25 @@ def parse_device(device: Any) -> str:
     return str(device)
 
 
+def place_model(model: Any, device: Any = None, dtype: Any = None) -> Any:
+    """Move a bridge to ``device``/``dtype`` unless it is already there.
+
+    TransformerLens prints a line on every ``.to``; a no-op move must not print.
+    """
+    import torch
+
+    param = next(model.parameters())
+    if device is not None:
+        target = torch.device(parse_device(device))
+        if target.type == "cuda" and target.index is None:
+            target = torch.device("cuda", torch.cuda.current_device())
+        if param.device != target:
+            model = model.to(target)
+    if dtype is not None and param.dtype != parse_dtype(dtype):
+        model = model.to(parse_dtype(dtype))
+    return model
+
+
 def load_model(
     spec: Any = DEFAULT_MODEL,
     *,
@@ -125,6 +144,7 @@ def load_model(
     dtype: Any = None,
     trust_remote_code: bool = False,
     numerics: str = "raw",
+    progress: bool = True,
 ) -> Any:
     """Load a ``TransformerBridge`` in eval mode.
 
@@ -135,6 +155,7 @@ def load_model(
         dtype: ``"float32"``, ``"bf16"``, a ``torch.dtype`` or ``None`` (float32).
         trust_remote_code: Allow hub models that ship their own code.
         numerics: ``"raw"`` (default) or ``"folded"`` (``enable_compatibility_mode``).
+        progress: Show a progress bar when a toy model must be trained first.
 
     Returns:
         The bridge, with ``model.lensdiv_spec`` set to the resolved :class:`ModelSpec`.
@@ -149,10 +170,7 @@ def load_model(
             raise ModelLoadError(
                 f"cannot analyze a {type(model).__name__}: pass a TransformerBridge or a spec string"
             )
-        if device is not None:
-            model = model.to(parse_device(device))
-        if torch_dtype is not None:
-            model = model.to(torch_dtype)
+        model = place_model(model, device, torch_dtype)
         parsed = getattr(model, "lensdiv_spec", None) or ModelSpec(
             str(getattr(model.cfg, "model_name", "bridge")),
             "bridge",
@@ -164,7 +182,7 @@ def load_model(
         if parsed.kind == "toy":
             from lensdiv.toy import load_toy
 
-            model = load_toy(parsed.resolved, device=device, dtype=torch_dtype)
+            model = load_toy(parsed.resolved, device=device, dtype=torch_dtype, progress=progress)
         else:
             model = _boot_hf(
                 parsed, device=device, dtype=torch_dtype, trust_remote_code=trust_remote_code

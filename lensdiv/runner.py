@@ -17,7 +17,7 @@ from rich.jupyter import JupyterMixin
 
 from lensdiv.analyzer import Analyzer, ModelInfo, Step
 from lensdiv.data import DataSpec, check_source, token_batches
-from lensdiv.errors import HookError, ResultError
+from lensdiv.errors import HookError, LensdivError, ResultError
 from lensdiv.results import Result, write_json_atomic
 
 MANIFEST = "manifest.json"
@@ -158,6 +158,7 @@ def analyze(
         dtype=dtype,
         trust_remote_code=trust_remote_code,
         numerics="folded" if folded_only else "raw",
+        progress=progress,
     )
     parsed = bridge.lensdiv_spec
     info = ModelInfo.from_model(bridge, name=parsed.spec)
@@ -197,20 +198,24 @@ def analyze(
 
     save_manifest()
     groups = [[a for a in analyzers if a.numerics == kind] for kind in ("raw", "folded")]
-    interrupted = False
+    stopped: BaseException | None = None
     for group in groups:
-        if not group or interrupted:
+        if not group or stopped is not None:
             continue
         if group[0].numerics == "folded" and not getattr(bridge, "compatibility_mode", False):
             bridge.enable_compatibility_mode()
-        interrupted = _stream(
-            bridge, group, spec, info, hooks, run, out_dir, progress, save_manifest
+        stopped = _stream(bridge, group, spec, info, hooks, run, out_dir, progress, save_manifest)
+    if isinstance(stopped, LensdivError):
+        run.manifest["status"] = "data_error"
+        run.manifest["error"] = str(stopped)
+    else:
+        run.manifest["status"] = (
+            "interrupted" if stopped else ("failed" if run.errors else "complete")
         )
-    run.manifest["status"] = (
-        "interrupted" if interrupted else ("failed" if run.errors else "complete")
-    )
     run.manifest["timings"]["total_s"] = round(time.time() - started, 3)
     save_manifest()
+    if isinstance(stopped, LensdivError):
+        raise stopped  # after the partial results and the manifest are on disk
     return run
 
 
@@ -224,8 +229,12 @@ def _stream(
     out_dir: Path | None,
     progress: bool,
     save_manifest: Any,
-) -> bool:
-    """Feed one numerics group batch by batch; finalize and save; True if interrupted."""
+) -> BaseException | None:
+    """Feed one numerics group batch by batch, then finalize and save each analyzer.
+
+    Returns what stopped the stream early (Ctrl-C, or bad data met mid-way), if anything: the
+    analyzers are still finalized on the tokens seen so far and marked partial.
+    """
     import torch
 
     from lensdiv.capture import capture
@@ -239,7 +248,7 @@ def _stream(
     spent = {a.name: 0.0 for a in analyzers}
     n_tokens = 0
     forward_s = 0.0
-    interrupted = False
+    stopped: BaseException | None = None
     device = next(bridge.parameters()).device
     for a in analyzers:
         run.manifest["analyzers"][a.name]["status"] = "running"
@@ -268,8 +277,9 @@ def _stream(
                 bar.update(task, advance=batch.n_tokens)
                 if not active:
                     break
-    except KeyboardInterrupt:
-        interrupted = True
+    except (KeyboardInterrupt, LensdivError) as err:
+        stopped = err
+    interrupted = stopped is not None
     timings["forward_s"] = round(timings.get("forward_s", 0.0) + forward_s, 3)
     timings["tokens"] = n_tokens
     for a in active:
@@ -310,7 +320,7 @@ def _stream(
         timings[a.name + "_s"] = round(spent[a.name], 3)
         save_manifest()
     save_manifest()
-    return interrupted
+    return stopped
 
 
 def _fail(run: Run, name: str, err: Exception, batch: int | None) -> None:

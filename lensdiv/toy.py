@@ -1,19 +1,37 @@
-"""Built-in toy models: small TL-native bridges sharing the byte tokenizer.
+"""Built-in toy models: small TL-native bridges that lensdiv trains itself, so every analysis has
+real structure to look at on a machine with no network.
 
-Spec names: ``toy`` (the default), ``toy:d4`` (depth 4, default width), ``toy:d8-w128``.
+Spec names: ``toy`` (the default, ``toy:d4-w64``), ``toy:d4`` (depth 4, default width),
+``toy:d8-w128``. The first use trains the model on the synthetic corpus mix (a progress bar shows
+it) and caches weights, recipe and training log under the user cache directory, keyed by a hash
+of the training recipe. A cache entry is only loaded when its checksum verifies; a partial or
+corrupt one is retrained.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import math
+import os
 import re
+import shutil
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from lensdiv.errors import ModelLoadError
+from lensdiv.models import place_model
 
+TOY_VERSION = 1
 DEFAULT_DEPTH = 4
 DEFAULT_WIDTH = 64
+DEPTHS = (1, 2, 3, 4, 6, 8)
+WIDTHS = (32, 64, 128)
 _SPEC = re.compile(r"^toy(?::d(?P<depth>\d+)(?:-w(?P<width>\d+))?)?$")
+_COMPLETE = "COMPLETE.json"
 
 
 @dataclass(frozen=True)
@@ -25,12 +43,14 @@ class ToySpec:
         width: ``d_model``; heads of width 16, MLP 4×.
         n_ctx: Context length.
         seed: Initialisation seed.
+        init_std: Standard deviation of the weight initialisation (0: TransformerLens' default).
     """
 
     depth: int = DEFAULT_DEPTH
     width: int = DEFAULT_WIDTH
     n_ctx: int = 256
     seed: int = 0
+    init_std: float = 0.0  # 0: TransformerLens' default, 0.8 / sqrt(width)
 
     @property
     def name(self) -> str:
@@ -44,17 +64,49 @@ class ToySpec:
         from lensdiv.tokenizer import VOCAB_SIZE
 
         return TransformerBridgeConfig(
-            d_model=self.width,
-            d_head=16,
-            n_heads=self.width // 16,
-            n_layers=self.depth,
-            n_ctx=self.n_ctx,
-            d_mlp=4 * self.width,
-            d_vocab=VOCAB_SIZE,
-            act_fn="gelu",
-            normalization_type="LN",
-            seed=self.seed,
+            d_model=self.width, d_head=16, n_heads=self.width // 16, n_layers=self.depth,
+            n_ctx=self.n_ctx, d_mlp=4 * self.width, d_vocab=VOCAB_SIZE, act_fn="gelu",
+            normalization_type="LN", seed=self.seed, initializer_range=self.init_std,
         )
+
+
+@dataclass(frozen=True)
+class TrainRecipe:
+    """How a toy model is trained (its hash names the cache entry).
+
+    Args:
+        steps: Optimiser steps.
+        batch_size: Sequences per step.
+        seq_len: Tokens per sequence.
+        lr: Peak AdamW learning rate (linear warm-up, cosine decay to 10 %).
+        warmup: Warm-up steps.
+        weight_decay: AdamW weight decay.
+        data_seed: Seed of the training corpus.
+        eval_tokens: Held-out tokens for the evaluation loss.
+        eval_every: Steps between evaluations.
+        hop_queries: Held-out queries per hop count for multi-hop accuracy.
+    """
+
+    steps: int = 600
+    batch_size: int = 16
+    seq_len: int = 128
+    lr: float = 5e-3
+    warmup: int = 30
+    weight_decay: float = 0.01
+    data_seed: int = 0
+    eval_tokens: int = 8192
+    eval_every: int = 150
+    hop_queries: int = 200
+
+    @classmethod
+    def default(cls) -> TrainRecipe:
+        """The recipe in force; ``LENSDIV_TOY_STEPS`` overrides the step count (tests use it)."""
+        steps = os.environ.get("LENSDIV_TOY_STEPS")
+        if steps:
+            n = int(steps)
+            return cls(steps=n, warmup=max(1, n // 20), eval_every=max(1, n // 2),
+                       eval_tokens=2048, hop_queries=50)
+        return cls()
 
 
 def parse_toy(spec: str) -> ToySpec:
@@ -75,18 +127,292 @@ def parse_toy(spec: str) -> ToySpec:
     return ToySpec(depth=depth, width=width)
 
 
-def load_toy(spec: str, *, device: Any = None, dtype: Any = None) -> Any:
-    """Build the toy bridge named by ``spec`` (random initialisation, seeded)."""
+def zoo() -> list[ToySpec]:
+    """The toy zoo: a depth family at the default width and a width family at the default depth."""
+    specs = [ToySpec(depth=d) for d in DEPTHS]
+    specs += [ToySpec(width=w) for w in WIDTHS if w != DEFAULT_WIDTH]
+    return specs
+
+
+# -- cache ------------------------------------------------------------------------------------
+def cache_root() -> Path:
+    """``$LENSDIV_CACHE``, else ``$XDG_CACHE_HOME/lensdiv``, else ``~/.cache/lensdiv``."""
+    if os.environ.get("LENSDIV_CACHE"):
+        return Path(os.environ["LENSDIV_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "lensdiv"
+
+
+def recipe_key(spec: ToySpec, recipe: TrainRecipe) -> str:
+    """Hash of everything that determines the trained weights."""
+    from lensdiv.corpus import CORPUS_VERSION
+
+    blob = json.dumps({"spec": dataclasses.asdict(spec), "recipe": dataclasses.asdict(recipe),
+                       "corpus": CORPUS_VERSION, "toy": TOY_VERSION}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def entry_dir(spec: ToySpec, recipe: TrainRecipe | None = None) -> Path:
+    """The cache folder of one (model, recipe)."""
+    recipe = recipe or TrainRecipe.default()
+    slug = spec.name.replace(":", "-")
+    return cache_root() / "toy" / f"{slug}-{recipe_key(spec, recipe)}"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def verify_entry(folder: Path) -> str | None:
+    """``None`` if the cache entry is complete and intact, else what is wrong with it."""
+    marker = folder / _COMPLETE
+    if not marker.is_file():
+        return "no completion marker (partial write)"
+    try:
+        expected = json.loads(marker.read_text())["sha256"]
+    except (ValueError, KeyError, OSError):
+        return "unreadable completion marker"
+    for name, digest in expected.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if _sha256(path) != digest:
+            return f"{name} does not match its checksum"
+    return None
+
+
+def cached_log(spec: ToySpec, recipe: TrainRecipe | None = None) -> dict[str, Any] | None:
+    """The training log of a verified cache entry, or ``None``."""
+    folder = entry_dir(spec, recipe)
+    if not folder.is_dir() or verify_entry(folder) is not None:
+        return None
+    return json.loads((folder / "train_log.json").read_text())
+
+
+# -- building, training, loading --------------------------------------------------------------
+def build(spec: ToySpec, *, device: Any = None, dtype: Any = None) -> Any:
+    """A freshly initialised toy bridge (seeded)."""
     from transformer_lens import TransformerBridge
 
     from lensdiv.tokenizer import byte_tokenizer
 
-    toy = parse_toy(spec)
-    model = TransformerBridge.boot_native(
-        toy.bridge_config(),
-        tokenizer=byte_tokenizer(),
-        device=device,
-        dtype=dtype,
-        model_name=toy.name,
-    )
+    model = TransformerBridge.boot_native(spec.bridge_config(), tokenizer=byte_tokenizer(),
+                                          device=device, dtype=dtype, model_name=spec.name)
     return model.eval()
+
+
+def load_toy(name: str, *, device: Any = None, dtype: Any = None, progress: bool = True,
+             recipe: TrainRecipe | None = None) -> Any:
+    """Load a trained toy model from the cache, training (and caching) it first if needed."""
+    import torch
+
+    spec = parse_toy(name)
+    recipe = recipe or TrainRecipe.default()
+    folder = entry_dir(spec, recipe)
+    if folder.exists():
+        problem = verify_entry(folder)
+        if problem is None:
+            model = build(spec)
+            try:
+                state = torch.load(folder / "weights.pt", map_location="cpu", weights_only=True)
+                model.original_model.load_state_dict(state)
+            except Exception as err:  # checksum passed but unreadable: treat as corrupt
+                problem = f"weights do not load ({type(err).__name__})"
+            else:
+                return place_model(model, device, dtype)
+        _warn(f"toy cache entry {folder} is unusable ({problem}); retraining")
+        shutil.rmtree(folder, ignore_errors=True)
+    model, _ = train_toy(spec, recipe, progress=progress)
+    return place_model(model, device, dtype)
+
+
+def _warn(message: str) -> None:
+    from rich.console import Console
+
+    Console(stderr=True).print(f"[yellow]warning:[/yellow] {message}", highlight=False)
+
+
+def train_toy(spec: ToySpec, recipe: TrainRecipe | None = None, *, progress: bool = True,
+              save: bool = True) -> tuple[Any, dict[str, Any]]:
+    """Train one toy model; cache it (atomically) unless ``save`` is False. Returns (model, log)."""
+    import torch
+
+    from lensdiv.corpus import mixed_documents
+    from lensdiv.data import DataSpec, pack
+
+    recipe = recipe or TrainRecipe.default()
+    torch.manual_seed(spec.seed)
+    model = build(spec)
+    net = model.original_model
+    net.train()
+    decay = [p for n, p in net.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in net.named_parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=recipe.lr, betas=(0.9, 0.98))
+
+    def lr_at(step: int) -> float:
+        if step < recipe.warmup:
+            return recipe.lr * (step + 1) / recipe.warmup
+        frac = (step - recipe.warmup) / max(1, recipe.steps - recipe.warmup)
+        return recipe.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+    from lensdiv.tokenizer import byte_tokenizer
+
+    tokenizer = byte_tokenizer()
+    pack_spec = DataSpec(seq_len=recipe.seq_len, batch_size=recipe.batch_size,
+                         max_tokens=recipe.steps * recipe.batch_size * recipe.seq_len)
+    batches = pack(mixed_documents(seed=recipe.data_seed, split="train"), tokenizer, pack_spec)
+    eval_batches = list(pack(mixed_documents(seed=recipe.data_seed, split="test"), tokenizer,
+                             dataclasses.replace(pack_spec, max_tokens=recipe.eval_tokens)))
+    log: dict[str, Any] = {"model": spec.name, "spec": dataclasses.asdict(spec),
+                           "recipe": dataclasses.asdict(recipe), "key": recipe_key(spec, recipe),
+                           "n_params": sum(p.numel() for p in net.parameters()),
+                           "train_loss": [], "eval": []}
+    started = time.time()
+    bar = _train_progress(progress, spec.name)
+    with bar:
+        task = bar.add_task("train", total=recipe.steps, loss=float("nan"))
+        smooth = None
+        for step, batch in enumerate(batches):
+            if step >= recipe.steps:
+                break
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step)
+            loss = _lm_loss(net, batch.tokens, batch.mask)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+            opt.step()
+            value = float(loss.detach())
+            smooth = value if smooth is None else 0.95 * smooth + 0.05 * value
+            log["train_loss"].append(round(value, 5))
+            if (step + 1) % recipe.eval_every == 0 or step + 1 == recipe.steps:
+                log["eval"].append({"step": step + 1, "loss": _eval_loss(net, eval_batches)})
+                net.train()
+            bar.update(task, advance=1, loss=smooth)
+    net.eval()
+    log["train_seconds"] = round(time.time() - started, 2)
+    log["heldout_loss"] = log["eval"][-1]["loss"]
+    log["multihop"] = multihop_accuracy(model, n=recipe.hop_queries)
+    log["lens_kl"] = _lens_kl(model)
+    if save:
+        _save_entry(spec, recipe, model, log)
+    return model, log
+
+
+def _lm_loss(net: Any, tokens: Any, mask: Any) -> Any:
+    import torch.nn.functional as F
+
+    logits = net(tokens)
+    valid = mask[:, 1:] & mask[:, :-1]
+    return F.cross_entropy(logits[:, :-1][valid], tokens[:, 1:][valid])
+
+
+def _eval_loss(net: Any, batches: list[Any]) -> float:
+    import torch
+    import torch.nn.functional as F
+
+    net.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for batch in batches:
+            logits = net(batch.tokens)
+            valid = batch.mask[:, 1:] & batch.mask[:, :-1]
+            total += float(F.cross_entropy(logits[:, :-1][valid], batch.tokens[:, 1:][valid],
+                                           reduction="sum"))
+            count += int(valid.sum())
+    return round(total / max(count, 1), 5)
+
+
+def multihop_accuracy(model: Any, *, n: int = 200, seed: int = 1) -> dict[str, Any]:
+    """Exact-match accuracy of held-out queries per hop count (answers are two bytes)."""
+    import torch
+
+    from lensdiv.corpus import MAX_HOPS, KnowledgeBase
+
+    kb = KnowledgeBase(seed=0)
+    tokenizer = model.tokenizer
+    out: dict[str, Any] = {"chance": round(1 / kb.n_entities, 4)}
+    net = model.original_model
+    with torch.no_grad():
+        for hops in range(1, MAX_HOPS + 1):
+            split = "train" if hops == 1 else "test"
+            queries = list(kb.queries(split, hops, seed=seed, n=n))
+            rows = [tokenizer(q.prompt + q.answer, add_special_tokens=True)["input_ids"]
+                    for q in queries]
+            width = max(len(r) for r in rows)
+            tokens = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+            for i, r in enumerate(rows):
+                tokens[i, : len(r)] = torch.tensor(r)
+            logits = net(tokens)
+            correct = 0
+            for i, r in enumerate(rows):
+                # Teacher-forced over the two answer bytes == greedy decoding of the answer.
+                pred = logits[i, len(r) - 3 : len(r) - 1].argmax(-1)
+                correct += bool((pred == torch.tensor(r[-2:])).all())
+            out[str(hops)] = round(correct / len(rows), 4)
+    return out
+
+
+def _lens_kl(model: Any) -> list[float]:
+    """Logit-lens KL to the output per residual state, on held-out text."""
+    from lensdiv.data import DataSpec
+    from lensdiv.runner import analyze
+
+    run = analyze(model, data=DataSpec(max_tokens=2048, seq_len=128), plugins=["lens"],
+                  progress=False)
+    return [round(float(v), 5) for v in run["lens"].table()["kl"]]
+
+
+def _save_entry(spec: ToySpec, recipe: TrainRecipe, model: Any, log: dict[str, Any]) -> Path:
+    """Write weights, recipe, log and loss plot to a temporary folder, then rename it into place."""
+    import torch
+
+    final = entry_dir(spec, recipe)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    torch.save(model.original_model.state_dict(), tmp / "weights.pt")
+    (tmp / "recipe.json").write_text(json.dumps({"spec": dataclasses.asdict(spec),
+                                                 "recipe": dataclasses.asdict(recipe)}, indent=1))
+    (tmp / "train_log.json").write_text(json.dumps(log, indent=1))
+    _plot_log(log, tmp / "loss.png")
+    files = ["weights.pt", "recipe.json", "train_log.json"]
+    (tmp / _COMPLETE).write_text(json.dumps({"sha256": {f: _sha256(tmp / f) for f in files}}))
+    if final.exists():  # another process finished first, or a broken entry is being replaced
+        shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    return final
+
+
+def _plot_log(log: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
+    ax.plot(range(1, len(log["train_loss"]) + 1), log["train_loss"], lw=0.8, label="train")
+    ax.plot([e["step"] for e in log["eval"]], [e["loss"] for e in log["eval"]], "o-",
+            label="held-out")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/byte)")
+    ax.set_title(f"{log['model']} training")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _train_progress(enabled: bool, name: str) -> Any:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn(f"[bold]training {name}[/bold]"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("steps  loss {task.fields[loss]:.3f}"), TimeElapsedColumn(),
+                    disable=not enabled)

@@ -9,6 +9,18 @@ import pytest
 
 from tests.models import ARCHITECTURES, boot_tiny, save_tiny_model
 
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Toy models train in a throw-away cache with a tiny recipe (seconds, not minutes).
+
+    Set before any test imports lensdiv's toy module; subprocesses inherit both variables.
+    """
+    import os
+    import tempfile
+
+    os.environ.setdefault("LENSDIV_CACHE", tempfile.mkdtemp(prefix="lensdiv-test-cache-"))
+    os.environ.setdefault("LENSDIV_TOY_STEPS", "30")
+
 ARCH_NAMES = list(ARCHITECTURES)
 
 

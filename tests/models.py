@@ -85,81 +85,56 @@ def _gpt2(n_layers: int = N_LAYERS, d_model: int = D_MODEL) -> PretrainedConfig:
     )
 
 
+# Keyword arguments every non-GPT-2 config shares: tiny shape, no dropout, untied, byte ids.
+_NO_DROPOUT_UNTIED = {"max_position_embeddings": N_CTX, "attention_dropout": 0.0,
+                      "tie_word_embeddings": False, **_SPECIAL_IDS}
+
+
+def _shape(n_layers: int, d_model: int) -> dict[str, int]:
+    return {"vocab_size": VOCAB_SIZE, "hidden_size": d_model, "intermediate_size": 2 * d_model,
+            "num_hidden_layers": n_layers, "num_attention_heads": N_HEADS}
+
+
 def _llama(n_layers: int = N_LAYERS, d_model: int = D_MODEL) -> PretrainedConfig:
     return LlamaConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=d_model,
-        intermediate_size=2 * d_model,
-        num_hidden_layers=n_layers,
-        num_attention_heads=N_HEADS,
+        **_shape(n_layers, d_model),
         num_key_value_heads=N_KV_HEADS,
-        max_position_embeddings=N_CTX,
-        attention_dropout=0.0,
-        tie_word_embeddings=False,
-        **_SPECIAL_IDS,
+        **_NO_DROPOUT_UNTIED,
     )
 
 
 def _neox(n_layers: int = N_LAYERS, d_model: int = D_MODEL) -> PretrainedConfig:
     return GPTNeoXConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=d_model,
-        intermediate_size=2 * d_model,
-        num_hidden_layers=n_layers,
-        num_attention_heads=N_HEADS,
-        max_position_embeddings=N_CTX,
+        **_shape(n_layers, d_model),
         rotary_pct=0.25,
         use_parallel_residual=True,
-        attention_dropout=0.0,
         hidden_dropout=0.0,
         classifier_dropout=0.0,
-        tie_word_embeddings=False,
-        **_SPECIAL_IDS,
+        **_NO_DROPOUT_UNTIED,
     )
 
 
 def _qwen2(n_layers: int = N_LAYERS, d_model: int = D_MODEL) -> PretrainedConfig:
     return Qwen2Config(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=d_model,
-        intermediate_size=2 * d_model,
-        num_hidden_layers=n_layers,
-        num_attention_heads=N_HEADS,
+        **_shape(n_layers, d_model),
         num_key_value_heads=N_KV_HEADS,
-        max_position_embeddings=N_CTX,
-        attention_dropout=0.0,
-        tie_word_embeddings=False,
         use_sliding_window=False,
-        **_SPECIAL_IDS,
+        **_NO_DROPOUT_UNTIED,
     )
 
 
 def _olmo(n_layers: int = N_LAYERS, d_model: int = D_MODEL) -> PretrainedConfig:
     return OlmoConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=d_model,
-        intermediate_size=2 * d_model,
-        num_hidden_layers=n_layers,
-        num_attention_heads=N_HEADS,
-        max_position_embeddings=N_CTX,
-        attention_dropout=0.0,
-        tie_word_embeddings=False,
-        **_SPECIAL_IDS,
+        **_shape(n_layers, d_model),
+        **_NO_DROPOUT_UNTIED,
     )
 
 
 def _olmo2(n_layers: int = N_LAYERS, d_model: int = D_MODEL) -> PretrainedConfig:
     # Post-norm only (norm on each sublayer's output before the residual add) plus Q/K norm.
     return Olmo2Config(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=d_model,
-        intermediate_size=2 * d_model,
-        num_hidden_layers=n_layers,
-        num_attention_heads=N_HEADS,
-        max_position_embeddings=N_CTX,
-        attention_dropout=0.0,
-        tie_word_embeddings=False,
-        **_SPECIAL_IDS,
+        **_shape(n_layers, d_model),
+        **_NO_DROPOUT_UNTIED,
     )
 
 
