@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import sys
+import types
 from pathlib import Path
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -14,8 +16,13 @@ def python_blocks() -> list[str]:
 
 def test_write_your_own_analyzer_example_runs() -> None:
     block = next(b for b in python_blocks() if "class ResidNorm" in b)
-    namespace: dict = {"__name__": "readme_example"}
-    exec(compile(block, str(README), "exec"), namespace)
+    module = types.ModuleType("readme_example")  # @dataclass looks its class up in sys.modules
+    sys.modules[module.__name__] = module
+    try:
+        exec(compile(block, str(README), "exec"), module.__dict__)
+    finally:
+        del sys.modules[module.__name__]
+    namespace = module.__dict__
     result = namespace["run"]["resid-norm"]
     norms = result.table("norms")["norm"]
     assert len(norms) == namespace["run"].manifest["model"]["n_layers"] + 1
