@@ -21,7 +21,9 @@ app = typer.Typer(
 )
 plugins_app = typer.Typer(help="Inspect the analyzer plugins.", no_args_is_help=True)
 app.add_typer(plugins_app, name="plugins")
-toy_app = typer.Typer(help="Built-in toy models: list the zoo, train and cache models.", no_args_is_help=True)
+toy_app = typer.Typer(
+    help="Built-in toy models: list the zoo, train and cache models.", no_args_is_help=True
+)
 app.add_typer(toy_app, name="toy")
 
 
@@ -254,9 +256,15 @@ def toy_list() -> None:
         if log is None:
             table.add_row(spec.name + default, str(spec.depth), str(spec.width), "no", "", "", "")
         else:
-            table.add_row(spec.name + default, str(spec.depth), str(spec.width), "yes",
-                          f"{log['heldout_loss']:.4f}", f"{log['multihop']['1']:.2f}",
-                          f"{log['train_seconds']:.0f}")
+            table.add_row(
+                spec.name + default,
+                str(spec.depth),
+                str(spec.width),
+                "yes",
+                f"{log['heldout_loss']:.4f}",
+                f"{log['multihop']['1']:.2f}",
+                f"{log['train_seconds']:.0f}",
+            )
     _console().print(table)
 
 
@@ -276,7 +284,9 @@ def toy_train(
 
     try:
         if all_ == (name is not None):
-            raise ModelLoadError("name one toy model or pass --all", hint="e.g. lensdiv toy train toy:d8")
+            raise ModelLoadError(
+                "name one toy model or pass --all", hint="e.g. lensdiv toy train toy:d8"
+            )
         specs = zoo() if all_ else [parse_toy(name or "toy")]
     except LensdivError as err:
         _fail(err)
@@ -286,9 +296,11 @@ def toy_train(
         if log is None:
             _, log = train_toy(spec, progress=progress)
         hops = ", ".join(f"{h} hop {log['multihop'][h]:.2f}" for h in ("1", "2", "3", "4"))
-        console.print(f"{spec.name}: held-out loss {log['heldout_loss']:.4f}, {hops} "
-                      f"(chance {log['multihop']['chance']:.2f}), trained in {log['train_seconds']:.0f} s "
-                      f"-> {entry_dir(spec)}")
+        console.print(
+            f"{spec.name}: held-out loss {log['heldout_loss']:.4f}, {hops} "
+            f"(chance {log['multihop']['chance']:.2f}), trained in {log['train_seconds']:.0f} s "
+            f"-> {entry_dir(spec)}"
+        )
 
 
 def _version(value: bool | None) -> None:

@@ -24,14 +24,42 @@ from functools import cached_property
 
 CORPUS_VERSION = 2
 
-_NOUNS = [("cat", "cats"), ("dog", "dogs"), ("teacher", "teachers"), ("child", "children"),
-          ("bird", "birds"), ("farmer", "farmers"), ("robot", "robots"), ("king", "kings"),
-          ("student", "students"), ("river", "rivers"), ("doctor", "doctors"), ("city", "cities"),
-          ("ship", "ships"), ("queen", "queens"), ("tree", "trees"), ("engine", "engines")]
-_VERBS = [("sees", "see"), ("likes", "like"), ("follows", "follow"), ("helps", "help"),
-          ("finds", "find"), ("watches", "watch"), ("knows", "know"), ("calls", "call")]
-_INTRANSITIVE = [("sleeps", "sleep"), ("sings", "sing"), ("waits", "wait"), ("runs", "run"),
-                 ("laughs", "laugh"), ("works", "work")]
+_NOUNS = [
+    ("cat", "cats"),
+    ("dog", "dogs"),
+    ("teacher", "teachers"),
+    ("child", "children"),
+    ("bird", "birds"),
+    ("farmer", "farmers"),
+    ("robot", "robots"),
+    ("king", "kings"),
+    ("student", "students"),
+    ("river", "rivers"),
+    ("doctor", "doctors"),
+    ("city", "cities"),
+    ("ship", "ships"),
+    ("queen", "queens"),
+    ("tree", "trees"),
+    ("engine", "engines"),
+]
+_VERBS = [
+    ("sees", "see"),
+    ("likes", "like"),
+    ("follows", "follow"),
+    ("helps", "help"),
+    ("finds", "find"),
+    ("watches", "watch"),
+    ("knows", "know"),
+    ("calls", "call"),
+]
+_INTRANSITIVE = [
+    ("sleeps", "sleep"),
+    ("sings", "sing"),
+    ("waits", "wait"),
+    ("runs", "run"),
+    ("laughs", "laugh"),
+    ("works", "work"),
+]
 _ADJECTIVES = ["old", "small", "green", "quiet", "clever", "tall", "happy", "distant"]
 _ADVERBS = ["today", "again", "at night", "in the morning", "slowly", "often"]
 _TOPICS = 4  # each topic prefers a quarter of the nouns
@@ -155,7 +183,9 @@ class KnowledgeBase:
         bucket = int.from_bytes(hashlib.sha256(key).digest()[:4], "big") / 2**32
         return "test" if bucket < self.held_out else "train"
 
-    def queries(self, split: str, hops: int, *, seed: int = 0, n: int | None = None) -> Iterator[Query]:
+    def queries(
+        self, split: str, hops: int, *, seed: int = 0, n: int | None = None
+    ) -> Iterator[Query]:
         """Random ``hops``-hop queries of one split (1-hop queries are the facts)."""
         rng = random.Random(f"kb-queries-{self.seed}-{split}-{hops}-{seed}")
         count = 0
@@ -183,8 +213,9 @@ class KnowledgeBase:
             yield " ".join(parts)
 
 
-def mixed_documents(seed: int = 0, split: str = "train", kb_fraction: float = 0.35,
-                    kb: KnowledgeBase | None = None) -> Iterator[str]:
+def mixed_documents(
+    seed: int = 0, split: str = "train", kb_fraction: float = 0.35, kb: KnowledgeBase | None = None
+) -> Iterator[str]:
     """The toy models' training mix: language documents and knowledge-base documents."""
     kb = kb or KnowledgeBase(seed=0)
     rng = random.Random(f"mix-{seed}-{split}")

@@ -197,7 +197,9 @@ def token_batches(spec: DataSpec, tokenizer: Any) -> Iterator[Any]:
     return pack(documents(spec), tokenizer, spec, source=spec.source)
 
 
-def pack(docs: Iterable[str], tokenizer: Any, spec: DataSpec, *, source: str = "documents") -> Iterator[Any]:
+def pack(
+    docs: Iterable[str], tokenizer: Any, spec: DataSpec, *, source: str = "documents"
+) -> Iterator[Any]:
     """Pack any stream of documents the way :func:`token_batches` does (``spec`` gives the sizes)."""
     import torch
 
