@@ -252,7 +252,7 @@ def pack(
         take(buffer)
     if index == 0 and not rows:
         raise DataError(
-            f"data {spec.source!r} produced no tokens",
+            f"data {source!r} produced no tokens",
             hint="check that the text (or --field) is not empty",
         )
     yield from emit(final=True)
