@@ -17,8 +17,8 @@ import abc
 import dataclasses
 import types
 import typing
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, get_type_hints
 
 import torch
@@ -92,12 +92,18 @@ class Batch:
             position ever attends to a pad.
         bos: Whether position 0 of every row is a BOS token.
         index: Batch number in the run.
+        doc: Index of the source document of every position (-1 at pads), when known; lets
+            analyzers hold out whole documents.
+        extra: Per-example fields of task data (targets, answer positions, grades, ...), set by
+            analyzers that bring their own examples (:meth:`Analyzer.examples`).
     """
 
     tokens: Int[Tensor, "batch pos"]
     mask: Bool[Tensor, "batch pos"]
     bos: bool = True
     index: int = 0
+    doc: Int[Tensor, "batch pos"] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def n_tokens(self) -> int:
@@ -130,6 +136,8 @@ class Step:
         logits: Output logits, when some analyzer declared ``needs_logits``.
         model: The ``TransformerBridge`` (for readouts and interventions).
         info: Model facts.
+        pass_index: Which pass over the data this is (``0`` unless the analyzer asked for
+            more, see :attr:`Analyzer.passes`).
     """
 
     batch: Batch
@@ -137,6 +145,7 @@ class Step:
     logits: Float[Tensor, "batch pos d_vocab"] | None
     model: Any
     info: ModelInfo
+    pass_index: int = 0
 
     def resid(self, layer: int) -> Float[Tensor, "batch pos d_model"]:
         """``h_layer`` from the clean pass."""
@@ -167,6 +176,12 @@ class Analyzer(abc.ABC):
         needs_grad: ``update`` needs autograd.
         numerics: ``"raw"`` (Hugging Face weights as they are; right for norms and angles) or
             ``"folded"`` (LayerNorm folded, unembedding centred).
+        passes: How many times ``update`` sees the data. An analyzer that needs a dataset
+            statistic before it can measure (a mean residual, a fitted map) asks for 2; the
+            runner calls :meth:`start_pass` before each later pass and streams the data again.
+
+    Analyzers that measure on task examples rather than on the corpus (patching pairs, graded
+    prompts) override :meth:`examples`; they still stream through ``update``.
     """
 
     name: ClassVar[str]
@@ -176,6 +191,7 @@ class Analyzer(abc.ABC):
     extra_forwards: ClassVar[bool] = False
     needs_grad: ClassVar[bool] = False
     numerics: ClassVar[Numerics] = "raw"
+    passes: ClassVar[int] = 1
 
     @abc.abstractmethod
     def hooks(self, info: ModelInfo) -> list[str]:
@@ -192,6 +208,18 @@ class Analyzer(abc.ABC):
     @abc.abstractmethod
     def finalize(self, state: Stats, info: ModelInfo) -> Result:
         """Turn the accumulated state into a result."""
+
+    def start_pass(self, state: Stats, info: ModelInfo, index: int) -> None:  # noqa: B027
+        """Called before pass ``index >= 1`` (see :attr:`passes`); e.g. fit what pass 0 summed."""
+
+    def examples(self, model: Any, info: ModelInfo) -> Iterable[Batch] | None:
+        """This analyzer's own examples, or ``None`` to read the run's corpus (the default).
+
+        Called once, before any forward pass, so bad task data fails fast with a
+        :class:`~lensdiv.errors.DataError`; return a list (it is iterated once per pass).
+        Per-example fields go in :attr:`Batch.extra`.
+        """
+        return None
 
     # -- options -------------------------------------------------------------------------------
     def options(self) -> dict[str, Any]:

@@ -209,8 +209,9 @@ def pack(
     eos_id = tokenizer.eos_token_id
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_id or 0)
     width = spec.seq_len - (bos_id is not None)
-    rows: list[list[int]] = []
-    buffer: list[int] = []
+    # Each row is a list of (token, document index); BOS belongs to the row's first document.
+    rows: list[list[tuple[int, int]]] = []
+    buffer: list[tuple[int, int]] = []
     budget = spec.max_tokens
     index = 0
 
@@ -221,15 +222,17 @@ def pack(
             length = max(len(r) for r in chunk)
             tokens = torch.full((len(chunk), length), pad_id, dtype=torch.long)
             mask = torch.zeros((len(chunk), length), dtype=torch.bool)
+            doc = torch.full((len(chunk), length), -1, dtype=torch.long)
             for i, r in enumerate(chunk):
-                tokens[i, : len(r)] = torch.tensor(r)
+                tokens[i, : len(r)] = torch.tensor([t for t, _ in r])
+                doc[i, : len(r)] = torch.tensor([d for _, d in r])
                 mask[i, : len(r)] = True
-            yield Batch(tokens=tokens, mask=mask, bos=bos_id is not None, index=index)
+            yield Batch(tokens=tokens, mask=mask, bos=bos_id is not None, index=index, doc=doc)
             index += 1
 
-    def take(content: list[int]) -> None:
+    def take(content: list[tuple[int, int]]) -> None:
         nonlocal budget
-        row = ([bos_id] if bos_id is not None else []) + content
+        row = ([(bos_id, content[0][1])] if bos_id is not None else []) + content
         row = row[:budget]
         budget -= len(row)
         if len(row) > (bos_id is not None):
@@ -239,9 +242,10 @@ def pack(
     for doc in docs:
         if not doc.strip():
             continue
-        n_docs += 1
         ids = tokenizer(doc, add_special_tokens=False)["input_ids"]
-        buffer.extend(ids + ([eos_id] if eos_id is not None else []))
+        ids = ids + ([eos_id] if eos_id is not None else [])
+        buffer.extend((t, n_docs) for t in ids)
+        n_docs += 1
         while len(buffer) >= width and budget > 0:
             take(buffer[:width])
             buffer = buffer[width:]

@@ -197,14 +197,32 @@ def analyze(
             write_json_atomic(out_dir / MANIFEST, run.manifest)
 
     save_manifest()
-    groups = [[a for a in analyzers if a.numerics == kind] for kind in ("raw", "folded")]
+    # Task analyzers bring their own examples; read and check them all before any forward pass.
+    tasks = {a.name: a.examples(bridge, info) for a in analyzers}
+    for a in analyzers:
+        if tasks[a.name] is not None:
+            tasks[a.name] = list(tasks[a.name])  # type: ignore[arg-type]
+            run.manifest["analyzers"][a.name]["data"] = "own examples"
+    # One fused stream over the corpus per numerics kind, then one stream per task analyzer.
+    groups: list[tuple[list[Analyzer], Any, int]] = []
+    for kind in ("raw", "folded"):
+        shared = [a for a in analyzers if a.numerics == kind and tasks[a.name] is None]
+        if shared:
+            groups.append((shared, lambda: token_batches(spec, bridge.tokenizer), spec.max_tokens))
+        for a in analyzers:
+            own = tasks[a.name]
+            if a.numerics == kind and own is not None:
+                size = sum(b.n_tokens for b in own)
+                groups.append(([a], lambda own=own: iter(own), size))
     stopped: BaseException | None = None
-    for group in groups:
-        if not group or stopped is not None:
-            continue
+    for group, batches, total in groups:
+        if stopped is not None:
+            break
         if group[0].numerics == "folded" and not getattr(bridge, "compatibility_mode", False):
             bridge.enable_compatibility_mode()
-        stopped = _stream(bridge, group, spec, info, hooks, run, out_dir, progress, save_manifest)
+        stopped = _stream(
+            bridge, group, batches, total, info, hooks, run, out_dir, progress, save_manifest
+        )
     if isinstance(stopped, LensdivError):
         run.manifest["status"] = "data_error"
         run.manifest["error"] = str(stopped)
@@ -222,7 +240,8 @@ def analyze(
 def _stream(
     bridge: Any,
     analyzers: list[Analyzer],
-    spec: DataSpec,
+    batches: Any,
+    total: int,
     info: ModelInfo,
     hooks: dict[str, list[str]],
     run: Run,
@@ -230,58 +249,66 @@ def _stream(
     progress: bool,
     save_manifest: Any,
 ) -> BaseException | None:
-    """Feed one numerics group batch by batch, then finalize and save each analyzer.
+    """Feed a group of analyzers batch by batch (one fused forward pass per batch, once per
+    requested pass), then finalize and save each.
 
     Returns what stopped the stream early (Ctrl-C, or bad data met mid-way), if anything: the
     analyzers are still finalized on the tokens seen so far and marked partial.
     """
-    import torch
-
-    from lensdiv.capture import capture
-
-    names = list(dict.fromkeys(h for a in analyzers for h in hooks[a.name]))
-    need_logits = any(a.needs_logits for a in analyzers)
-    grad = any(a.needs_grad for a in analyzers)
     states = {a.name: a.init(info) for a in analyzers}
     active = list(analyzers)
     timings = run.manifest["timings"]
     spent = {a.name: 0.0 for a in analyzers}
-    n_tokens = 0
-    forward_s = 0.0
+    counts = {"tokens": 0, "forward_s": 0.0}
     stopped: BaseException | None = None
-    device = next(bridge.parameters()).device
     for a in analyzers:
         run.manifest["analyzers"][a.name]["status"] = "running"
-    bar = _progress(progress, ", ".join(a.name for a in analyzers))
+    n_passes = max(a.passes for a in analyzers)
     try:
-        with bar:
-            task = bar.add_task("analyzing", total=spec.max_tokens)
-            for batch in token_batches(spec, bridge.tokenizer):
-                batch.tokens, batch.mask = batch.tokens.to(device), batch.mask.to(device)
+        for index in range(n_passes):
+            members = [a for a in active if a.passes > index]
+            for a in list(members):
+                if index == 0:
+                    continue
                 t0 = time.perf_counter()
-                logits, cache = capture(
-                    bridge, batch.tokens, names, need_logits=need_logits, grad=grad
-                )
-                forward_s += time.perf_counter() - t0
-                step = Step(batch=batch, cache=cache, logits=logits, model=bridge, info=info)
-                for a in list(active):
-                    t0 = time.perf_counter()
-                    try:
-                        with torch.set_grad_enabled(a.needs_grad):
-                            a.update(states[a.name], step)
-                    except Exception as err:  # one analyzer failing must not stop the others
-                        _fail(run, a.name, err, batch.index)
-                        active.remove(a)
-                    spent[a.name] += time.perf_counter() - t0
-                n_tokens += batch.n_tokens
-                bar.update(task, advance=batch.n_tokens)
-                if not active:
-                    break
+                try:
+                    a.start_pass(states[a.name], info, index)
+                except Exception as err:
+                    _fail(run, a.name, err, None)
+                    active.remove(a)
+                    members.remove(a)
+                spent[a.name] += time.perf_counter() - t0
+            if not members:
+                break
+            label = ", ".join(a.name for a in members)
+            if n_passes > 1:
+                label += f" (pass {index + 1}/{n_passes})"
+            bar = _progress(progress, label)
+            _pass(
+                bridge,
+                members,
+                batches(),
+                info,
+                hooks,
+                run,
+                states,
+                spent,
+                index,
+                bar,
+                total,
+                counts,
+            )
+            active = [a for a in active if a.name not in run.errors]
     except (KeyboardInterrupt, LensdivError) as err:
         stopped = err
+    n_tokens, forward_s = int(counts["tokens"]), counts["forward_s"]
     interrupted = stopped is not None
     timings["forward_s"] = round(timings.get("forward_s", 0.0) + forward_s, 3)
-    timings["tokens"] = n_tokens
+    own = len(analyzers) == 1 and run.manifest["analyzers"][analyzers[0].name].get("data")
+    if own:
+        run.manifest["analyzers"][analyzers[0].name]["tokens"] = n_tokens
+    else:
+        timings["tokens"] = n_tokens
     for a in active:
         t0 = time.perf_counter()
         if n_tokens == 0:
@@ -299,7 +326,7 @@ def _stream(
                 "options": a.options(),
                 "numerics": a.numerics,
                 "model": run.manifest["model"],
-                "data": run.manifest["data"],
+                "data": "own examples" if own else run.manifest["data"],
                 "tokens": n_tokens,
                 "seed": run.manifest["seed"],
                 "versions": run.manifest["versions"],
@@ -321,6 +348,59 @@ def _stream(
         save_manifest()
     save_manifest()
     return stopped
+
+
+def _pass(
+    bridge: Any,
+    analyzers: list[Analyzer],
+    batches: Iterable[Any],
+    info: ModelInfo,
+    hooks: dict[str, list[str]],
+    run: Run,
+    states: dict[str, Any],
+    spent: dict[str, float],
+    index: int,
+    bar: Any,
+    total: int,
+    counts: dict[str, Any],
+) -> None:
+    """One pass over ``batches``; adds the clean forward's seconds (and, in pass 0, the real
+    tokens seen) to ``counts`` as it goes, so an interrupted pass still reports them."""
+    import torch
+
+    from lensdiv.capture import capture
+
+    names = list(dict.fromkeys(h for a in analyzers for h in hooks[a.name]))
+    need_logits = any(a.needs_logits for a in analyzers)
+    grad = any(a.needs_grad for a in analyzers)
+    device = next(bridge.parameters()).device
+    active = list(analyzers)
+    with bar:
+        task = bar.add_task("analyzing", total=total)
+        for batch in batches:
+            batch.tokens, batch.mask = batch.tokens.to(device), batch.mask.to(device)
+            if batch.doc is not None:
+                batch.doc = batch.doc.to(device)
+            t0 = time.perf_counter()
+            logits, cache = capture(bridge, batch.tokens, names, need_logits=need_logits, grad=grad)
+            counts["forward_s"] += time.perf_counter() - t0
+            step = Step(
+                batch=batch, cache=cache, logits=logits, model=bridge, info=info, pass_index=index
+            )
+            for a in list(active):
+                t0 = time.perf_counter()
+                try:
+                    with torch.set_grad_enabled(a.needs_grad):
+                        a.update(states[a.name], step)
+                except Exception as err:  # one analyzer failing must not stop the others
+                    _fail(run, a.name, err, batch.index)
+                    active.remove(a)
+                spent[a.name] += time.perf_counter() - t0
+            if index == 0:
+                counts["tokens"] += batch.n_tokens
+            bar.update(task, advance=batch.n_tokens)
+            if not active:
+                break
 
 
 def _fail(run: Run, name: str, err: Exception, batch: int | None) -> None:
