@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from tests.models import ARCHITECTURES, boot_tiny, save_tiny_model
+from tests.models import ARCHITECTURES, boot_native_tiny, boot_tiny, save_tiny_model
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -54,3 +54,26 @@ def tiny_model(tiny_arch: str, tiny_dirs: dict[str, Path], _booted_bridges: dict
     model = _booted_bridges[tiny_arch]
     model.eval()
     return model
+
+
+@pytest.fixture(scope="session")
+def native_model() -> Any:
+    """A TL-native tiny bridge (``boot_native``), shared by the session."""
+    return boot_native_tiny()
+
+
+@pytest.fixture(params=[*ARCH_NAMES, "native"])
+def arch(request: pytest.FixtureRequest) -> str:
+    """Every tiny Hugging Face architecture plus the TL-native one."""
+    return request.param
+
+
+@pytest.fixture
+def model(arch: str, request: pytest.FixtureRequest) -> Any:
+    """The bridge of ``arch`` (booted once per session; eval mode; do not leave hooks on it)."""
+    if arch == "native":
+        return request.getfixturevalue("native_model")
+    bridges = request.getfixturevalue("_booted_bridges")
+    if arch not in bridges:
+        bridges[arch] = boot_tiny(arch, request.getfixturevalue("tiny_dirs")[arch])
+    return bridges[arch].eval()

@@ -37,27 +37,6 @@ ARCHS = [*ARCHITECTURES, "native"]
 PARALLEL = {"neox"}  # architectures built with a parallel residual (tests/models.py)
 
 
-@pytest.fixture(scope="module")
-def native_model() -> Any:
-    return boot_native_tiny()
-
-
-@pytest.fixture(params=ARCHS)
-def arch(request: pytest.FixtureRequest) -> str:
-    return request.param
-
-
-@pytest.fixture
-def model(arch: str, request: pytest.FixtureRequest) -> Any:
-    """Every tiny Hugging Face architecture (booted once per session, see conftest) + native."""
-    if arch == "native":
-        return request.getfixturevalue("native_model")
-    bridges = request.getfixturevalue("_booted_bridges")
-    if arch not in bridges:
-        bridges[arch] = boot_tiny(arch, request.getfixturevalue("tiny_dirs")[arch])
-    return bridges[arch].eval()
-
-
 def fresh_model(arch: str, request: pytest.FixtureRequest) -> Any:
     """A private bridge, for runs that change the model (folded numerics)."""
     if arch == "native":

@@ -1,0 +1,422 @@
+"""``skip`` — current and future effects of skipping each block (SCIENCE.md A3).
+
+Skipping block ``s`` sets ``h_{s+1} := h_s`` (part ``block``) or zeroes only its attention or MLP
+write (parts ``attn``, ``mlp``) at the skipped positions. For every later layer ``l`` the effect is
+
+    E[s, l] = max_{t' measured} ||Δ_l(t') − Δ̃_l(t')|| / max(||Δ_l(t')||, 1e-6)
+    O[s]    = max_{t' measured} ||softmax z(t') − softmax z̃(t')||₂        (0 ≤ O ≤ √2)
+
+Modes:
+- ``future``: skip at positions ``1 ≤ τ < t``, measure at ``t' ≥ t``, for ``splits`` random split
+  points ``t ∈ range(stride, T − 4, stride)`` per prompt (the source's 4 points, ``range(8, T-4, 8)``);
+  max over split points, then max or mean over prompts (both are kept).
+- ``current``: skip at every position ``≥ 1``, measure at every position.
+- ``local``: the future split, but nothing downstream is recomputed at the skipped positions: the
+  direct residual write of ``s`` is removed from every later residual there, so the effect reaches
+  ``t' ≥ t`` only through attention.
+
+Cost: blocks ``0..s`` are unchanged by skipping ``s``, so each intervened pass resumes from the
+clean residual (:class:`~lensdiv.intervene.Resumer`) and runs only the blocks after ``s``; the
+output effect is read out (final norm + unembedding) at the measured positions only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+
+from lensdiv.analyzer import Analyzer, ModelInfo, Step
+from lensdiv.intervene import Resumer
+from lensdiv.results import Plot, Result, Table
+from lensdiv.stats import Stats
+
+EPS = 1e-6
+Mode = Literal["future", "current", "local"]
+Part = Literal["block", "attn", "mlp"]
+
+# Positions read out through the unembedding at once (bounds the [rows, vocab] block).
+_READOUT_ROWS = 512
+
+
+@dataclass(frozen=True)
+class Intervals:
+    """Which positions are skipped and which are measured, per intervened row.
+
+    Args:
+        rows: Row of the batch each intervened sequence copies.
+        skip: True where block ``s`` is skipped.
+        measure: True where effects are measured (real tokens only).
+    """
+
+    rows: Int[Tensor, " pair"]
+    skip: Bool[Tensor, "pair pos"]
+    measure: Bool[Tensor, "pair pos"]
+
+
+def split_intervals(
+    mask: Bool[Tensor, "batch pos"],
+    *,
+    mode: Mode,
+    splits: int,
+    stride: int,
+    generator: torch.Generator,
+) -> Intervals:
+    """The source's intervals: ``current`` skips ``τ ≥ 1`` and measures everything; ``future`` and
+    ``local`` draw up to ``splits`` split points ``t ∈ range(stride, n − 4, stride)`` per row of
+    real length ``n`` and skip ``1 ≤ τ < t``, measure ``t' ≥ t``. Rows too short get none."""
+    n_rows, width = mask.shape
+    pos = torch.arange(width, device=mask.device)
+    lengths = mask.sum(1).tolist()
+    rows, starts = [], []
+    for row, n in enumerate(lengths):
+        if mode == "current":
+            if n > 1:
+                rows.append(row)
+                starts.append(0)
+            continue
+        candidates = list(range(stride, n - 4, stride))
+        if not candidates:
+            continue
+        order = torch.randperm(len(candidates), generator=generator)[:splits].tolist()
+        for i in sorted(order):
+            rows.append(row)
+            starts.append(candidates[i])
+    index = torch.tensor(rows, dtype=torch.long, device=mask.device)
+    t = torch.tensor(starts, dtype=torch.long, device=mask.device)[:, None]
+    real = mask[index]
+    if mode == "current":
+        skip = (pos >= 1) & real
+        measure = real.clone()
+    else:
+        skip = (pos >= 1) & (pos < t) & real
+        measure = (pos >= t) & real
+    return Intervals(rows=index, skip=skip, measure=measure)
+
+
+def skip_effects(
+    step: Step,
+    intervals: Intervals,
+    *,
+    part: Part = "block",
+    local: bool = False,
+    resumer: Resumer | None = None,
+    chunk: int = 0,
+    layers: list[int] | None = None,
+) -> tuple[Float[Tensor, "pair skipped layer"], Float[Tensor, "pair skipped"]]:
+    """``E`` and ``O`` for every intervened row and skipped block, from one clean step.
+
+    Args:
+        step: The clean pass; its cache must hold every residual ``h_0..h_L`` (and, for a local
+            ``attn``/``mlp`` skip, the sublayer outputs), and its logits.
+        intervals: Rows, skipped and measured positions (see :func:`split_intervals`).
+        part: ``block``, ``attn`` or ``mlp``.
+        local: Remove only the direct residual write of ``s`` at skipped positions.
+        resumer: Reused across calls (it checks itself once per model).
+        chunk: Intervened rows per forward pass (``0``: as many as the batch has rows).
+        layers: Blocks to skip (default all).
+
+    Returns:
+        ``E[pair, s, l]`` (0 where ``s`` is not in ``layers``) and ``O[pair, s]``, in float64.
+    """
+    info, model = step.info, step.model
+    L = info.n_layers
+    resumer = resumer or Resumer(model)
+    layers = list(range(L)) if layers is None else layers
+    n_pairs = int(intervals.rows.numel())
+    device = step.batch.tokens.device
+    effect = torch.zeros(n_pairs, L, L, dtype=torch.float64, device=device)
+    output = torch.zeros(n_pairs, L, dtype=torch.float64, device=device)
+    if n_pairs == 0:
+        return effect, output
+    assert step.logits is not None, "skip needs the clean logits"
+    h = [step.resid(layer) for layer in range(L + 1)]
+    chunk = chunk or step.batch.tokens.shape[0]
+    for lo in range(0, n_pairs, chunk):
+        sel = slice(lo, lo + chunk)
+        rows = intervals.rows[sel]
+        skip = intervals.skip[sel]
+        measure = intervals.measure[sel]
+        tokens = step.batch.tokens[rows]
+        clean_h = [x[rows] for x in h]
+        clean_p = _probs_at(step.logits[rows], measure)
+        for s in layers:
+            e, o = _one_skip(
+                resumer, step, tokens, clean_h, clean_p, rows, skip, measure, s, part, local
+            )
+            effect[sel, s] = e
+            output[sel, s] = o
+    return effect, output
+
+
+def _probs_at(
+    logits: Float[Tensor, "pair pos d_vocab"], measure: Bool[Tensor, "pair pos"]
+) -> Float[Tensor, "n d_vocab"]:
+    return torch.softmax(logits[measure].float(), dim=-1)
+
+
+def _one_skip(
+    resumer: Resumer,
+    step: Step,
+    tokens: Int[Tensor, "pair pos"],
+    h: list[Tensor],
+    clean_p: Float[Tensor, "n d_vocab"],
+    rows: Int[Tensor, " pair"],
+    skip: Bool[Tensor, "pair pos"],
+    measure: Bool[Tensor, "pair pos"],
+    s: int,
+    part: Part,
+    local: bool,
+) -> tuple[Float[Tensor, "pair layer"], Float[Tensor, " pair"]]:
+    """Skip block ``s`` on every row of the chunk; return ``E[:, s, :]`` and ``O[:, s]``."""
+    info = step.info
+    L = info.n_layers
+    n_pairs = tokens.shape[0]
+    sk = skip[..., None]
+    hooks: list[tuple[str, Callable[..., Any]]] = []
+    if local:
+        if part == "block":
+            write = h[s + 1] - h[s]
+        else:
+            write = step.cache[f"blocks.{s}.hook_{part}_out"][rows]
+        start, resid = s + 1, torch.where(sk, h[s + 1] - write, h[s + 1])
+        for layer in range(s + 2, L):
+
+            def pin(tensor: Tensor, *, hook: Any, layer: int = layer) -> Tensor:
+                return torch.where(sk, h[layer] - write, tensor)
+
+            hooks.append((f"blocks.{layer}.hook_resid_pre", pin))
+    elif part == "block":
+        start, resid = s + 1, torch.where(sk, h[s], h[s + 1])
+    else:
+        start, resid = s, h[s]
+
+        def zero(tensor: Tensor, *, hook: Any) -> Tensor:
+            return tensor.masked_fill(sk, 0.0)
+
+        hooks.append((f"blocks.{s}.hook_{part}_out", zero))
+
+    # Effects on later updates, computed as each block finishes (nothing is stored).
+    effect = torch.zeros(n_pairs, L, dtype=torch.float64, device=tokens.device)
+    previous = {"h": resid}
+    final: dict[str, Tensor] = {}
+
+    def measure_update(layer: int, new: Tensor, old: Tensor) -> None:
+        clean = (h[layer + 1] - h[layer]).double()
+        diff = (clean - (new - old).double()).norm(dim=-1)
+        ratio = diff / clean.norm(dim=-1).clamp_min(EPS)
+        effect[:, layer] = ratio.masked_fill(~measure, 0.0).amax(dim=1)
+
+    if start == s + 1:
+        measure_update(s, resid, h[s])
+    for layer in range(start, L):
+
+        def watch(tensor: Tensor, *, hook: Any, layer: int = layer) -> Tensor:
+            # With an attn/mlp part the skipped block itself runs, and its update is measured.
+            measure_update(layer, tensor, previous["h"])
+            previous["h"] = tensor
+            if layer == L - 1:
+                final["h"] = tensor
+            return tensor
+
+        hooks.append((f"blocks.{layer}.hook_resid_post", watch))
+    resumer.run(tokens, start, resid, hooks, logits=False)
+    last = final.get("h", resid)
+
+    # Output effect: read out only the measured positions.
+    from transformer_lens.tools.analysis.logit_lens import logit_readout
+
+    vectors = last[measure]
+    dist = torch.empty(vectors.shape[0], dtype=torch.float64, device=tokens.device)
+    for lo in range(0, vectors.shape[0], _READOUT_ROWS):
+        part_v = vectors[lo : lo + _READOUT_ROWS]
+        logp = logit_readout(step.model, part_v[None], return_type="log_probs").values[0]
+        diff = clean_p[lo : lo + _READOUT_ROWS] - logp.float().exp()
+        dist[lo : lo + _READOUT_ROWS] = diff.double().norm(dim=-1)
+    per_pos = torch.zeros(measure.shape, dtype=torch.float64, device=tokens.device)
+    per_pos[measure] = dist
+    return effect, per_pos.amax(dim=1)
+
+
+@dataclass(frozen=True)
+class LayerSkip(Analyzer):
+    """Effects of skipping each block on later layers' updates and on the output.
+
+    Args:
+        mode: ``future`` (skip before a split point, measure after it), ``current`` (skip and
+            measure everywhere) or ``local`` (future split, direct write removed, no recompute).
+        part: Skip the whole ``block``, or only its ``attn`` or ``mlp`` write.
+        splits: Split points drawn per prompt (future/local).
+        stride: Split points are drawn from ``range(stride, T - 4, stride)``.
+        seed: Seed of the split-point draw.
+        aggregate: ``max`` or ``mean`` over prompts for the headline table and plots (both are
+            always computed and saved).
+        chunk: Intervened sequences per forward pass (``0``: the batch's row count).
+    """
+
+    name = "skip"
+    aliases = ("layer-skip", "skipping")
+    description = "Layer skipping: effect of skipping each block on later layers and the output"
+    needs_logits = True
+    extra_forwards = True
+
+    mode: Mode = "future"
+    part: Part = "block"
+    splits: int = 4
+    stride: int = 8
+    seed: int = 0
+    aggregate: Literal["max", "mean"] = "max"
+    chunk: int = 0
+
+    def __post_init__(self) -> None:
+        if self.splits < 1:
+            raise ValueError(f"splits must be at least 1, got {self.splits}")
+        if self.stride < 1:
+            raise ValueError(f"stride must be at least 1, got {self.stride}")
+        if self.chunk < 0:
+            raise ValueError(f"chunk must be 0 (auto) or positive, got {self.chunk}")
+
+    def hooks(self, info: ModelInfo) -> list[str]:
+        names = [info.resid(layer) for layer in range(info.n_layers + 1)]
+        if self.mode == "local" and self.part != "block":
+            names += [f"blocks.{layer}.hook_{self.part}_out" for layer in range(info.n_layers)]
+        return names
+
+    def init(self, info: ModelInfo) -> Stats:
+        state = Stats()
+        state.resumer = None  # type: ignore[attr-defined]  # built on the first batch
+        return state
+
+    def update(self, state: Stats, step: Step) -> None:
+        if getattr(state, "resumer", None) is None:
+            state.resumer = Resumer(step.model)  # type: ignore[attr-defined]
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step.batch.index)
+        intervals = split_intervals(
+            step.batch.mask,
+            mode=self.mode,
+            splits=self.splits,
+            stride=self.stride,
+            generator=generator,
+        )
+        state.add("rows_too_short", step.batch.tokens.shape[0] - intervals.rows.unique().numel())
+        if intervals.rows.numel() == 0:
+            return
+        effect, output = skip_effects(
+            step,
+            intervals,
+            part=self.part,
+            local=self.mode == "local",
+            resumer=state.resumer,  # type: ignore[attr-defined]
+            chunk=self.chunk,
+        )
+        # Max over the split points of each prompt, then max and mean over prompts.
+        prompts, inverse = intervals.rows.unique(return_inverse=True)
+        per_e = torch.stack([effect[inverse == i].amax(0) for i in range(len(prompts))])
+        per_o = torch.stack([output[inverse == i].amax(0) for i in range(len(prompts))])
+        state.add("prompts", len(prompts))
+        state.add("pairs", intervals.rows.numel())
+        state.add("E_sum", per_e.sum(0))
+        state.max("E_max", per_e.amax(0))
+        state.add("O_sum", per_o.sum(0))
+        state.max("O_max", per_o.amax(0))
+
+    def finalize(self, state: Stats, info: ModelInfo) -> Result:
+        L = info.n_layers
+        if "prompts" not in state:
+            raise ValueError(
+                f"no prompt was long enough for a split point (need more than {self.stride + 4} "
+                "tokens); use longer sequences or a smaller stride"
+            )
+        n = float(state["prompts"])
+        E = {"max": state["E_max"], "mean": state["E_sum"] / n}
+        outs = {"max": state["O_max"], "mean": state["O_sum"] / n}
+        layers = list(range(L))
+        columns: dict[str, list] = {"skipped": layers}
+        for agg in ("max", "mean"):
+            columns[f"output_{agg}"] = outs[agg].tolist()
+            columns[f"later_{agg}"] = later_effect(E[agg]).tolist()
+        main = Table("skip", columns, "Effect of skipping each block (later layers, output)")
+        head = E[self.aggregate]
+        grid: dict[str, list] = {"skipped": layers}
+        for layer in layers:
+            grid[f"l{layer}"] = head[:, layer].tolist()
+        effect_table = Table(
+            "effect", grid, f"E[s, l]: relative change of layer l's update ({self.aggregate})"
+        )
+        resumer = getattr(state, "resumer", None)
+        later = later_effect(head)
+        half = max(1, L // 2)
+        first, second = float(later[:half].mean()), float(later[half:].mean()) if L > 1 else 0.0
+        out = outs[self.aggregate]
+        summary = (
+            f"{self.mode.capitalize()} effect of skipping each {self.part} ({self.aggregate} over "
+            f"{int(n)} prompts): skipping a first-half block changes later updates by "
+            f"{first:.3g} on average, a second-half block by {second:.3g}; the output moves "
+            f"most when block {int(out.argmax())} is skipped (L2 {float(out.max()):.3g}, "
+            f"at most √2)."
+        )
+        return Result(
+            analyzer=self.name,
+            summary=summary,
+            tables={"skip": main, "effect": effect_table},
+            arrays={
+                "effect_max": E["max"].cpu().numpy(),
+                "effect_mean": E["mean"].cpu().numpy(),
+                "output_max": outs["max"].cpu().numpy(),
+                "output_mean": outs["mean"].cpu().numpy(),
+            },
+            plots=(
+                Plot(
+                    "heatmap",
+                    "skip_effect",
+                    f"Effect of skipping block s (rows) on layer l (columns), {self.aggregate}",
+                    f"effect_{self.aggregate}",
+                    xlabel="layer l",
+                    ylabel="skipped block s",
+                ),
+                Plot(
+                    "line",
+                    "skip_output",
+                    "Output effect ||p - p~||₂ of skipping each block",
+                    "skip",
+                    x="skipped",
+                    y=("output_max", "output_mean"),
+                    xlabel="skipped block",
+                    ylabel="L2 distance of output distributions",
+                ),
+                Plot(
+                    "line",
+                    "skip_later",
+                    "Mean effect on later layers' updates",
+                    "skip",
+                    x="skipped",
+                    y=("later_max", "later_mean"),
+                    xlabel="skipped block",
+                    ylabel="mean_{l>s} E[s, l]",
+                ),
+            ),
+            meta={
+                "prompts": int(n),
+                "split_points": int(state["pairs"]),
+                "rows_too_short": int(state.get("rows_too_short", 0)),
+                "resume": getattr(resumer, "mode", None),
+                "resume_note": getattr(resumer, "reason", ""),
+                "block_runs_per_prompt": (
+                    resumer.blocks_run / max(float(state["pairs"]), 1.0) if resumer else None
+                ),
+                "output_bound": math.sqrt(2),
+            },
+        )
+
+
+def later_effect(effect: Float[Tensor, "skipped layer"]) -> Float[Tensor, " skipped"]:
+    """``e_s = Σ_{l>s} E[s, l] / max(L − 1 − s, 1)`` (SCIENCE.md A5)."""
+    L = effect.shape[0]
+    later = torch.triu(torch.ones(L, L, dtype=torch.bool, device=effect.device), diagonal=1)
+    counts = torch.clamp(torch.arange(L - 1, -1, -1, device=effect.device), min=1)
+    return (effect * later).sum(1) / counts

@@ -1,0 +1,173 @@
+"""Resume a forward pass from a cached residual, so an intervention at block ``s`` pays only for
+blocks ``s..L-1``.
+
+TransformerLens 4's ``forward(start_at_layer=k)`` still executes blocks ``0..k-1`` and throws their
+output away. :class:`Resumer` instead replaces, for the duration of one call, the wrapped Hugging
+Face (or TL-native) layer inside each block bridge ``0..k-1`` by a stub that returns the given
+residual. Everything around the blocks still runs as the model's own code: embeddings, rotary
+tables, causal and padding masks, position ids — so positions and masks are right for every
+architecture family without lensdiv reimplementing any of them. The hooks of later blocks fire as
+usual; hooks of the stubbed blocks see the stub's output and should not be used.
+
+On first use :class:`Resumer` checks itself on the real batch: resuming at ``L // 2`` from the
+clean residual must reproduce the clean logits. Where it does not (a family whose layers do not
+run as a plain sequence), it falls back to an exact but slower full re-run that overwrites the
+residual with a hook (``mode == "rerun"``); the mode is recorded in results.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager, suppress
+from typing import Any
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from lensdiv.capture import stop_hook_name
+
+Hook = tuple[str, Callable[..., Any]]
+
+
+class _Stop(Exception):
+    """Aborts a resumed pass once the final residual has been seen."""
+
+
+class Resumer:
+    """Run ``model`` from block ``start`` given ``h_start``, reusing nothing but the residual.
+
+    Args:
+        model: A ``TransformerBridge`` in eval mode.
+        check: Verify the fast path against a full pass on first use (recommended).
+        tolerance: Largest relative logit difference the check accepts.
+    """
+
+    def __init__(self, model: Any, *, check: bool = True, tolerance: float = 1e-4) -> None:
+        self.model = model
+        self.n_layers = int(model.cfg.n_layers)
+        self.check = check
+        self.tolerance = tolerance
+        self.mode: str | None = None  # "resume" or "rerun", decided on first use
+        self.reason = ""
+        self._tuple_output: bool | None = None
+        self.blocks_run = 0  # block executions, for cost accounting
+
+    # -- public --------------------------------------------------------------------------------
+    def run(
+        self,
+        tokens: Int[Tensor, "batch pos"],
+        start: int,
+        resid: Float[Tensor, "batch pos d_model"],
+        fwd_hooks: Sequence[Hook] = (),
+        *,
+        logits: bool = True,
+    ) -> Float[Tensor, "batch pos d_vocab"] | None:
+        """Forward ``tokens`` with ``h_start := resid`` (``0 ≤ start ≤ L``; ``L`` = final residual).
+
+        Blocks ``start..L-1`` execute with ``fwd_hooks``; blocks before ``start`` do not run.
+        With ``logits=False`` the pass stops at the final norm (read what you need by hooks on
+        ``blocks.{l}.hook_resid_post``) and returns ``None``.
+        """
+        if not 0 <= start <= self.n_layers:
+            raise ValueError(f"start {start} outside 0..{self.n_layers}")
+        if self.mode is None:
+            self._decide(tokens)
+        self.blocks_run += (self.n_layers - start) * tokens.shape[0]
+        if self.mode == "resume" and start > 0:
+            with self._stubbed(start, resid):
+                return self._forward(tokens, fwd_hooks, logits)
+        site = "blocks.0.hook_resid_pre" if start == 0 else f"blocks.{start - 1}.hook_resid_post"
+        self.blocks_run += start * tokens.shape[0]
+
+        def inject(tensor: Tensor, *, hook: Any) -> Tensor:
+            return resid.to(tensor.dtype)
+
+        return self._forward(tokens, [(site, inject), *fwd_hooks], logits)
+
+    # -- internals -----------------------------------------------------------------------------
+    def _forward(
+        self, tokens: Tensor, fwd_hooks: Sequence[Hook], logits: bool
+    ) -> Float[Tensor, "batch pos d_vocab"] | None:
+        hooks = list(fwd_hooks)
+        stop = None if logits else stop_hook_name(self.model.hook_dict)
+        if stop is not None:
+
+            def halt(tensor: Tensor, *, hook: Any) -> Tensor:
+                raise _Stop
+
+            hooks.append((stop, halt))
+        out = None
+        with torch.no_grad(), self.model.hooks(fwd_hooks=hooks), suppress(_Stop):
+            out = self.model(tokens)
+        return out if logits else None
+
+    @contextmanager
+    def _stubbed(self, start: int, resid: Tensor) -> Any:
+        """Blocks ``0..start-1`` return ``resid`` without computing anything."""
+        value: Any = (resid,) if self._tuple_output else resid
+
+        def stub(*args: Any, **kwargs: Any) -> Any:
+            return value
+
+        layers = [self.model.blocks[j].original_component for j in range(start)]
+        try:
+            for layer in layers:
+                layer.forward = stub
+            yield
+        finally:
+            for layer in layers:
+                with suppress(AttributeError):
+                    del layer.forward
+
+    def _decide(self, tokens: Tensor) -> None:
+        """Probe the block output structure and check the fast path against a full pass."""
+        self.mode = "rerun"
+        blocks = getattr(self.model, "blocks", None)
+        if blocks is None or len(blocks) != self.n_layers:
+            self.reason = "the model has no standard block stack"
+            return
+        layer = getattr(blocks[0], "original_component", None)
+        if layer is None:
+            self.reason = "block bridges wrap no original layer"
+            return
+        probe = tokens[:2, : min(tokens.shape[1], 32)]
+        seen: dict[str, Any] = {}
+        handle = layer.register_forward_hook(lambda _m, _a, out: seen.setdefault("out", out))
+        middle = self.n_layers // 2
+        site = f"blocks.{middle}.hook_resid_pre"
+        store: dict[str, Tensor] = {}
+
+        def keep(tensor: Tensor, *, hook: Any) -> Tensor:
+            store["h"] = tensor.detach().clone()
+            return tensor
+
+        try:
+            with torch.no_grad(), self.model.hooks(fwd_hooks=[(site, keep)]):
+                clean = self.model(probe)
+        finally:
+            handle.remove()
+        out = seen.get("out")
+        if isinstance(out, tuple) and out and isinstance(out[0], Tensor):
+            self._tuple_output = True
+        elif isinstance(out, Tensor):
+            self._tuple_output = False
+        else:
+            self.reason = f"unexpected block output {type(out).__name__}"
+            return
+        if not self.check or middle == 0:
+            self.mode = "resume"
+            return
+        self.mode = "resume"
+        try:
+            resumed = self.run(probe, middle, store["h"])
+        except Exception as err:  # any failure of the fast path: use the exact slow one
+            self.mode, self.reason = "rerun", f"resume failed: {type(err).__name__}"
+            return
+        assert resumed is not None
+        scale = clean.abs().max().clamp_min(1e-6)
+        error = float(((resumed - clean).abs().max() / scale).item())
+        if error > self.tolerance:
+            self.mode = "rerun"
+            self.reason = f"resumed logits differ from a full pass ({error:.2g} relative)"
+        self.blocks_run = 0

@@ -1,0 +1,228 @@
+"""Layer skipping (SCIENCE.md A3) against a naive full-rerun implementation, and its invariants.
+
+The naive reference re-runs the whole model once per (sequence, skipped block) with plain
+TransformerLens hooks and computes every ratio with a per-position Python loop in float64; the
+analyzer resumes from the cached clean residual and vectorises. They must agree to 1e-5.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from lensdiv.analyzer import Batch, ModelInfo, Step
+from lensdiv.analyzers.skip import LayerSkip, later_effect, skip_effects, split_intervals
+from lensdiv.capture import capture
+from lensdiv.intervene import Resumer
+from lensdiv.runner import analyze
+
+EPS = 1e-6
+
+
+def make_step(model: Any, seed: int = 0, width: int = 40) -> Step:
+    """Two rows of random tokens after BOS; the second is right-padded (pads never measured)."""
+    info = ModelInfo.from_model(model)
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(4, min(info.d_vocab, 250), (2, width), generator=g)
+    tokens[:, 0] = model.tokenizer.bos_token_id or 0
+    mask = torch.ones_like(tokens, dtype=torch.bool)
+    mask[1, width - 9 :] = False
+    tokens[1, width - 9 :] = model.tokenizer.pad_token_id or 0
+    names = [info.resid(layer) for layer in range(info.n_layers + 1)]
+    names += [f"blocks.{i}.hook_{p}_out" for i in range(info.n_layers) for p in ("attn", "mlp")]
+    logits, cache = capture(model, tokens, names, need_logits=True)
+    return Step(Batch(tokens, mask), cache, logits, model, info)
+
+
+def naive_effects(step: Step, intervals: Any, part: str, local: bool) -> tuple[Any, Any]:
+    """Full re-run per (sequence, skipped block) with TL hooks; ratios by a Python loop."""
+    model, info = step.model, step.info
+    L = info.n_layers
+    n = int(intervals.rows.numel())
+    E = torch.zeros(n, L, L, dtype=torch.float64)
+    O = torch.zeros(n, L, dtype=torch.float64)  # noqa: E741 - the paper's name
+    for p in range(n):
+        r = int(intervals.rows[p])
+        tokens = step.batch.tokens[r : r + 1]
+        skip = intervals.skip[p][None, :, None]
+        clean = [step.resid(layer)[r : r + 1] for layer in range(L + 1)]
+        clean_probs = torch.softmax(step.logits[r].double(), -1)
+        for s in range(L):
+            hooks = []
+            if local:
+                if part == "block":
+                    write = clean[s + 1] - clean[s]
+                else:
+                    write = step.cache[f"blocks.{s}.hook_{part}_out"][r : r + 1]
+                for layer in range(s + 1, L + 1):
+                    site = info.resid(layer)
+                    target = clean[layer] - write
+
+                    def pin(x: Any, hook: Any, target: Any = target, skip: Any = skip) -> Any:
+                        return torch.where(skip, target, x)
+
+                    hooks.append((site, pin))
+            elif part == "block":
+
+                def skip_block(x: Any, hook: Any, keep: Any = clean[s], skip: Any = skip) -> Any:
+                    return torch.where(skip, keep, x)
+
+                hooks.append((f"blocks.{s}.hook_resid_post", skip_block))
+            else:
+
+                def zero(x: Any, hook: Any, skip: Any = skip) -> Any:
+                    return torch.where(skip, torch.zeros_like(x), x)
+
+                hooks.append((f"blocks.{s}.hook_{part}_out", zero))
+            store: dict[str, Any] = {}
+
+            def keep(x: Any, hook: Any, name: str, store: Any = store) -> Any:
+                store[name] = x.detach().clone()
+                return x
+
+            names = [info.resid(layer) for layer in range(L + 1)]
+            keepers = [(n, lambda x, hook, n=n: keep(x, hook, n)) for n in names]
+            with torch.no_grad(), model.hooks(fwd_hooks=hooks), model.hooks(fwd_hooks=keepers):
+                logits = model(tokens)
+            h = [store[name][0] for name in names]
+            if local:  # the pinned values are what the residual is at skipped positions
+                for layer in range(s + 1, L):
+                    h[layer] = torch.where(skip[0], clean[layer][0] - write[0], h[layer])
+            probs = torch.softmax(logits[0].double(), -1)
+            where = intervals.measure[p]
+            for layer in range(L):  # the formula, dense over positions, then max over measured
+                d_clean = (clean[layer + 1][0] - clean[layer][0]).double()
+                d_new = (h[layer + 1] - h[layer]).double()
+                ratio = (d_clean - d_new).norm(dim=-1) / d_clean.norm(dim=-1).clamp_min(EPS)
+                E[p, s, layer] = ratio[where].max()
+            O[p, s] = (probs - clean_probs).norm(dim=-1)[where].max()
+    return E, O
+
+
+CASES = [
+    ("future", "block"),
+    ("current", "block"),
+    ("local", "block"),
+    ("future", "attn"),
+    ("current", "mlp"),
+    ("local", "mlp"),
+]
+
+
+@pytest.mark.parametrize(("mode", "part"), CASES, ids=[f"{m}-{p}" for m, p in CASES])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "neox", "native"])
+def test_agrees_with_naive_full_rerun(model: Any, mode: str, part: str) -> None:
+    step = make_step(model)
+    g = torch.Generator().manual_seed(1)
+    intervals = split_intervals(step.batch.mask, mode=mode, splits=2, stride=8, generator=g)
+    resumer = Resumer(model)
+    E, out = skip_effects(step, intervals, part=part, local=mode == "local", resumer=resumer)
+    assert resumer.mode == "resume", resumer.reason
+    E_ref, O_ref = naive_effects(step, intervals, part, mode == "local")
+    torch.testing.assert_close(E.cpu(), E_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.cpu(), O_ref, atol=1e-5, rtol=1e-5)
+
+
+def test_future_skip_agrees_with_naive_full_rerun(model: Any) -> None:
+    """Every architecture (qwen2, olmo and olmo2 too), whole-block future skips."""
+    step = make_step(model, seed=4)
+    g = torch.Generator().manual_seed(5)
+    intervals = split_intervals(step.batch.mask, mode="future", splits=2, stride=8, generator=g)
+    E, out = skip_effects(step, intervals)
+    E_ref, O_ref = naive_effects(step, intervals, "block", False)
+    torch.testing.assert_close(E.cpu(), E_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.cpu(), O_ref, atol=1e-5, rtol=1e-5)
+
+
+def test_resumer_reproduces_the_clean_pass_from_every_layer(model: Any) -> None:
+    step = make_step(model)
+    resumer = Resumer(model)
+    for start in range(step.info.n_layers + 1):
+        logits = resumer.run(step.batch.tokens, start, step.resid(start))
+        torch.testing.assert_close(logits, step.logits, atol=1e-5, rtol=1e-5)
+    assert resumer.mode == "resume"
+
+
+def test_rerun_fallback_is_exact(model: Any) -> None:
+    step = make_step(model)
+    g = torch.Generator().manual_seed(2)
+    intervals = split_intervals(step.batch.mask, mode="future", splits=2, stride=8, generator=g)
+    fast = skip_effects(step, intervals, resumer=Resumer(model))
+    slow_resumer = Resumer(model)
+    slow_resumer.mode, slow_resumer._tuple_output = "rerun", False
+    slow = skip_effects(step, intervals, resumer=slow_resumer)
+    for a, b in zip(fast, slow, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    # The fast path really skips work: blocks run per sequence ~ L(L-1)/2 instead of L².
+    L = step.info.n_layers
+    n = int(intervals.rows.numel())
+    assert slow_resumer.blocks_run == n * L * L
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "neox", "native"])
+def test_invariants(model: Any) -> None:
+    step = make_step(model, seed=3)
+    L = step.info.n_layers
+    g = torch.Generator().manual_seed(0)
+    future = split_intervals(step.batch.mask, mode="future", splits=3, stride=8, generator=g)
+    E, out = skip_effects(step, future)
+    lower = torch.tril(torch.ones(L, L, dtype=torch.bool))  # l <= s
+    assert float(E[:, lower].abs().max()) == 0.0  # future mode: nothing changes up to s
+    assert float(out.min()) >= 0.0 and float(out.max()) <= math.sqrt(2) + 1e-9
+    assert float(E[:, ~lower].max()) > 0.0  # ... but later layers do change
+    # No intervention (empty skip set) gives zero effect everywhere.
+    empty = type(future)(future.rows, torch.zeros_like(future.skip), future.measure)
+    E0, O0 = skip_effects(step, empty)
+    assert float(E0.max()) < 1e-5 and float(O0.max()) < 1e-5
+    # Current mode, whole block: the skipped block's own update vanishes, E[s, s] = 1.
+    current = split_intervals(step.batch.mask, mode="current", splits=1, stride=8, generator=g)
+    Ec, _ = skip_effects(step, current)
+    torch.testing.assert_close(
+        Ec[:, range(L), range(L)], torch.ones(Ec.shape[0], L, dtype=torch.float64)
+    )
+
+
+def test_intervals() -> None:
+    mask = torch.ones(3, 40, dtype=torch.bool)
+    mask[1, 30:] = False
+    mask[2, 12:] = False  # too short for range(8, n - 4, 8)
+    g = torch.Generator().manual_seed(0)
+    iv = split_intervals(mask, mode="future", splits=4, stride=8, generator=g)
+    assert set(iv.rows.tolist()) == {0, 1}
+    for p, r in enumerate(iv.rows.tolist()):
+        t = int(iv.measure[p].int().argmax())
+        assert t in range(8, int(mask[r].sum()) - 4, 8)
+        assert not iv.skip[p, 0] and iv.skip[p, 1:t].all() and not iv.skip[p, t:].any()
+        assert not (iv.measure[p] & ~mask[r]).any()
+    assert (iv.rows == 0).sum() == 4 and (iv.rows == 1).sum() == 3  # 8, 16, 24 for n = 30
+    again = split_intervals(mask, mode="future", splits=4, stride=8, generator=g.manual_seed(0))
+    assert torch.equal(iv.skip, again.skip)
+
+
+def test_later_effect_definition() -> None:
+    E = torch.arange(16, dtype=torch.float64).reshape(4, 4)
+    want = [(1 + 2 + 3) / 3, (6 + 7) / 2, 11 / 1, 0.0]
+    torch.testing.assert_close(later_effect(E), torch.tensor(want, dtype=torch.float64))
+
+
+def test_analyzer_end_to_end(native_model: Any, tmp_path: Any) -> None:
+    run = analyze(
+        native_model,
+        plugins=[LayerSkip(splits=2)],
+        max_tokens=512,
+        seq_len=64,
+        out=tmp_path,
+        progress=False,
+    )
+    result = run["skip"]
+    L = native_model.cfg.n_layers
+    assert result.arrays["effect_max"].shape == (L, L)
+    assert result.meta["resume"] == "resume"
+    assert result.meta["prompts"] == 8
+    assert (result.arrays["effect_mean"] <= result.arrays["effect_max"] + 1e-12).all()
+    # A resumed sweep runs fewer blocks per split point than L re-runs of L blocks.
+    assert result.meta["block_runs_per_prompt"] == L * (L - 1) / 2
+    assert (tmp_path / "skip" / "skip_effect.png").is_file()
