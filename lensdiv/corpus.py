@@ -201,6 +201,33 @@ class KnowledgeBase:
             count += 1
             yield Query(relations, start, self.answer(relations, start))
 
+    def chain(self, query: Query) -> list[tuple[str, str]]:
+        """The ``(relation, entity)`` facts a query's chain passes through."""
+        steps, entity = [], query.start
+        for relation in query.relations:
+            steps.append((relation, entity))
+            entity = self.facts[(relation, entity)]
+        return steps
+
+    def asked(self, n: int, *, seed: int = 1, context: int = 3) -> dict[int, list[tuple[str, str]]]:
+        """``n`` queries per hop count (1-hop from the facts, longer ones held out), each as
+        asked in the training documents: ``Query.prompt`` is preceded by ``context`` other facts
+        (never ones on the query's own chain). Returns ``{hops: [(prompt, answer), ...]}``.
+        """
+        facts = list(self.facts.items())
+        rng = random.Random(f"multihop-eval-{seed}")
+        out: dict[int, list[tuple[str, str]]] = {}
+        for hops in range(1, MAX_HOPS + 1):
+            split = "train" if hops == 1 else "test"
+            out[hops] = []
+            for q in self.queries(split, hops, seed=seed, n=n):
+                chain = set(self.chain(q))
+                before = [
+                    f"{r}({e})={a};" for (r, e), a in rng.sample(facts, 8) if (r, e) not in chain
+                ]
+                out[hops].append((" ".join([*before[:context], q.prompt]), q.answer))
+        return out
+
     def documents(self, split: str = "train", seed: int = 0) -> Iterator[str]:
         """Documents of facts and queries: 4 facts, then one query of each hop count, shuffled."""
         rng = random.Random(f"kb-docs-{self.seed}-{split}-{seed}")
