@@ -41,10 +41,15 @@ class Resumer:
         model: A ``TransformerBridge`` in eval mode.
         check: Verify the fast path against a full pass on first use (recommended).
         tolerance: Largest relative logit difference the check accepts.
+        fast: ``False`` always re-runs every block (the exact reference; for checks and
+            benchmarks).
     """
 
-    def __init__(self, model: Any, *, check: bool = True, tolerance: float = 1e-4) -> None:
+    def __init__(
+        self, model: Any, *, check: bool = True, tolerance: float = 1e-4, fast: bool = True
+    ) -> None:
         self.model = model
+        self.fast = fast
         self.n_layers = int(model.cfg.n_layers)
         self.check = check
         self.tolerance = tolerance
@@ -123,6 +128,9 @@ class Resumer:
     def _decide(self, tokens: Tensor) -> None:
         """Probe the block output structure and check the fast path against a full pass."""
         self.mode = "rerun"
+        if not self.fast:
+            self.reason = "fast resume disabled"
+            return
         blocks = getattr(self.model, "blocks", None)
         if blocks is None or len(blocks) != self.n_layers:
             self.reason = "the model has no standard block stack"

@@ -257,6 +257,8 @@ class LayerSkip(Analyzer):
         aggregate: ``max`` or ``mean`` over prompts for the headline table and plots (both are
             always computed and saved).
         chunk: Intervened sequences per forward pass (``0``: the batch's row count).
+        resume: Resume each intervened pass from the cached clean residual (``False``: re-run
+            every block, the exact but ~2× slower reference).
     """
 
     name = "skip"
@@ -272,6 +274,7 @@ class LayerSkip(Analyzer):
     seed: int = 0
     aggregate: Literal["max", "mean"] = "max"
     chunk: int = 0
+    resume: bool = True
 
     def __post_init__(self) -> None:
         if self.splits < 1:
@@ -294,7 +297,7 @@ class LayerSkip(Analyzer):
 
     def update(self, state: Stats, step: Step) -> None:
         if getattr(state, "resumer", None) is None:
-            state.resumer = Resumer(step.model)  # type: ignore[attr-defined]
+            state.resumer = Resumer(step.model, fast=self.resume)  # type: ignore[attr-defined]
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step.batch.index)
         intervals = split_intervals(
             step.batch.mask,
