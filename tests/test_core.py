@@ -33,6 +33,7 @@ from lensdiv.data import DataSpec, documents, token_batches
 from lensdiv.errors import DataError, OptionError, PluginError
 from lensdiv.registry import GROUP, collect
 from lensdiv.results import Plot, Result, Table
+from lensdiv.runner import analyze
 from lensdiv.stats import Stats
 from lensdiv.tokenizer import BOS_ID, EOS_ID, PAD_ID, byte_tokenizer
 
@@ -515,6 +516,19 @@ def test_packing_reproduces_documents(jsonl: Path, tokenizer: Any, bos: str, seq
     assert [tokenizer.decode(p) for p in pieces] == DOCS
 
 
+def test_packing_records_the_document_of_every_position(jsonl: Path, tokenizer: Any) -> None:
+    spec = DataSpec(source=str(jsonl), seq_len=16, batch_size=3, max_tokens=10**6)
+    batches = list(token_batches(spec, tokenizer))
+    docs = torch.cat([b.doc[b.mask] for b in batches]).tolist()
+    tokens = torch.cat([b.tokens[b.mask] for b in batches]).tolist()
+    assert all((b.doc[~b.mask] == -1).all() for b in batches)
+    assert docs == sorted(docs) and set(docs) == set(range(len(DOCS)))  # in order, none lost
+    content = [(t, d) for t, d in zip(tokens, docs, strict=True) if t != BOS_ID]
+    for i, text in enumerate(DOCS):  # each document's positions hold exactly its tokens + EOS
+        ids = [t for t, d in content if d == i]
+        assert ids == tokenizer(text, add_special_tokens=False)["input_ids"] + [EOS_ID]
+
+
 @pytest.mark.parametrize("max_tokens", [1, 2, 17, 40, 100])
 def test_packing_respects_token_budget(jsonl: Path, tokenizer: Any, max_tokens: int) -> None:
     spec = DataSpec(source=str(jsonl), seq_len=16, batch_size=2, max_tokens=max_tokens)
@@ -754,3 +768,80 @@ def test_capture_with_grad(tiny_model: Any, tokens: torch.Tensor) -> None:
     (grad,) = torch.autograd.grad(logits[:, -1].logsumexp(-1).sum(), store[name])
     assert grad.shape == store[name].shape and grad[:, -1].abs().sum() > 0
     assert torch.is_grad_enabled()  # capture restored the global grad mode
+
+
+# -- Runner: multi-pass analyzers and analyzers with their own examples ---------------------------
+
+
+@dataclass(frozen=True)
+class CenteredNorm(Analyzer):
+    """Two passes: the mean residual in pass 0, the mean distance to it in pass 1."""
+
+    name = "centered"
+    passes = 2
+
+    def hooks(self, info: ModelInfo) -> list[str]:
+        return [info.resid(0)]
+
+    def update(self, state: Stats, step: Any) -> None:
+        h = step.resid(0)[step.batch.mask].double()
+        if step.pass_index == 0:
+            state.add("sum", h.sum(0))
+            state.add("n", h.shape[0])
+        else:
+            state.add("dist", (h - state.mean).norm(dim=-1).sum())
+            state.add("n1", h.shape[0])
+
+    def start_pass(self, state: Stats, info: ModelInfo, index: int) -> None:
+        state.mean = state["sum"] / state["n"]  # type: ignore[attr-defined]
+
+    def finalize(self, state: Stats, info: ModelInfo) -> Result:
+        value = float(state["dist"] / state["n1"])
+        return Result(self.name, "", tables={"t": Table("t", {"dist": [value]})})
+
+
+@dataclass(frozen=True)
+class OwnExamples(Analyzer):
+    """Measures on its own two examples, not the corpus."""
+
+    name = "own"
+
+    def hooks(self, info: ModelInfo) -> list[str]:
+        return [info.resid(0)]
+
+    def examples(self, model: Any, info: ModelInfo) -> list[Batch]:
+        tokens = torch.tensor([[0, 5, 6, 7], [0, 8, 9, 2]])
+        mask = torch.tensor([[True] * 4, [True, True, True, False]])
+        return [Batch(tokens, mask, extra={"label": ["a", "b"]})]
+
+    def update(self, state: Stats, step: Any) -> None:
+        state.add("tokens", step.batch.n_tokens)
+        state.add("labels", len(step.batch.extra["label"]))
+
+    def finalize(self, state: Stats, info: ModelInfo) -> Result:
+        return Result(self.name, "", tables={"t": Table("t", {"n": [int(state["tokens"])]})})
+
+
+def test_two_pass_analyzer_sees_the_data_twice(native_model: Any) -> None:
+    run = analyze(native_model, plugins=[CenteredNorm(), "contrib"], max_tokens=300,
+                  seq_len=32, progress=False)
+    assert run.ok
+    spec = DataSpec(max_tokens=300, seq_len=32)
+    rows = [t[m] for b in token_batches(spec, native_model.tokenizer)
+            for t, m in zip(b.tokens, b.mask, strict=True)]
+    with torch.no_grad():
+        h = torch.cat([capture(native_model, r[None], ["blocks.0.hook_resid_pre"],
+                               need_logits=False)[1]["blocks.0.hook_resid_pre"][0] for r in rows])
+    h = h.double()
+    want = (h - h.mean(0)).norm(dim=-1).mean()
+    assert run["centered"].table()["dist"][0] == pytest.approx(float(want), rel=1e-6)
+    assert run.manifest["timings"]["tokens"] == 300
+
+
+def test_own_examples_replace_the_corpus(native_model: Any) -> None:
+    run = analyze(native_model, plugins=[OwnExamples(), "contrib"], max_tokens=256,
+                  seq_len=32, progress=False)
+    assert run.ok
+    assert run["own"].table()["n"][0] == 7
+    assert run["own"].meta["data"] == "own examples" and run["own"].meta["tokens"] == 7
+    assert run["contrib"].meta["tokens"] == 256
