@@ -232,6 +232,30 @@ class Analyzer(abc.ABC):
         return list(dataclasses.fields(cls)) if dataclasses.is_dataclass(cls) else []
 
     @classmethod
+    def option_docs(cls) -> list[dict[str, str]]:
+        """Each option's name, default, type (choices spelled out) and its line of the class
+        docstring's ``Args:`` section: what ``lensdiv plugins show`` prints."""
+        hints = get_type_hints(cls) if cls.option_fields() else {}
+        helps = _docstring_args(cls.__doc__ or "")
+        rows = []
+        for f in cls.option_fields():
+            if f.default is not dataclasses.MISSING:
+                default = str(f.default)
+            elif f.default_factory is not dataclasses.MISSING:
+                default = str(f.default_factory())
+            else:
+                default = "(required)"
+            rows.append(
+                {
+                    "name": f.name,
+                    "default": default,
+                    "type": _type_name(hints.get(f.name, Any)),
+                    "help": helps.get(f.name, ""),
+                }
+            )
+        return rows
+
+    @classmethod
     def from_options(cls, options: Mapping[str, Any] | None = None) -> Analyzer:
         """Build an instance from ``{option: value}``; strings are parsed to the field's type."""
         options = dict(options or {})
@@ -286,3 +310,48 @@ def _parse_option(analyzer: str, key: str, value: Any, hint: Any) -> Any:
             f"option {analyzer}.{key} expects {hint.__name__}, got {value!r}"
         ) from None
     return value
+
+
+def _type_name(hint: Any) -> str:
+    """``Literal['a', 'b']`` → ``a|b``; ``int | None`` → ``int|None``; classes by name."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Literal:
+        return "|".join(map(str, args))
+    if origin in (typing.Union, types.UnionType):
+        return "|".join(_type_name(a) for a in args)
+    if origin in (tuple, list):
+        return f"comma-separated {_type_name(args[0]) if args else 'str'}"
+    if hint is type(None):
+        return "None"
+    return getattr(hint, "__name__", str(hint))
+
+
+def _docstring_args(doc: str) -> dict[str, str]:
+    """``{name: text}`` from a Google-style ``Args:`` section (continuation lines joined)."""
+    out: dict[str, str] = {}
+    lines = doc.expandtabs().splitlines()
+    inside, indent, current = False, None, None
+    for line in lines:
+        stripped = line.strip()
+        if stripped in ("Args:", "Arguments:"):
+            inside, indent, current = True, None, None
+            continue
+        if not inside:
+            continue
+        if not stripped:
+            continue
+        width = len(line) - len(line.lstrip())
+        if indent is None:
+            indent = width
+        if width < indent or (stripped.endswith(":") and width <= indent and " " not in stripped):
+            inside = False
+            continue
+        if width == indent and ":" in stripped:
+            names, text = stripped.split(":", 1)
+            current = [n.strip() for n in names.split(",")]
+            for name in current:
+                out[name] = text.strip()
+        elif current:
+            for name in current:
+                out[name] = f"{out[name]} {stripped}".strip()
+    return out

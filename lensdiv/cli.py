@@ -108,6 +108,16 @@ def analyze(
         bool, typer.Option("--trust-remote-code", help="Allow hub models that ship their own code.")
     ] = False,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+    ref: Annotated[
+        str | None,
+        typer.Option(
+            "--ref",
+            metavar="DEEP",
+            help="Deeper model with the same tokenizer for the `linmap` analyzer (sets "
+            "linmap.target; adds linmap to --plugins if missing). "
+            "Example: lensdiv analyze toy:d4 --plugins linmap --ref toy:d8",
+        ),
+    ] = None,
 ) -> None:
     """Analyze MODEL with the chosen analyzers: one fused pass, a summary here, files in --out.
 
@@ -119,12 +129,15 @@ def analyze(
     try:
         from lensdiv.runner import analyze as run_analyze
 
+        options = _parse_options(option or [])
+        if ref is not None:
+            plugins = _add_ref(plugins, options, ref)
         run = run_analyze(
             model,
             data,
             plugins,
             out=out,
-            options=_parse_options(option or []),
+            options=options,
             seq_len=seq_len,
             max_tokens=max_tokens,
             batch_size=batch_size,
@@ -146,6 +159,73 @@ def analyze(
         raise typer.Exit(130)
     if run.errors:
         raise typer.Exit(1)
+
+
+def _add_ref(plugins: str, options: dict[str, dict[str, str]], ref: str) -> str:
+    """Make ``--ref DEEP`` mean ``-O linmap.target=DEEP``, with linmap among the plugins."""
+    from lensdiv.errors import OptionError
+    from lensdiv.registry import get_analyzer
+
+    cls = get_analyzer("linmap")
+    for key in (cls.name, *cls.aliases):
+        given = options.get(key, {}).get("target")
+        if given is not None and given != ref:
+            raise OptionError(
+                f"--ref {ref} and -O {key}.target={given} disagree", hint="pass only one of them"
+            )
+        options.get(key, {}).pop("target", None)
+    options.setdefault(cls.name, {})["target"] = ref
+    names = [p for p in plugins.split(",") if p.strip()]
+    if not any(get_analyzer(p) is cls for p in names):
+        names.append(cls.name)
+    return ",".join(names)
+
+
+@app.command()
+def compare(
+    shallow: Annotated[str, typer.Argument(help="The model whose layers are mapped (source).")],
+    deep: Annotated[str, typer.Argument(help="The deeper model with the same tokenizer (target).")],
+    data: Annotated[
+        str | None,
+        typer.Option("--data", "-d", help="Text, .jsonl, folder or hf:NAME. Default: built-in."),
+    ] = None,
+    seq_len: Annotated[int, typer.Option(help="Tokens per sequence (BOS included).")] = 128,
+    max_tokens: Annotated[int, typer.Option(help="Stop after this many tokens.")] = 16384,
+    batch_size: Annotated[int, typer.Option(help="Sequences per forward pass.")] = 8,
+    option: Annotated[
+        list[str] | None,
+        typer.Option("--option", "-O", help="linmap option, e.g. -O linmap.ridge=1e-3."),
+    ] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", "-o", help="Output folder. Default: lensdiv-out/SHALLOW-TIME."),
+    ] = None,
+    device: Annotated[str | None, typer.Option(help="cpu, cuda ... Default: best.")] = None,
+    dtype: Annotated[str | None, typer.Option(help="float32 (default), bfloat16, float16.")] = None,
+    seed: Annotated[int, typer.Option(help="Random seed (recorded in every result).")] = 0,
+    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+) -> None:
+    """Map every layer of SHALLOW onto every layer of DEEP (cross-model linear maps, R²).
+
+    Short for `lensdiv analyze SHALLOW --plugins linmap --ref DEEP`.
+
+    Example: lensdiv compare toy:d4 toy:d8 --max-tokens 8192
+    """
+    analyze(
+        model=shallow,
+        plugins="linmap",
+        data=data,
+        seq_len=seq_len,
+        max_tokens=max_tokens,
+        batch_size=batch_size,
+        option=option,
+        out=out,
+        device=device,
+        dtype=dtype,
+        seed=seed,
+        progress=progress,
+        ref=deep,
+    )
 
 
 @app.command()
@@ -215,7 +295,6 @@ def plugins_show(name: Annotated[str, typer.Argument(help="Analyzer name or alia
 
     Example: lensdiv plugins show lens
     """
-    import dataclasses
 
     from lensdiv.errors import LensdivError
     from lensdiv.registry import get_analyzer
@@ -232,9 +311,20 @@ def plugins_show(name: Annotated[str, typer.Argument(help="Analyzer name or alia
         f"needs logits: {cls.needs_logits}, extra forwards: {cls.extra_forwards}, "
         f"gradients: {cls.needs_grad}, numerics: {cls.numerics}"
     )
-    for f in cls.option_fields():
-        default = f.default if f.default is not dataclasses.MISSING else "(required)"
-        console.print(f"  -O {cls.name}.{f.name}={default}   [dim]{f.type}[/dim]")
+    from rich.table import Table
+
+    table = Table("option", "default", "values", "meaning", box=None, pad_edge=False)
+    for row in cls.option_docs():
+        table.add_row(
+            f"-O {cls.name}.{row['name']}",
+            row["default"],
+            row["type"],
+            row["help"].replace("``", "`"),
+        )
+    if table.row_count:
+        console.print(table)
+    else:
+        console.print("no options")
 
 
 @toy_app.command("list")

@@ -67,12 +67,15 @@ class Resumer:
         fwd_hooks: Sequence[Hook] = (),
         *,
         logits: bool = True,
-    ) -> Float[Tensor, "batch pos d_vocab"] | None:
+        grad: bool = False,
+    ) -> Float[Tensor, "batch out_pos d_vocab"] | None:
         """Forward ``tokens`` with ``h_start := resid`` (``0 ≤ start ≤ L``; ``L`` = final residual).
 
         Blocks ``start..L-1`` execute with ``fwd_hooks``; blocks before ``start`` do not run.
         With ``logits=False`` the pass stops at the final norm (read what you need by hooks on
-        ``blocks.{l}.hook_resid_post``) and returns ``None``.
+        ``blocks.{l}.hook_resid_post``) and returns ``None``. With ``grad=True`` autograd
+        records the pass (gradients flow back to ``resid``). A hook on ``unembed.hook_in`` may
+        keep only some positions; the logits then have only those.
         """
         if not 0 <= start <= self.n_layers:
             raise ValueError(f"start {start} outside 0..{self.n_layers}")
@@ -81,19 +84,19 @@ class Resumer:
         self.blocks_run += (self.n_layers - start) * tokens.shape[0]
         if self.mode == "resume" and start > 0:
             with self._stubbed(start, resid):
-                return self._forward(tokens, fwd_hooks, logits)
+                return self._forward(tokens, fwd_hooks, logits, grad)
         site = "blocks.0.hook_resid_pre" if start == 0 else f"blocks.{start - 1}.hook_resid_post"
         self.blocks_run += start * tokens.shape[0]
 
         def inject(tensor: Tensor, *, hook: Any) -> Tensor:
             return resid.to(tensor.dtype)
 
-        return self._forward(tokens, [(site, inject), *fwd_hooks], logits)
+        return self._forward(tokens, [(site, inject), *fwd_hooks], logits, grad)
 
     # -- internals -----------------------------------------------------------------------------
     def _forward(
-        self, tokens: Tensor, fwd_hooks: Sequence[Hook], logits: bool
-    ) -> Float[Tensor, "batch pos d_vocab"] | None:
+        self, tokens: Tensor, fwd_hooks: Sequence[Hook], logits: bool, grad: bool = False
+    ) -> Float[Tensor, "batch out_pos d_vocab"] | None:
         hooks = list(fwd_hooks)
         stop = None if logits else stop_hook_name(self.model.hook_dict)
         if stop is not None:
@@ -103,7 +106,7 @@ class Resumer:
 
             hooks.append((stop, halt))
         out = None
-        with torch.no_grad(), self.model.hooks(fwd_hooks=hooks), suppress(_Stop):
+        with torch.set_grad_enabled(grad), self.model.hooks(fwd_hooks=hooks), suppress(_Stop):
             out = self.model(tokens)
         return out if logits else None
 

@@ -185,7 +185,11 @@ def load_model(
             model = load_toy(parsed.resolved, device=device, dtype=torch_dtype, progress=progress)
         else:
             model = _boot_hf(
-                parsed, device=device, dtype=torch_dtype, trust_remote_code=trust_remote_code
+                parsed,
+                device=device,
+                dtype=torch_dtype,
+                trust_remote_code=trust_remote_code,
+                progress=progress,
             )
     model.eval()
     if numerics == "folded" and not getattr(model, "compatibility_mode", False):
@@ -194,7 +198,9 @@ def load_model(
     return model
 
 
-def _boot_hf(parsed: ModelSpec, *, device: str, dtype: Any, trust_remote_code: bool) -> Any:
+def _boot_hf(
+    parsed: ModelSpec, *, device: str, dtype: Any, trust_remote_code: bool, progress: bool = True
+) -> Any:
     where = "local folder" if parsed.kind == "local" else "hub id"
     if parsed.kind == "hub" and not _cached(parsed.resolved):
         offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
@@ -208,7 +214,11 @@ def _boot_hf(parsed: ModelSpec, *, device: str, dtype: Any, trust_remote_code: b
             )
     import torch
     from transformer_lens import TransformerBridge
+    from transformers.utils import logging as hf_logging
 
+    bars = hf_logging.is_progress_bar_enabled()
+    if not progress:  # --no-progress also silences transformers' "Loading weights" bars
+        hf_logging.disable_progress_bar()
     try:
         return TransformerBridge.boot_transformers(
             parsed.resolved,
@@ -233,6 +243,9 @@ def _boot_hf(parsed: ModelSpec, *, device: str, dtype: Any, trust_remote_code: b
             f"cannot load model {parsed.spec!r} ({where} {parsed.resolved!r}): {reason}",
             hint=hint,
         ) from None
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def _short_reason(err: Exception) -> str:

@@ -196,13 +196,14 @@ def analyze(
         if out_dir is not None:
             write_json_atomic(out_dir / MANIFEST, run.manifest)
 
-    save_manifest()
-    # Task analyzers bring their own examples; read and check them all before any forward pass.
+    # Task analyzers bring their own examples (and linmap its second model): read and check
+    # them all before any forward pass, so a bad task file fails at once and nothing is written.
     tasks = {a.name: a.examples(bridge, info) for a in analyzers}
     for a in analyzers:
         if tasks[a.name] is not None:
             tasks[a.name] = list(tasks[a.name])  # type: ignore[arg-type]
             run.manifest["analyzers"][a.name]["data"] = "own examples"
+    save_manifest()
     # One fused stream over the corpus per numerics kind, then one stream per task analyzer.
     groups: list[tuple[list[Analyzer], Any, int]] = []
     for kind in ("raw", "folded"):

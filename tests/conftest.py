@@ -20,6 +20,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
     os.environ.setdefault("LENSDIV_CACHE", tempfile.mkdtemp(prefix="lensdiv-test-cache-"))
     os.environ.setdefault("LENSDIV_TOY_STEPS", "30")
+    # Test models are tiny: one thread avoids the synchronisation cost that dominates them (and
+    # threads of a shared 2-core machine stalling each other).
+    import torch
+
+    torch.set_num_threads(1)
 
 ARCH_NAMES = list(ARCHITECTURES)
 

@@ -139,7 +139,10 @@ def test_plugins_list_and_show() -> None:
     assert re.search(r"lens\s.*logit-lens", listing.output)
     assert "lensdiv" in listing.output
     show = invoke("plugins", "show", "logit-lens")
-    assert show.exit_code == 0 and "lens.top_k=5" in show.output
+    assert show.exit_code == 0
+    assert re.search(r"-O lens\.top_k\s+5\s+int\s+Size of the top-k", show.output), show.output
+    skip = invoke("plugins", "show", "skip")  # choices spelled out, help from the docstring
+    assert re.search(r"-O skip\.mode\s+future\s+future\|current\|local", skip.output)
     assert_user_error(invoke("plugins", "show", "nosuch"), "nosuch")
 
 

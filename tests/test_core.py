@@ -845,3 +845,13 @@ def test_own_examples_replace_the_corpus(native_model: Any) -> None:
     assert run["own"].table()["n"][0] == 7
     assert run["own"].meta["data"] == "own examples" and run["own"].meta["tokens"] == 7
     assert run["contrib"].meta["tokens"] == 256
+
+
+def test_option_docs_come_from_fields_types_and_docstring() -> None:
+    from lensdiv.analyzers.skip import LayerSkip
+
+    docs = {row["name"]: row for row in LayerSkip.option_docs()}
+    assert list(docs) == [f.name for f in LayerSkip.option_fields()]
+    assert docs["part"]["type"] == "block|attn|mlp" and docs["part"]["default"] == "block"
+    assert docs["mode"]["help"].startswith("``future``") and "no recompute" in docs["mode"]["help"]
+    assert docs["splits"]["type"] == "int" and docs["splits"]["default"] == "4"

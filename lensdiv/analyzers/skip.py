@@ -354,14 +354,16 @@ class LayerSkip(Analyzer):
         resumer = getattr(state, "resumer", None)
         later = later_effect(head)
         half = max(1, L // 2)
-        first, second = float(later[:half].mean()), float(later[half:].mean()) if L > 1 else 0.0
+        # The last block has no later layers; leave it out of the halves' averages.
+        rest = later[half : L - 1] if L > 2 else later[half:]
+        first, second = float(later[:half].mean()), float(rest.mean()) if len(rest) else math.nan
         out = outs[self.aggregate]
         summary = (
             f"{self.mode.capitalize()} effect of skipping each {self.part} ({self.aggregate} over "
-            f"{int(n)} prompts): skipping a first-half block changes later updates by "
-            f"{first:.3g} on average, a second-half block by {second:.3g}; the output moves "
-            f"most when block {int(out.argmax())} is skipped (L2 {float(out.max()):.3g}, "
-            f"at most √2)."
+            f"{int(n)} prompts): skipping a block of the first half changes the updates of later "
+            f"layers by {first:.3g} on average (relative), one of the second half by {second:.3g} "
+            f"(last block excluded: no later layers); the output moves most when block "
+            f"{int(out.argmax())} is skipped (L2 {float(out.max()):.3g}, at most √2)."
         )
         return Result(
             analyzer=self.name,

@@ -1,0 +1,570 @@
+"""``linmap`` — cross-model linear maps (SCIENCE.md A6): how well does each residual state of the
+analysed (shallow) model predict each residual state of a second (deep) model with the same
+tokenizer, and does the best target layer follow *relative* depth?
+
+For every source state ``h^src_s`` (``s = 0..L_src``) and target state ``h^tgt_j``
+(``j = 0..L_tgt``) an affine map ``h^tgt_j ≈ W h^src_s + b`` is fitted by closed-form ridge
+regression on the positions of *training* documents and scored on the positions of *held-out*
+documents: relative error ``mean_t ||ŷ_t - y_t|| / ||y_t||`` and
+``R² = 1 - SSE / SST`` (pooled over dimensions, SST around the held-out mean).
+
+Design:
+
+- **Moments, not activations.** Pass 0 streams ``Σ x̃ x̃ᵀ`` per source state (``x̃ = [x; 1]``,
+  ``[S, d_src+1, d_src+1]``) and ``Σ x̃ yᵀ`` with every target state side by side
+  (``[S, d_src+1, J·d_tgt]``), in float64, updated in place. Memory is fixed by the two models'
+  shapes, never by the token count, and two shards' states merge (``Stats.merge``).
+- **One solve per source state** gives the maps to all target states at once. The fit uses the
+  centred form of the same equations, ``(Σ_xx + λI) W = Σ_xy``, ``b = ȳ - Wᵀx̄``, which is ridge
+  with an unregularised bias; ``λ = ridge × trace(Σ_xx)/d_src`` (the mean eigenvalue of the source
+  covariance), so ``ridge`` is scale-free and independent of the token count. Cholesky first; a
+  singular system (``ridge=0`` on rank-deficient states) falls back to the minimum-norm solution.
+- **Size budget.** The cross-moment holds ``S·(d_src+1)·J·d_tgt`` float64 numbers (gpt2 onto
+  gpt2-medium: 2.1 GB). When that exceeds ``max_moment_gb``, only every k-th target state (plus
+  the last) is fitted — the smallest k that fits, or ``target_stride`` when set — and the other
+  columns of the matrices are NaN. The fit overwrites the moments in place (no second copy).
+- **Evaluation** needs the fitted maps, hence a second pass (``passes = 2``): the maps are fitted
+  in :meth:`~LinearMaps.start_pass` and pass 1 scores held-out positions only (the target model
+  runs on the rows that hold some). A document is held out when a seeded hash of its index falls
+  below ``heldout`` (the first document always trains): the split is deterministic, by document,
+  and independent of batching. When the data holds no held-out document (very short runs), the
+  maps are scored on the training positions instead, and the result says so.
+- **Target** ``"self"`` maps the analysed model onto itself (its own activations, no second
+  forward): R² = 1 on the diagonal, a sanity check. Any other target is a model spec, loaded once
+  before the first forward pass, where its tokenizer is checked against the source's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from jaxtyping import Bool, Float
+from torch import Tensor
+
+from lensdiv.analyzer import Analyzer, Batch, ModelInfo, Step
+from lensdiv.errors import LensdivError, OptionError
+from lensdiv.results import Plot, Result, Table
+from lensdiv.stats import Stats
+
+SELF = "self"
+EPS = 1e-6
+_GB = 1024**3
+# Doubles held at once by one chunk of rows × stacked target states (pass 0 and pass 1): 128 MB.
+_CHUNK_ELEMENTS = 1 << 24
+# Eigenvalues below this fraction of the largest count as zero in the minimum-norm fallback.
+_PINV_RTOL = 1e-12
+
+
+# -- the closed-form core (pure functions, tested on synthetic data) ----------------------------
+
+
+def augment(x: Float[Tensor, "*batch n d"]) -> Float[Tensor, "*batch n d_aug"]:
+    """``[x, 1]`` in float64: the constant column carries the bias."""
+    x = x.double()
+    return torch.cat([x, x.new_ones((*x.shape[:-1], 1))], dim=-1)
+
+
+def fit_affine(
+    xtx: Float[Tensor, "d_aug d_aug"], xty: Float[Tensor, "d_aug k"], ridge: float
+) -> tuple[Float[Tensor, "d_aug k"], float, bool]:
+    """Ridge regression with an unregularised bias, from the moments of ``[x; 1]`` and ``y``.
+
+    Args:
+        xtx: ``Σ x̃ x̃ᵀ`` (the last row/column hold ``Σ x`` and the count).
+        xty: ``Σ x̃ yᵀ`` (the last row holds ``Σ y``).
+        ridge: ``λ`` relative to the mean eigenvalue of the source covariance.
+
+    Returns:
+        ``(maps, λ, exact)``: ``maps`` stacks ``W`` over ``bᵀ`` so that ``ŷ = [x, 1] @ maps``;
+        ``λ`` is the absolute penalty on the covariance scale; ``exact`` is False when the system
+        was singular and the minimum-norm solution was used.
+    """
+    d = xtx.shape[0] - 1
+    n = xtx[d, d]
+    if float(n) <= 0:
+        raise ValueError("no training positions to fit a map on")
+    mean_x = xtx[:d, d] / n
+    mean_y = xty[d] / n
+    cov_xx = xtx[:d, :d] / n - torch.outer(mean_x, mean_x)
+    cov_xx = (cov_xx + cov_xx.T) / 2
+    cov_xy = xty[:d] / n - torch.outer(mean_x, mean_y)
+    lam = float(ridge * torch.trace(cov_xx) / d)
+    system = cov_xx + lam * torch.eye(d, dtype=cov_xx.dtype, device=cov_xx.device)
+    factor, info = torch.linalg.cholesky_ex(system)
+    # Cholesky can succeed on a matrix that is singular up to rounding; its pivots tell.
+    pivots = factor.diagonal().square()
+    exact = int(info) == 0 and bool(pivots.min() > _PINV_RTOL * pivots.max())
+    if exact:
+        weight = torch.cholesky_solve(cov_xy, factor)
+    else:
+        evals, evecs = torch.linalg.eigh(system)
+        keep = evals > _PINV_RTOL * evals.abs().max().clamp_min(1e-300)
+        inv = torch.where(keep, 1.0 / torch.where(keep, evals, 1.0), 0.0)
+        weight = evecs @ (inv[:, None] * (evecs.T @ cov_xy))
+    bias = mean_y - mean_x @ weight
+    return torch.cat([weight, bias[None]], dim=0), lam, exact
+
+
+def spearman(x: Any, y: Any) -> float:
+    """Spearman rank correlation (ties get average ranks); NaN when either side is constant."""
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    ok = ~(np.isnan(x) | np.isnan(y))
+    x, y = _ranks(x[ok]), _ranks(y[ok])
+    if len(x) < 2 or np.ptp(x) == 0 or np.ptp(y) == 0:
+        return float("nan")
+    x, y = x - x.mean(), y - y.mean()
+    return float((x * y).sum() / math.sqrt((x * x).sum() * (y * y).sum()))
+
+
+def _ranks(values: np.ndarray) -> np.ndarray:
+    order = np.argsort(values, kind="stable")
+    ranks = np.empty(len(values))
+    sorted_vals = values[order]
+    start = 0
+    for end in range(1, len(values) + 1):
+        if end == len(values) or sorted_vals[end] != sorted_vals[start]:
+            ranks[order[start:end]] = (start + end - 1) / 2
+            start = end
+    return ranks
+
+
+def is_heldout(doc: int, seed: int, fraction: float) -> bool:
+    """Whether document ``doc`` is held out: a seeded hash of its index, uniform in [0, 1),
+    falls below ``fraction``. The first document (0) always trains, so any data gives a fit."""
+    if doc == 0:
+        return False
+    digest = hashlib.blake2b(f"linmap:{seed}:{doc}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2.0**64 < fraction
+
+
+def heldout_mask(batch: Batch, seed: int, fraction: float) -> Bool[Tensor, "batch pos"]:
+    """True at positions of held-out documents (by :attr:`Batch.doc`; without document ids each
+    row counts as its own document, numbered by batch and row)."""
+    doc = batch.doc
+    if doc is None:
+        rows = torch.arange(batch.tokens.shape[0], device=batch.tokens.device)
+        doc = (batch.index * (1 << 20) + rows)[:, None].expand_as(batch.tokens)
+    ids = torch.unique(doc)
+    flags = torch.tensor(
+        [is_heldout(int(i), seed, fraction) for i in ids.tolist()], device=doc.device
+    )
+    return flags[torch.searchsorted(ids, doc.contiguous())]
+
+
+def moment_gb(n_source: int, d_source: int, n_target: int, d_target: int) -> float:
+    """GiB of the float64 moment state: ``Σ x̃x̃ᵀ`` plus the cross-moments to every target."""
+    return 8 * n_source * (d_source + 1) * (d_source + 1 + n_target * d_target) / _GB
+
+
+def target_layers(n_layers: int, stride: int) -> tuple[int, ...]:
+    """``0, k, 2k, ...`` and always the last state ``n_layers``."""
+    layers = list(range(0, n_layers + 1, stride))
+    if layers[-1] != n_layers:
+        layers.append(n_layers)
+    return tuple(layers)
+
+
+# -- run-time state that is not an option ---------------------------------------------------------
+
+
+@dataclass
+class _Target:
+    """The target model of one run and what the fit produced."""
+
+    source_id: int
+    model: Any  # the target bridge; None when the target is the analysed model itself
+    info: ModelInfo
+    label: str
+    layers: tuple[int, ...]
+    stride: int
+    maps: Tensor | None = None  # [S, d_src + 1, len(layers) * d_tgt] after the fit
+    lambdas: list[float] = field(default_factory=list)
+    inexact: list[int] = field(default_factory=list)
+    on_heldout: bool = True
+
+
+@dataclass(frozen=True)
+class LinearMaps(Analyzer):
+    """Affine maps from every residual state of this model onto every state of a deeper one.
+
+    Args:
+        target: Model spec of the deep model (hub name, local folder, ``toy:d8``), or ``"self"``
+            to map the analysed model onto itself. It must use the same tokenizer.
+        ridge: Ridge penalty relative to the mean eigenvalue of the source covariance (0 for
+            ordinary least squares).
+        heldout: Fraction of documents held out for scoring.
+        exclude_bos: Leave the BOS position out of fit and scores.
+        seed: Seed of the document split.
+        max_moment_gb: Budget for the float64 moment state; beyond it only every k-th target
+            state is fitted.
+        target_stride: Fit every k-th target state (and the last); 0 chooses the smallest k that
+            fits ``max_moment_gb``.
+    """
+
+    name = "linmap"
+    aliases = ("linear-maps", "linmaps", "crossmap")
+    description = "Cross-model linear maps: R² from each layer onto each layer of a deeper model"
+    passes = 2
+
+    target: str = SELF
+    ridge: float = 1e-4
+    heldout: float = 0.2
+    exclude_bos: bool = True
+    seed: int = 0
+    max_moment_gb: float = 4.0
+    target_stride: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.target.strip():
+            raise ValueError("target must be a model spec or 'self'")
+        if self.ridge < 0:
+            raise ValueError(f"ridge must be >= 0, got {self.ridge}")
+        if not 0 < self.heldout < 1:
+            raise ValueError(f"heldout must lie strictly between 0 and 1, got {self.heldout}")
+        if self.max_moment_gb <= 0:
+            raise ValueError(f"max_moment_gb must be positive, got {self.max_moment_gb}")
+        if self.target_stride < 0:
+            raise ValueError(f"target_stride must be >= 0 (0: automatic), got {self.target_stride}")
+
+    # -- target model -----------------------------------------------------------------------------
+    def examples(self, model: Any, info: ModelInfo) -> None:
+        """Load and check the target before any forward pass (bad targets fail fast); the
+        corpus is used as the data."""
+        self._bind(model, info).maps = None  # a new run: never score with a previous fit
+        return None
+
+    @property
+    def fitted(self) -> Tensor | None:
+        """The fitted maps ``[S, d_src+1, J'·d_tgt]`` of the last run (``W`` over ``bᵀ`` per
+        source state, target states side by side), or ``None`` before the fit."""
+        bound = self.__dict__.get("_bound")
+        return None if bound is None else bound.maps
+
+    def _bind(self, model: Any, info: ModelInfo) -> _Target:
+        bound: _Target | None = self.__dict__.get("_bound")
+        if bound is not None and bound.source_id == id(model):
+            return bound
+        if self.target.strip().lower() == SELF:
+            target, target_info, label = None, info, f"{info.name} (itself)"
+        else:
+            target, target_info = self._load_target(model, info)
+            label = self.target
+        stride = self.target_stride or self._auto_stride(info, target_info)
+        layers = target_layers(target_info.n_layers, stride)
+        size = moment_gb(info.n_layers + 1, info.d_model, len(layers), target_info.d_model)
+        if size > self.max_moment_gb:
+            raise OptionError(
+                f"linmap from {info.name} onto {label} needs {size:.1f} GB of moments at "
+                f"target_stride={stride}, over max_moment_gb={self.max_moment_gb:g}",
+                hint="raise -O linmap.max_moment_gb or -O linmap.target_stride",
+            )
+        bound = _Target(id(model), target, target_info, label, layers, stride)
+        object.__setattr__(self, "_bound", bound)
+        return bound
+
+    def _auto_stride(self, info: ModelInfo, target_info: ModelInfo) -> int:
+        for stride in range(1, target_info.n_layers + 1):
+            n = len(target_layers(target_info.n_layers, stride))
+            if moment_gb(info.n_layers + 1, info.d_model, n, target_info.d_model) <= (
+                self.max_moment_gb
+            ):
+                return stride
+        return target_info.n_layers
+
+    def _load_target(self, model: Any, info: ModelInfo) -> tuple[Any, ModelInfo]:
+        from lensdiv.models import load_model
+
+        param = next(model.parameters())
+        try:
+            target = load_model(self.target, device=param.device, dtype=param.dtype)
+        except LensdivError as err:
+            raise type(err)(f"linmap target: {err.message}", hint=err.hint) from None
+        target_info = ModelInfo.from_model(target, name=self.target)
+        check_same_tokenizer(model, target, info.name, self.target)
+        return target, target_info
+
+    # -- streaming --------------------------------------------------------------------------------
+    def hooks(self, info: ModelInfo) -> list[str]:
+        return [info.resid(layer) for layer in range(info.n_layers + 1)]
+
+    def update(self, state: Stats, step: Step) -> None:
+        bound = self._bind(step.model, step.info)
+        batch = step.batch
+        keep = batch.positions(exclude_bos=self.exclude_bos)
+        held = heldout_mask(batch, self.seed, self.heldout)
+        if step.pass_index == 0:
+            state.add("heldout_positions", (keep & held).sum())
+            if batch.doc is not None and bool((batch.doc >= 0).any()):
+                real = batch.doc[batch.doc >= 0]
+                state.max("doc_max", real.max())
+                state.min("doc_min", real.min())
+            select = keep & ~held
+        else:
+            select = keep & (held if bound.on_heldout else ~held)
+        if not select.any():
+            return
+        x = torch.stack([step.resid(s)[select] for s in range(step.info.n_layers + 1)])
+        y = self._targets(bound, step, select)
+        rows = max(1, _CHUNK_ELEMENTS // (y.shape[1] * y.shape[2]))
+        for start in range(0, x.shape[1], rows):
+            part = slice(start, start + rows)
+            if step.pass_index == 0:
+                self._accumulate(state, x[:, part], y[part])
+            else:
+                self._score(state, bound, x[:, part], y[part])
+
+    def _targets(
+        self, bound: _Target, step: Step, select: Bool[Tensor, "batch pos"]
+    ) -> Float[Tensor, "n n_target d_target"]:
+        """The target states at the selected positions; runs the target on the rows holding some."""
+        from lensdiv.capture import capture
+
+        names = [bound.info.resid(j) for j in bound.layers]
+        if bound.model is None:
+            cache, mask = step.cache, select
+        else:
+            rows = select.any(dim=1)
+            _, cache = capture(bound.model, step.batch.tokens[rows], names, need_logits=False)
+            mask = select[rows]
+        return torch.stack([cache[name][mask] for name in names], dim=1)
+
+    @staticmethod
+    def _accumulate(
+        state: Stats,
+        x: Float[Tensor, "n_source n d_source"],
+        y: Float[Tensor, "n n_target d_target"],
+    ) -> None:
+        # In place: a Stats.add of the cross-moment would allocate a second copy of it.
+        xa = augment(x)
+        ys = y.reshape(y.shape[0], -1).double()
+        if "xtx" not in state.sums:
+            state.sums["xtx"] = xa.new_zeros((xa.shape[0], xa.shape[2], xa.shape[2]))
+            state.sums["xty"] = xa.new_zeros((xa.shape[0], xa.shape[2], ys.shape[1]))
+        state.sums["xtx"].baddbmm_(xa.transpose(1, 2), xa)
+        xty = state.sums["xty"]
+        for s in range(xa.shape[0]):
+            xty[s].addmm_(xa[s].T, ys)
+
+    @staticmethod
+    def _score(
+        state: Stats,
+        bound: _Target,
+        x: Float[Tensor, "n_source n d_source"],
+        y: Float[Tensor, "n n_target d_target"],
+    ) -> None:
+        assert bound.maps is not None
+        xa = augment(x)
+        y = y.double()
+        y_norm = y.norm(dim=-1).clamp_min(EPS)
+        sse = y.new_zeros((xa.shape[0], y.shape[1]))
+        ratio = torch.zeros_like(sse)
+        for s in range(xa.shape[0]):
+            err = (xa[s] @ bound.maps[s]).view_as(y) - y
+            sse[s] = err.square().sum(dim=(0, 2))
+            ratio[s] = (err.norm(dim=-1) / y_norm).sum(dim=0)
+        state.add("eval_n", y.shape[0])
+        state.add("eval_sse", sse)
+        state.add("eval_ratio", ratio)
+        state.add("eval_y", y.sum(dim=0))
+        state.add("eval_yy", y.square().sum(dim=(0, 2)))
+
+    def start_pass(self, state: Stats, info: ModelInfo, index: int) -> None:
+        """Fit every map from the pass-0 moments (in place: the cross-moments become the maps)."""
+        bound: _Target | None = self.__dict__.get("_bound")
+        if bound is None or "xtx" not in state:
+            raise RuntimeError(
+                "no training positions: every document fell in the held-out split; "
+                "use more data or a smaller linmap.heldout"
+            )
+        xtx = state.sums["xtx"]
+        maps = state.sums.pop("xty")
+        bound.lambdas, bound.inexact = [], []
+        for s in range(maps.shape[0]):
+            fitted, lam, exact = fit_affine(xtx[s], maps[s], self.ridge)
+            maps[s].copy_(fitted)
+            del fitted
+            bound.lambdas.append(lam)
+            if not exact:
+                bound.inexact.append(s)
+        bound.maps = maps
+        bound.on_heldout = float(state.get("heldout_positions", 0.0)) > 0
+
+    # -- results ----------------------------------------------------------------------------------
+    def finalize(self, state: Stats, info: ModelInfo) -> Result:
+        bound: _Target | None = self.__dict__.get("_bound")
+        if bound is None or bound.maps is None or "eval_n" not in state:
+            raise RuntimeError("the maps were never scored (the run stopped before pass 2)")
+        n = float(state["eval_n"])
+        mean_y = state["eval_y"] / n
+        sst = (state["eval_yy"] - n * mean_y.square().sum(-1)).clamp_min(1e-300)
+        fitted_r2 = (1 - state["eval_sse"] / sst).cpu().numpy()
+        fitted_err = (state["eval_ratio"] / n).cpu().numpy()
+        n_src, n_tgt = info.n_layers, bound.info.n_layers
+        r2 = np.full((n_src + 1, n_tgt + 1), np.nan)
+        rel_error = np.full_like(r2, np.nan)
+        cols = list(bound.layers)
+        r2[:, cols], rel_error[:, cols] = fitted_r2, fitted_err
+
+        best = [cols[int(np.argmax(row))] for row in fitted_r2]
+        rel_src = [s / n_src for s in range(n_src + 1)]
+        rel_best = [j / n_tgt for j in best]
+        same = [cols[int(np.argmin([abs(j / n_tgt - r) for j in cols]))] for r in rel_src]
+        rho = spearman(rel_src, rel_best)
+        table = Table(
+            "linmap",
+            {
+                "source_layer": list(range(n_src + 1)),
+                "rel_depth": rel_src,
+                "best_target": best,
+                "best_rel_depth": rel_best,
+                "r2": [r2[s, j] for s, j in enumerate(best)],
+                "rel_error": [rel_error[s, j] for s, j in enumerate(best)],
+                "same_depth_target": same,
+                "r2_same_depth": [r2[s, j] for s, j in enumerate(same)],
+            },
+            f"Best target state of {bound.label} for each source state h_s",
+        )
+        train_n = float(state["xtx"][0, -1, -1])
+        docs = self._documents(state)
+        meta: dict[str, Any] = {
+            "target": self._target_meta(bound),
+            "target_layers": cols,
+            "target_stride": bound.stride,
+            "diagonality": rho,
+            "ridge_lambda": bound.lambdas,
+            "pinv_fallback_layers": bound.inexact,
+            "train_positions": int(train_n),
+            "eval_positions": int(n),
+            "evaluation": "held-out documents"
+            if bound.on_heldout
+            else "training documents (the data held no held-out document)",
+            "moment_gb": round(
+                moment_gb(n_src + 1, info.d_model, len(cols), bound.info.d_model), 4
+            ),
+            **docs,
+        }
+        return Result(
+            analyzer=self.name,
+            summary=self._summary(bound, info, table, rho, train_n, n),
+            tables={"linmap": table},
+            arrays={"r2": r2, "rel_error": rel_error},
+            plots=(
+                Plot(
+                    "heatmap",
+                    "linmap_r2",
+                    "R² of the affine map h_s (source) -> h_j (target)",
+                    "r2",
+                    xlabel="target state j",
+                    ylabel="source state s",
+                ),
+                Plot(
+                    "heatmap",
+                    "linmap_rel_error",
+                    "Relative error ||ŷ - y|| / ||y||",
+                    "rel_error",
+                    xlabel="target state j",
+                    ylabel="source state s",
+                ),
+                Plot(
+                    "line",
+                    "linmap_depth",
+                    "Best target depth vs source depth (diagonal = same relative depth)",
+                    "linmap",
+                    x="rel_depth",
+                    y=("best_rel_depth", "rel_depth"),
+                    xlabel="relative source depth s / L_src",
+                    ylabel="relative target depth j / L_tgt",
+                ),
+            ),
+            meta=meta,
+        )
+
+    def _documents(self, state: Stats) -> dict[str, Any]:
+        if "doc_max" not in state:
+            return {"split": "row (no document ids)"}
+        first, last = int(state["doc_min"]), int(state["doc_max"])
+        held = sum(is_heldout(d, self.seed, self.heldout) for d in range(first, last + 1))
+        return {"split": "document", "documents": last - first + 1, "heldout_documents": held}
+
+    def _target_meta(self, bound: _Target) -> dict[str, Any]:
+        spec = getattr(bound.model, "lensdiv_spec", None)
+        return {
+            "spec": self.target,
+            "resolved": spec.resolved if spec is not None else bound.info.name,
+            "self": bound.model is None,
+            "n_layers": bound.info.n_layers,
+            "d_model": bound.info.d_model,
+        }
+
+    def _summary(
+        self, bound: _Target, info: ModelInfo, table: Table, rho: float, train: float, n: float
+    ) -> str:
+        r2, best = table["r2"], table["best_target"]
+        follows = (
+            "follows relative depth closely"
+            if rho >= 0.9
+            else "roughly follows relative depth"
+            if rho >= 0.5
+            else "does not follow relative depth"
+            if not math.isnan(rho)
+            else "is constant (no rank correlation)"
+        )
+        where = (
+            "held-out documents"
+            if bound.on_heldout
+            else "the training documents, as the data held no held-out document"
+        )
+        skipped = (
+            f" Only every {bound.stride}-th target state was fitted (memory budget)."
+            if bound.stride > 1
+            else ""
+        )
+        return (
+            f"Affine maps from the {info.n_layers + 1} residual states of {info.name} onto the "
+            f"{bound.info.n_layers + 1} of {bound.label}, fitted on {int(train)} positions and "
+            f"scored on {int(n)} positions of {where}. The best target state {follows} "
+            f"(Spearman {rho:.2f}). Best R² ranges from {np.nanmin(r2):.3f} to "
+            f"{np.nanmax(r2):.3f}; the final state h_{info.n_layers} maps best onto target "
+            f"h_{best[-1]}.{skipped}"
+        )
+
+
+def check_same_tokenizer(source: Any, target: Any, source_name: str, target_name: str) -> None:
+    """Raise :class:`OptionError` unless both models read the same token ids the same way.
+
+    Compares the vocabularies (token → id) and the special-token ids; without a tokenizer on
+    either side, the vocabulary sizes. A larger embedding matrix than the vocabulary (padded
+    rows, as in some model families) is fine: those ids never occur.
+    """
+
+    def fail(why: str) -> None:
+        raise OptionError(
+            f"linmap needs two models with the same tokenizer, but {source_name} and "
+            f"{target_name} differ: {why}",
+            hint="choose a target from the same model family",
+        )
+
+    src_tok, tgt_tok = getattr(source, "tokenizer", None), getattr(target, "tokenizer", None)
+    src_vocab, tgt_vocab = int(source.W_U.shape[1]), int(target.W_U.shape[1])
+    if src_tok is None or tgt_tok is None:
+        if src_vocab != tgt_vocab:
+            fail(f"vocabulary sizes {src_vocab} and {tgt_vocab}")
+        return
+    a, b = src_tok.get_vocab(), tgt_tok.get_vocab()
+    if a != b:
+        if len(a) != len(b):
+            fail(f"{len(a)} and {len(b)} tokens")
+        diff = sorted(set(a.items()) ^ set(b.items()), key=lambda kv: (kv[1], kv[0]))
+        token = diff[0][0]
+        fail(f"token {token!r} has id {a.get(token)} in one and {b.get(token)} in the other")
+    for special in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+        ids = getattr(src_tok, special, None), getattr(tgt_tok, special, None)
+        if ids[0] != ids[1]:
+            fail(f"{special} {ids[0]} vs {ids[1]}")
+    if len(a) > tgt_vocab or len(b) > src_vocab:
+        fail(f"{len(a)} tokens but embedding sizes {src_vocab} and {tgt_vocab}")
