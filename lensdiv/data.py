@@ -162,6 +162,51 @@ def _jsonl_rows(lines: Iterable[str], name: str, field: str) -> Iterator[str]:
         yield str(row[field])
 
 
+def read_task_jsonl(
+    path: str | Path, required: tuple[str, ...], *, what: str, option: str
+) -> list[tuple[int, dict[str, Any]]]:
+    """``(line number, object)`` for each row of a task file (patching pairs, graded prompts).
+
+    Raises:
+        DataError: Missing, non-UTF-8 or empty file, bad JSON, a non-object or a missing key —
+            one line naming the file and line, with a hint showing the expected row.
+    """
+    path = Path(path)
+    example = "{" + ", ".join(f'"{key}": ...' for key in required) + "}"
+    if not path.is_file():
+        raise DataError(
+            f"{what} file {str(path)!r} does not exist",
+            hint=f"pass a JSONL file of {example} rows with -O {option}=FILE",
+        )
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise DataError(f"{what} file {str(path)!r} is not UTF-8 text") from None
+    rows = []
+    for number, raw in enumerate(text.split("\n"), start=1):  # not splitlines: JSON allows U+2028
+        if not raw.strip():
+            continue
+        where = f"{path.name} line {number}"
+        try:
+            row = json.loads(raw)
+        except json.JSONDecodeError as err:
+            raise DataError(
+                f"{where}: not valid JSON ({err.msg})", hint=f"each line must be one {example}"
+            ) from None
+        if not isinstance(row, dict):
+            raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
+        for key in required:
+            if key not in row:
+                raise DataError(
+                    f"{where}: missing key {key!r} (it has: {', '.join(row) or 'none'})",
+                    hint=f"each line needs {example}",
+                )
+        rows.append((number, row))
+    if not rows:
+        raise DataError(f"{what} file {str(path)!r} is empty", hint=f"add {example} rows")
+    return rows
+
+
 def _hub_documents(spec: DataSpec) -> Iterator[str]:
     name, _, config = spec.source[3:].partition(":")
     try:

@@ -115,7 +115,7 @@ def test_toy_end_to_end(tmp_path: Path) -> None:
         ([{"prompt": "a", "answer": "b"}], ["line 1", "'grade'"]),
         ([{"prompt": "a", "answer": "", "grade": 1}], ["not in the vocabulary"]),
         (["{not json"], ["line 1", "not valid JSON"]),
-        ([], ["no examples"]),
+        ([], ["is empty"]),
     ],
     ids=["no-grade", "answer-not-in-vocab", "bad-json", "empty"],
 )

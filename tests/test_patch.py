@@ -36,44 +36,15 @@ from lensdiv.cli import app
 from lensdiv.corpus import KnowledgeBase, Query
 from lensdiv.errors import DataError, OptionError
 from lensdiv.runner import analyze
-from tests.models import boot_native_tiny, boot_tiny
 
 SITES = ("resid_pre", "attn_out", "mlp_out")
 
 
 # -- fixtures -------------------------------------------------------------------------------------
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Any:
-    """Many small passes: on a shared 2-core machine two intra-op threads wait on each other
-    (a tiny forward took ~35x longer than with one), so this module runs single-threaded."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def native_model() -> Any:
-    return boot_native_tiny()
-
-
-def get_model(arch: str, request: pytest.FixtureRequest) -> Any:
-    if arch == "native":
-        return request.getfixturevalue("native_model")
-    bridges = request.getfixturevalue("_booted_bridges")
-    if arch not in bridges:
-        bridges[arch] = boot_tiny(arch, request.getfixturevalue("tiny_dirs")[arch])
-    return bridges[arch].eval()
-
-
 @pytest.fixture(params=["gpt2", "llama", "neox", "native"])
 def arch(request: pytest.FixtureRequest) -> str:
+    """Three Hugging Face families and the TL-native model (``model`` comes from conftest)."""
     return request.param
-
-
-@pytest.fixture
-def model(arch: str, request: pytest.FixtureRequest) -> Any:
-    return get_model(arch, request)
 
 
 def fact_pairs(relation: str, n: int) -> list[dict[str, str]]:

@@ -25,11 +25,9 @@ answer if the tokenizer expects one).
 
 from __future__ import annotations
 
-import json
 import math
 import random
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -76,32 +74,12 @@ def arith_examples(per_grade: int, seed: int) -> list[tuple[str, str, str]]:
 
 def read_examples(path: str) -> list[tuple[str, str, str]]:
     """``{"prompt", "answer", "grade"}`` rows of a JSONL file; one clear error per bad line."""
-    file = Path(path)
-    if not file.is_file():
-        raise DataError(
-            f"depth-score examples file {path!r} does not exist",
-            hint=f"pass a JSONL file of prompt/answer/grade rows, or one of {', '.join(BUILTIN)}",
-        )
-    rows = []
-    for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise DataError(f"{path} line {number} is not valid JSON: {err.msg}") from None
-        if not isinstance(row, dict):
-            raise DataError(f"{path} line {number} is not a JSON object")
-        for key in ("prompt", "answer", "grade"):
-            if key not in row:
-                raise DataError(
-                    f"{path} line {number} has no {key!r} field (has: {', '.join(row) or 'none'})",
-                    hint='each line needs {"prompt": ..., "answer": ..., "grade": ...}',
-                )
-        rows.append((str(row["prompt"]), str(row["answer"]), str(row["grade"])))
-    if not rows:
-        raise DataError(f"{path} has no examples")
-    return rows
+    from lensdiv.data import read_task_jsonl
+
+    rows = read_task_jsonl(
+        path, ("prompt", "answer", "grade"), what="depth-score examples", option="depth-score.tasks"
+    )
+    return [(str(r["prompt"]), str(r["answer"]), str(r["grade"])) for _, r in rows]
 
 
 def _grade_key(grade: str) -> tuple[float, str]:
@@ -128,7 +106,6 @@ class DepthScore(Analyzer):
     name = "depth-score"
     aliases = ("depthscore", "multihop")
     description = "Multi-hop depth score: where skipping a layer affects the answer, by grade"
-    needs_logits = True
     extra_forwards = True
 
     tasks: str = "auto"

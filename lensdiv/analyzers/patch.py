@@ -46,7 +46,6 @@ which the resumer does not offer, so its passes run every block.
 
 from __future__ import annotations
 
-import json
 import math
 import weakref
 from collections.abc import Callable, Sequence
@@ -104,37 +103,13 @@ def read_pairs(path: str | Path) -> list[Pair]:
     Raises:
         DataError: Missing or empty file, bad JSON, a missing key or a wrong type, naming the line.
     """
+    from lensdiv.data import read_task_jsonl
+
     path = Path(path)
-    if not path.is_file():
-        raise DataError(
-            f"pairs file {str(path)!r} does not exist",
-            hint="pass a JSONL file of {clean, corrupt, target, foil} with -O patch.pairs=FILE",
-        )
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise DataError(f"pairs file {str(path)!r} is not UTF-8 text") from None
     pairs = []
-    for number, raw in enumerate(text.split("\n"), start=1):  # not splitlines: JSON allows U+2028
-        if not raw.strip():
-            continue
+    required = ("clean", "corrupt", "target")
+    for number, row in read_task_jsonl(path, required, what="pairs", option="patch.pairs"):
         where = f"{path.name} line {number}"
-        try:
-            row = json.loads(raw)
-        except json.JSONDecodeError as err:
-            raise DataError(
-                f"{where}: not valid JSON ({err.msg})",
-                hint='each line must be one object like {"clean": ..., "corrupt": ..., '
-                '"target": ..., "foil": ...}',
-            ) from None
-        if not isinstance(row, dict):
-            raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
-        for key in ("clean", "corrupt", "target"):
-            if key not in row:
-                raise DataError(
-                    f"{where}: missing key {key!r}",
-                    hint="each line needs clean, corrupt and target (and foil for logit_diff)",
-                )
         for key in ("clean", "corrupt"):
             if not isinstance(row[key], str) or not row[key]:
                 raise DataError(f"{where}: {key!r} must be a non-empty string")
@@ -145,11 +120,6 @@ def read_pairs(path: str | Path) -> list[Pair]:
             if isinstance(value, bool) or not isinstance(value, (str, int)):
                 raise DataError(f"{where}: {key!r} must be a string or a token id")
         pairs.append(Pair(number, row["clean"], row["corrupt"], row["target"], row.get("foil")))
-    if not pairs:
-        raise DataError(
-            f"pairs file {str(path)!r} is empty",
-            hint="write one JSON object {clean, corrupt, target, foil} per line",
-        )
     return pairs
 
 

@@ -113,7 +113,7 @@ def skip_effects(
 
     Args:
         step: The clean pass; its cache must hold every residual ``h_0..h_L`` (and, for a local
-            ``attn``/``mlp`` skip, the sublayer outputs), and its logits.
+            ``attn``/``mlp`` skip, the sublayer outputs).
         intervals: Rows, skipped and measured positions (see :func:`split_intervals`).
         part: ``block``, ``attn`` or ``mlp``.
         local: Remove only the direct residual write of ``s`` at skipped positions.
@@ -134,7 +134,7 @@ def skip_effects(
     output = torch.zeros(n_pairs, L, dtype=torch.float64, device=device)
     if n_pairs == 0:
         return effect, output
-    assert step.logits is not None, "skip needs the clean logits"
+    resumer.prepare(step.batch.tokens)
     h = [step.resid(layer) for layer in range(L + 1)]
     chunk = chunk or step.batch.tokens.shape[0]
     for lo in range(0, n_pairs, chunk):
@@ -144,7 +144,7 @@ def skip_effects(
         measure = intervals.measure[sel]
         tokens = step.batch.tokens[rows]
         clean_h = [x[rows] for x in h]
-        clean_p = _probs_at(step.logits[rows], measure)
+        clean_p = _probs(resumer, clean_h[L][measure])
         for s in layers:
             e, o = _one_skip(
                 resumer, step, tokens, clean_h, clean_p, rows, skip, measure, s, part, local
@@ -154,10 +154,15 @@ def skip_effects(
     return effect, output
 
 
-def _probs_at(
-    logits: Float[Tensor, "pair pos d_vocab"], measure: Bool[Tensor, "pair pos"]
-) -> Float[Tensor, "n d_vocab"]:
-    return torch.softmax(logits[measure].float(), dim=-1)
+def _probs(resumer: Resumer, final: Float[Tensor, "n d_model"]) -> Float[Tensor, "n d_vocab"]:
+    """Output distributions of final residual vectors, a block of rows at a time."""
+    blocks = [
+        torch.softmax(resumer.readout(final[lo : lo + _READOUT_ROWS]).float(), dim=-1)
+        for lo in range(0, final.shape[0], _READOUT_ROWS)
+    ]
+    if not blocks:
+        return final.new_zeros(0, int(resumer.model.cfg.d_vocab))
+    return torch.cat(blocks)
 
 
 def _one_skip(
@@ -228,16 +233,14 @@ def _one_skip(
     resumer.run(tokens, start, resid, hooks, logits=False)
     last = final.get("h", resid)
 
-    # Output effect: read out only the measured positions.
-    from transformer_lens.tools.analysis.logit_lens import logit_readout
-
+    # Output effect: read out only the measured positions (L2 of probability vectors: float32
+    # is exact enough, the entries are at most 1).
     vectors = last[measure]
     dist = torch.empty(vectors.shape[0], dtype=torch.float64, device=tokens.device)
     for lo in range(0, vectors.shape[0], _READOUT_ROWS):
-        part_v = vectors[lo : lo + _READOUT_ROWS]
-        logp = logit_readout(step.model, part_v[None], return_type="log_probs").values[0]
-        diff = clean_p[lo : lo + _READOUT_ROWS] - logp.float().exp()
-        dist[lo : lo + _READOUT_ROWS] = diff.double().norm(dim=-1)
+        hi = lo + _READOUT_ROWS
+        probs = torch.softmax(resumer.readout(vectors[lo:hi]).float(), dim=-1)
+        dist[lo:hi] = (clean_p[lo:hi] - probs).norm(dim=-1).double()
     per_pos = torch.zeros(measure.shape, dtype=torch.float64, device=tokens.device)
     per_pos[measure] = dist
     return effect, per_pos.amax(dim=1)
@@ -264,7 +267,6 @@ class LayerSkip(Analyzer):
     name = "skip"
     aliases = ("layer-skip", "skipping")
     description = "Layer skipping: effect of skipping each block on later layers and the output"
-    needs_logits = True
     extra_forwards = True
 
     mode: Mode = "future"
