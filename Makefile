@@ -23,7 +23,9 @@ test: setup
 	HF_HUB_OFFLINE=1 MPLBACKEND=Agg $(BIN)/python -m pytest -q
 
 bench: setup
-	$(BIN)/python bench/bench_fused.py
+	$(BIN)/python bench/bench_fused.py --json bench/fused_cpu.json
+	$(BIN)/python bench/bench_skip.py --json bench/skip_cpu.json
+	$(BIN)/python bench/bench_linmap.py --json bench/linmap_cpu.json
 
 lint: setup
 	$(BIN)/ruff check lensdiv tests bench plugins
