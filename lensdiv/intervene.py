@@ -106,11 +106,12 @@ class Resumer:
         (about twice as fast as TransformerLens' chunked ``logit_readout``, which is used
         otherwise, e.g. for adapters with an output transform).
         """
-        if self._direct_readout:
-            return self.model.unembed(self.model.ln_final(resid[None]))[0]
         from transformer_lens.tools.analysis.logit_lens import logit_readout
 
-        return logit_readout(self.model, resid[None], return_type="logits").values[0]
+        with torch.no_grad():
+            if self._direct_readout:
+                return self.model.unembed(self.model.ln_final(resid[None]))[0]
+            return logit_readout(self.model, resid[None], return_type="logits").values[0]
 
     # -- internals -----------------------------------------------------------------------------
     def _forward(

@@ -180,6 +180,7 @@ def test_invariants(model: Any) -> None:
     lower = torch.tril(torch.ones(L, L, dtype=torch.bool))  # l <= s
     assert float(E[:, lower].abs().max()) == 0.0  # future mode: nothing changes up to s
     assert float(out.min()) >= 0.0 and float(out.max()) <= math.sqrt(2) + 1e-9
+    assert not (E.requires_grad or out.requires_grad)  # measuring builds no autograd graph
     assert float(E[:, ~lower].max()) > 0.0  # ... but later layers do change
     # No intervention (empty skip set) gives zero effect everywhere.
     empty = type(future)(future.rows, torch.zeros_like(future.skip), future.measure)
