@@ -122,6 +122,9 @@ def analyze(
     """Analyze MODEL with the chosen analyzers: one fused pass, a summary here, files in --out.
 
     Example: lensdiv analyze gpt2-medium --plugins lens,contrib --data corpus.txt --max-tokens 20000
+
+    More: lensdiv analyze toy --plugins skip,depth-score -O skip.mode=current;
+    lensdiv analyze toy:d4 --plugins linmap --ref toy:d8; lensdiv plugins show patch
     """
     from lensdiv.errors import LensdivError
 
