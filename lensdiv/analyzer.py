@@ -179,6 +179,7 @@ class Analyzer(abc.ABC):
         passes: How many times ``update`` sees the data. An analyzer that needs a dataset
             statistic before it can measure (a mean residual, a fitted map) asks for 2; the
             runner calls :meth:`start_pass` before each later pass and streams the data again.
+            It may be a property that depends on the options (read after :meth:`init`).
 
     Analyzers that measure on task examples rather than on the corpus (patching pairs, graded
     prompts) override :meth:`examples`; they still stream through ``update``.
