@@ -16,29 +16,13 @@ the 49 members' full-vocabulary softmaxes for the cross-entropy form.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
-import time
-
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_fused import build  # noqa: E402 - the script's folder must be importable first
+from common import best_of, build, describe, model_parser, report
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--d-model", type=int, default=1024)
-    parser.add_argument("--vocab", type=int, default=50257)
-    parser.add_argument("--tokens", type=int, default=1024)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--batch-size", type=int, default=4)
+    parser = model_parser(__doc__, tokens=1024, batch_size=4, repeats=2)
     parser.add_argument("--ce-every", type=int, default=None, help="default: the option's")
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
 
     from lensdiv import DataSpec, analyze
@@ -63,33 +47,27 @@ def main() -> None:
         "lens,bias": lambda: run(LogitLens(), bias),
     }
     run(LogitLens(), bias)  # warm-up: first-call allocations, lazy imports, the Gram matrix
-    best = {name: float("inf") for name in cases}
-    in_run = float("inf")
-    for _ in range(args.repeats):
-        for name, fn in cases.items():
-            t0 = time.perf_counter()
-            fn()
-            best[name] = min(best[name], time.perf_counter() - t0)
-            if name == "lens,bias":
-                # The same run without bias's own seconds: immune to load drifting between runs.
-                fused = timings[name]
-                in_run = min(in_run, fused["total_s"] / (fused["total_s"] - fused["bias_s"]))
-    figures = {
-        "model": f"{args.layers} layers, d_model {args.d_model}, vocab {args.vocab} (random)",
-        "tokens": args.tokens,
-        "members": 2 * args.layers + 1,
-        "ce_every": bias.ce_every,
-        "threads": torch.get_num_threads(),
-        "load_average": [round(x, 2) for x in os.getloadavg()],
-        "seconds": {k: round(v, 3) for k, v in best.items()},
-        "fused_over_lens": round(best["lens,bias"] / best["lens"], 3),
-        "fused_over_fused_without_bias": round(in_run, 3),
-        "last_run_timings": timings,
-    }
-    print(json.dumps(figures, indent=1))
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(figures, fh, indent=1)
+    in_run = [float("inf")]
+
+    def without_bias(name: str, _: object) -> None:
+        if name == "lens,bias":
+            # The same run without bias's own seconds: immune to load drifting between runs.
+            fused = timings[name]
+            in_run[0] = min(in_run[0], fused["total_s"] / (fused["total_s"] - fused["bias_s"]))
+
+    best = best_of(cases, args.repeats, without_bias)
+    report(
+        {
+            **describe(args),
+            "members": 2 * args.layers + 1,
+            "ce_every": bias.ce_every,
+            "seconds": {k: round(v, 3) for k, v in best.items()},
+            "fused_over_lens": round(best["lens,bias"] / best["lens"], 3),
+            "fused_over_fused_without_bias": round(in_run[0], 3),
+            "last_run_timings": timings,
+        },
+        args.json,
+    )
 
 
 if __name__ == "__main__":

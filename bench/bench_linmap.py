@@ -18,7 +18,6 @@ accumulation. Acceptance (issue 4): fit ≤ collect.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import tempfile
 import time
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import report
 
 
 def save_model(directory: Path, layers: int, width: int, seed: int) -> Path:
@@ -138,10 +138,7 @@ def main() -> None:
         "break_even_tokens": round(seconds["fit"] / (collect / n_tokens)),
     }
     shutil.rmtree(root, ignore_errors=True)  # the saved models (hundreds of MB)
-    print(json.dumps(figures, indent=1))
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(figures, fh, indent=1)
+    report(figures, args.json)
 
 
 if __name__ == "__main__":

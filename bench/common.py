@@ -1,0 +1,88 @@
+"""What every benchmark here shares: the random model, the command line, interleaved timing and
+the JSON figures. Scripts run as ``python bench/NAME.py`` (this folder is then importable)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def build(layers: int, d_model: int, vocab: int) -> Any:
+    """A random TL-native model of GPT-2 shape (d_head 64, d_mlp 4·d_model, LayerNorm)."""
+    from transformer_lens import TransformerBridge
+    from transformer_lens.config import TransformerBridgeConfig
+
+    from lensdiv.tokenizer import byte_tokenizer
+
+    cfg = TransformerBridgeConfig(
+        d_model=d_model,
+        d_head=64,
+        n_heads=d_model // 64,
+        n_layers=layers,
+        n_ctx=1024,
+        d_mlp=4 * d_model,
+        d_vocab=vocab,
+        act_fn="gelu",
+        normalization_type="LN",
+        seed=0,
+    )
+    # The byte tokenizer only packs the built-in corpus; its ids all lie below any vocab used here.
+    return TransformerBridge.boot_native(cfg, tokenizer=byte_tokenizer()).eval()
+
+
+def model_parser(
+    doc: str, *, tokens: int, batch_size: int, repeats: int
+) -> argparse.ArgumentParser:
+    """``--layers --d-model --vocab`` (24 × 1024, GPT-2's 50257), data sizes, ``--repeats``, ``--json``."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--d-model", type=int, default=1024)
+    parser.add_argument("--vocab", type=int, default=50257)
+    parser.add_argument("--tokens", type=int, default=tokens)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=batch_size)
+    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--json", help="also write the figures to this file")
+    return parser
+
+
+def describe(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings every figure file starts with."""
+    return {
+        "model": f"{args.layers} layers, d_model {args.d_model}, vocab {args.vocab} (random)",
+        "tokens": args.tokens,
+        "threads": torch.get_num_threads(),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def best_of(
+    cases: dict[str, Callable[[], Any]],
+    repeats: int,
+    after: Callable[[str, Any], None] | None = None,
+) -> dict[str, float]:
+    """Best wall time of each case over ``repeats`` interleaved rounds (so a noisy neighbour
+    does not decide a ratio); ``after(name, returned)`` sees every run's return value."""
+    best = {name: float("inf") for name in cases}
+    for _ in range(repeats):
+        for name, fn in cases.items():
+            t0 = time.perf_counter()
+            out = fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+            if after is not None:
+                after(name, out)
+    return best
+
+
+def report(figures: dict[str, Any], path: str | None) -> None:
+    """Print the figures as JSON, and write them to ``path`` if given."""
+    print(json.dumps(figures, indent=1))
+    if path:
+        with open(path, "w") as fh:
+            json.dump(figures, fh, indent=1)
