@@ -18,7 +18,6 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from typer.testing import CliRunner
 
 from lensdiv.analyzer import ModelInfo
 from lensdiv.analyzers.patch import (
@@ -32,10 +31,10 @@ from lensdiv.analyzers.patch import (
     run_variants,
 )
 from lensdiv.capture import capture
-from lensdiv.cli import app
 from lensdiv.corpus import KnowledgeBase, Query
 from lensdiv.errors import DataError, OptionError
 from lensdiv.runner import analyze
+from tests.test_cli import assert_user_error, invoke
 
 SITES = ("resid_pre", "attn_out", "mlp_out")
 
@@ -484,21 +483,18 @@ def test_bad_options() -> None:
 
 
 # -- command line ---------------------------------------------------------------------------------
-cli = CliRunner()
-
-
-def invoke(*args: str) -> Any:
-    return cli.invoke(app, list(args), catch_exceptions=False)
-
-
-def assert_user_error(result: Any, *needles: str) -> None:
-    text = result.output.strip()
-    assert result.exit_code == 2, text
-    assert "Traceback" not in text
-    assert len(text.splitlines()) == 1, text
-    assert text.startswith("error:")
-    for needle in needles:
-        assert needle in text, text
+def run_cli(tmp_path: Path, pairs: Path) -> Any:
+    return invoke(
+        "analyze",
+        "toy",
+        "--plugins",
+        "patch",
+        "-O",
+        f"patch.pairs={pairs}",
+        "--no-progress",
+        "--out",
+        str(tmp_path / "out"),
+    )
 
 
 @pytest.mark.parametrize(
@@ -521,36 +517,14 @@ def assert_user_error(result: Any, *needles: str) -> None:
 )
 def test_cli_bad_pairs(tmp_path: Path, lines: list[Any], needles: list[str]) -> None:
     path = write_jsonl(tmp_path / "pairs.jsonl", [fact_pairs("boss", 1)[0], *lines])
-    result = invoke(
-        "analyze",
-        "toy",
-        "--plugins",
-        "patch",
-        "-O",
-        f"patch.pairs={path}",
-        "--no-progress",
-        "--out",
-        str(tmp_path / "out"),
-    )
-    assert_user_error(result, "pairs.jsonl", *needles)
+    assert_user_error(run_cli(tmp_path, path), "pairs.jsonl", *needles)
 
 
 def test_cli_empty_and_missing_pairs_files(tmp_path: Path) -> None:
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
     for path, needle in ((empty, "empty"), (tmp_path / "none.jsonl", "does not exist")):
-        result = invoke(
-            "analyze",
-            "toy",
-            "--plugins",
-            "patch",
-            "-O",
-            f"patch.pairs={path}",
-            "--no-progress",
-            "--out",
-            str(tmp_path / "out"),
-        )
-        assert_user_error(result, needle)
+        assert_user_error(run_cli(tmp_path, path), needle)
 
 
 def test_cli_runs_and_writes_everything(tmp_path: Path) -> None:
