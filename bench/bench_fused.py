@@ -18,7 +18,7 @@ def main() -> None:
     args = model_parser(__doc__, tokens=1024, batch_size=4, repeats=2).parse_args()
 
     from lensdiv import DataSpec, analyze
-    from lensdiv.data import token_batches
+    from lensdiv.data.sources import token_batches
 
     torch.set_grad_enabled(False)
     model = build(args.layers, args.d_model, args.vocab)

@@ -32,7 +32,7 @@ def save_model(directory: Path, layers: int, width: int, seed: int) -> Path:
     """A random GPT-2-config model (fp32, no dropout) plus the byte tokenizer, saved locally."""
     from transformers import AutoModelForCausalLM, GPT2Config
 
-    from lensdiv.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, byte_tokenizer
+    from lensdiv.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, byte_tokenizer
 
     config = GPT2Config(
         vocab_size=VOCAB_SIZE,
@@ -71,11 +71,11 @@ def main() -> None:
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
 
-    from lensdiv.analyzer import ModelInfo, Step
     from lensdiv.analyzers.linmap import LinearMaps, moment_gb
-    from lensdiv.capture import capture
-    from lensdiv.data import DataSpec, token_batches
-    from lensdiv.models import load_model
+    from lensdiv.core.analyzer import ModelInfo, Step
+    from lensdiv.data.sources import DataSpec, token_batches
+    from lensdiv.models.load import load_model
+    from lensdiv.ops.capture import capture
 
     torch.set_grad_enabled(False)
     root = Path(tempfile.mkdtemp(prefix="bench-linmap-"))

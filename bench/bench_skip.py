@@ -22,7 +22,7 @@ def main() -> None:
 
     from lensdiv import DataSpec, analyze
     from lensdiv.analyzers.skip import LayerSkip
-    from lensdiv.data import token_batches
+    from lensdiv.data.sources import token_batches
 
     torch.set_grad_enabled(False)
     model = build(args.layers, args.d_model, args.vocab)

@@ -18,7 +18,7 @@ def build(layers: int, d_model: int, vocab: int) -> Any:
     from transformer_lens import TransformerBridge
     from transformer_lens.config import TransformerBridgeConfig
 
-    from lensdiv.tokenizer import byte_tokenizer
+    from lensdiv.data.tokenizer import byte_tokenizer
 
     cfg = TransformerBridgeConfig(
         d_model=d_model,

@@ -11,40 +11,40 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from lensdiv.analyzer import Analyzer as Analyzer
-    from lensdiv.analyzer import Batch as Batch
-    from lensdiv.analyzer import ModelInfo as ModelInfo
-    from lensdiv.analyzer import Step as Step
-    from lensdiv.data import DataSpec as DataSpec
-    from lensdiv.errors import LensdivError as LensdivError
-    from lensdiv.models import load_model as load_model
-    from lensdiv.registry import get_analyzer as get_analyzer
-    from lensdiv.registry import list_plugins as list_plugins
-    from lensdiv.results import Plot as Plot
-    from lensdiv.results import Result as Result
-    from lensdiv.results import Table as Table
-    from lensdiv.runner import Run as Run
-    from lensdiv.runner import analyze as analyze
-    from lensdiv.runner import load_run as load_run
-    from lensdiv.stats import Stats as Stats
+    from lensdiv.core.analyzer import Analyzer as Analyzer
+    from lensdiv.core.analyzer import Batch as Batch
+    from lensdiv.core.analyzer import ModelInfo as ModelInfo
+    from lensdiv.core.analyzer import Step as Step
+    from lensdiv.core.errors import LensdivError as LensdivError
+    from lensdiv.core.registry import get_analyzer as get_analyzer
+    from lensdiv.core.registry import list_plugins as list_plugins
+    from lensdiv.core.results import Plot as Plot
+    from lensdiv.core.results import Result as Result
+    from lensdiv.core.results import Table as Table
+    from lensdiv.core.stats import Stats as Stats
+    from lensdiv.data.sources import DataSpec as DataSpec
+    from lensdiv.models.load import load_model as load_model
+    from lensdiv.run.runner import Run as Run
+    from lensdiv.run.runner import analyze as analyze
+    from lensdiv.run.runner import load_run as load_run
 
 _EXPORTS = {
-    "Analyzer": "lensdiv.analyzer",
-    "Batch": "lensdiv.analyzer",
-    "ModelInfo": "lensdiv.analyzer",
-    "Step": "lensdiv.analyzer",
-    "DataSpec": "lensdiv.data",
-    "LensdivError": "lensdiv.errors",
-    "load_model": "lensdiv.models",
-    "get_analyzer": "lensdiv.registry",
-    "list_plugins": "lensdiv.registry",
-    "Plot": "lensdiv.results",
-    "Result": "lensdiv.results",
-    "Table": "lensdiv.results",
-    "Run": "lensdiv.runner",
-    "analyze": "lensdiv.runner",
-    "load_run": "lensdiv.runner",
-    "Stats": "lensdiv.stats",
+    "Analyzer": "lensdiv.core.analyzer",
+    "Batch": "lensdiv.core.analyzer",
+    "ModelInfo": "lensdiv.core.analyzer",
+    "Step": "lensdiv.core.analyzer",
+    "DataSpec": "lensdiv.data.sources",
+    "LensdivError": "lensdiv.core.errors",
+    "load_model": "lensdiv.models.load",
+    "get_analyzer": "lensdiv.core.registry",
+    "list_plugins": "lensdiv.core.registry",
+    "Plot": "lensdiv.core.results",
+    "Result": "lensdiv.core.results",
+    "Table": "lensdiv.core.results",
+    "Run": "lensdiv.run.runner",
+    "analyze": "lensdiv.run.runner",
+    "load_run": "lensdiv.run.runner",
+    "Stats": "lensdiv.core.stats",
 }
 __all__ = sorted(_EXPORTS) + ["__version__"]
 

@@ -51,7 +51,7 @@ from transformers import (
     Qwen2Config,
 )
 
-from lensdiv.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, byte_tokenizer
+from lensdiv.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, byte_tokenizer
 
 N_LAYERS = 3
 D_MODEL = 32

@@ -21,15 +21,15 @@ import torch
 import torch.nn.functional as F
 from rich.console import Console
 
-from lensdiv.analyzer import Analyzer, Batch, ModelInfo, Step
 from lensdiv.analyzers.contrib import Contribution
 from lensdiv.analyzers.lens import LogitLens
-from lensdiv.capture import capture
-from lensdiv.data import DataSpec, token_batches
-from lensdiv.registry import PluginEntry, list_plugins
-from lensdiv.results import Result
-from lensdiv.runner import analyze, load_run
-from lensdiv.stats import Stats
+from lensdiv.core.analyzer import Analyzer, Batch, ModelInfo, Step
+from lensdiv.core.registry import PluginEntry, list_plugins
+from lensdiv.core.results import Result
+from lensdiv.core.stats import Stats
+from lensdiv.data.sources import DataSpec, token_batches
+from lensdiv.ops.capture import capture
+from lensdiv.run.runner import analyze, load_run
 from tests.models import ARCHITECTURES, boot_native_tiny, boot_tiny
 from tests.test_core import assert_results_equal
 

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from transformer_lens.tools.analysis.logit_lens import logit_readout
 from transformers import AutoModelForCausalLM
 
-from lensdiv.tokenizer import BOS_ID, VOCAB_SIZE, byte_tokenizer
+from lensdiv.data.tokenizer import BOS_ID, VOCAB_SIZE, byte_tokenizer
 from tests.models import boot_native_tiny, save_tiny_model
 
 HOOK_TEMPLATES = (

@@ -20,17 +20,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lensdiv.analyzer import Batch, ModelInfo
 from lensdiv.analyzers.bias import (
     BiasDiversity,
     ce_terms,
     direct_decomposition,
     gram_squared_error,
 )
-from lensdiv.capture import capture
-from lensdiv.data import DataSpec
-from lensdiv.errors import DataError, HookError
-from lensdiv.members import (
+from lensdiv.core.analyzer import Batch, ModelInfo
+from lensdiv.core.errors import DataError, HookError
+from lensdiv.data.sources import DataSpec
+from lensdiv.ops.capture import capture
+from lensdiv.ops.members import (
     final_readout,
     iter_member_logits,
     member_hooks,
@@ -38,7 +38,7 @@ from lensdiv.members import (
     member_logits,
     member_names,
 )
-from lensdiv.runner import analyze
+from lensdiv.run.runner import analyze
 from tests.models import boot_native_tiny, boot_tiny
 from tests.test_analyzers import assert_tables_close, batches_of, run_state
 from tests.test_cli import assert_user_error, invoke
@@ -109,7 +109,7 @@ def test_members_with_random_final_norm(arch: str, request: pytest.FixtureReques
 def test_wrong_norm_parameters_are_refused(
     native_model: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import lensdiv.members as members
+    import lensdiv.ops.members as members
 
     monkeypatch.setattr(members, "_eps", lambda module, cfg: 0.5)
     monkeypatch.setattr(members, "_READOUTS", members.weakref.WeakKeyDictionary())

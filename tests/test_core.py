@@ -25,17 +25,17 @@ import pytest
 import torch
 from rich.console import Console
 
-from lensdiv.analyzer import Analyzer, Batch, ModelInfo, Step
 from lensdiv.analyzers.lens import LogitLens
-from lensdiv.capture import capture
-from lensdiv.corpus import builtin_documents
-from lensdiv.data import DataSpec, documents, token_batches
-from lensdiv.errors import DataError, OptionError, PluginError
-from lensdiv.registry import GROUP, collect
-from lensdiv.results import Plot, Result, Table
-from lensdiv.runner import analyze
-from lensdiv.stats import Stats
-from lensdiv.tokenizer import BOS_ID, EOS_ID, PAD_ID, byte_tokenizer
+from lensdiv.core.analyzer import Analyzer, Batch, ModelInfo, Step
+from lensdiv.core.errors import DataError, OptionError, PluginError
+from lensdiv.core.registry import GROUP, collect
+from lensdiv.core.results import Plot, Result, Table
+from lensdiv.core.stats import Stats
+from lensdiv.data.corpus import builtin_documents
+from lensdiv.data.sources import DataSpec, documents, token_batches
+from lensdiv.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, byte_tokenizer
+from lensdiv.ops.capture import capture
+from lensdiv.run.runner import analyze
 
 # -- tiny analyzers: targets of the fake entry points below (``tests.test_core:Name``) ----------
 
@@ -424,7 +424,7 @@ def test_registry_alias_clash_is_reported() -> None:
 
 
 def test_installed_registry_holds_the_builtins() -> None:
-    from lensdiv.registry import get_analyzer, list_plugins
+    from lensdiv.core.registry import get_analyzer, list_plugins
 
     entries = {e.name: e for e in list_plugins()}
     assert entries["lens"].cls is LogitLens and entries["lens"].provider.startswith("lensdiv ")
@@ -861,7 +861,7 @@ def test_saving_plots_leaves_the_matplotlib_backend_alone(tmp_path: Path) -> Non
     """A notebook's inline backend must survive ``save_plots`` (and toy training's loss plot)."""
     import matplotlib
 
-    from lensdiv.results import Plot, Result, Table
+    from lensdiv.core.results import Plot, Result, Table
 
     previous = matplotlib.get_backend()
     matplotlib.use("svg")

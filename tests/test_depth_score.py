@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 import torch
 
-from lensdiv.analyzer import Batch, ModelInfo, Step
 from lensdiv.analyzers.depth_score import (
     DepthScore,
     arith_examples,
@@ -18,8 +17,9 @@ from lensdiv.analyzers.depth_score import (
     kb_examples,
 )
 from lensdiv.analyzers.skip import Intervals, later_effect
-from lensdiv.capture import capture
-from lensdiv.runner import analyze
+from lensdiv.core.analyzer import Batch, ModelInfo, Step
+from lensdiv.ops.capture import capture
+from lensdiv.run.runner import analyze
 from tests.test_cli import assert_user_error, invoke
 from tests.test_skip import naive_effects
 

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from lensdiv.analyzer import Batch, ModelInfo, Step
 from lensdiv.analyzers.dynamics import Dynamics, angle, stop_layer, token_dynamics
-from lensdiv.capture import capture
-from lensdiv.errors import OptionError
-from lensdiv.runner import analyze
+from lensdiv.core.analyzer import Batch, ModelInfo, Step
+from lensdiv.core.errors import OptionError
+from lensdiv.ops.capture import capture
+from lensdiv.run.runner import analyze
 from tests.test_cli import FAST, assert_user_error, invoke
 
 TOL = 1e-4
@@ -251,7 +251,7 @@ def test_bad_options() -> None:
 
 def test_update_scaling_recovers_a_planted_power_law() -> None:
     from lensdiv.analyzers.dynamics import update_scaling
-    from lensdiv.results import Result, Table
+    from lensdiv.core.results import Result, Table
 
     def fake(depth: int) -> Result:
         rel = [0.5 / depth] * depth  # every block moves the state by 0.5/L of its norm

@@ -14,7 +14,6 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from lensdiv.analyzer import Batch, ModelInfo, Step
 from lensdiv.analyzers.linmap import (
     LinearMaps,
     augment,
@@ -24,13 +23,14 @@ from lensdiv.analyzers.linmap import (
     spearman,
     target_layers,
 )
-from lensdiv.capture import capture
 from lensdiv.cli import app
-from lensdiv.data import DataSpec, token_batches
-from lensdiv.errors import OptionError
-from lensdiv.runner import analyze
-from lensdiv.stats import Stats
-from lensdiv.tokenizer import byte_tokenizer
+from lensdiv.core.analyzer import Batch, ModelInfo, Step
+from lensdiv.core.errors import OptionError
+from lensdiv.core.stats import Stats
+from lensdiv.data.sources import DataSpec, token_batches
+from lensdiv.data.tokenizer import byte_tokenizer
+from lensdiv.ops.capture import capture
+from lensdiv.run.runner import analyze
 from tests.models import boot_tiny, save_tiny_model, tiny_config
 
 SPEC = DataSpec(max_tokens=2048, seq_len=64, batch_size=8)  # ~11 documents, 3 held out

@@ -19,7 +19,6 @@ import pandas as pd
 import pytest
 import torch
 
-from lensdiv.analyzer import ModelInfo
 from lensdiv.analyzers.patch import (
     Pair,
     Patching,
@@ -30,10 +29,11 @@ from lensdiv.analyzers.patch import (
     run_patches,
     run_variants,
 )
-from lensdiv.capture import capture
-from lensdiv.corpus import KnowledgeBase, Query
-from lensdiv.errors import DataError, OptionError
-from lensdiv.runner import analyze
+from lensdiv.core.analyzer import ModelInfo
+from lensdiv.core.errors import DataError, OptionError
+from lensdiv.data.corpus import KnowledgeBase, Query
+from lensdiv.ops.capture import capture
+from lensdiv.run.runner import analyze
 from tests.test_cli import assert_user_error, invoke
 
 SITES = ("resid_pre", "attn_out", "mlp_out")
@@ -528,7 +528,7 @@ def test_cli_empty_and_missing_pairs_files(tmp_path: Path) -> None:
 
 
 def test_cli_runs_and_writes_everything(tmp_path: Path) -> None:
-    from lensdiv.results import Result
+    from lensdiv.core.results import Result
 
     path = write_jsonl(tmp_path / "pairs.jsonl", fact_pairs("boss", 3) + fact_pairs("friend", 2))
     out = tmp_path / "out"

@@ -149,7 +149,7 @@ def test_entropy_matches_naive_loop(plugin: Any, exclude_bos: bool) -> None:
     import torch
 
     import lensdiv
-    from lensdiv.analyzer import Batch, ModelInfo, Step
+    from lensdiv.core.analyzer import Batch, ModelInfo, Step
 
     model = lensdiv.load_model("toy", device="cpu")
     info = ModelInfo.from_model(model, name="toy")

@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lensdiv.errors import DataError, OptionError
-from lensdiv.results import Result, Table
-from lensdiv.scaling import (
+from lensdiv.core.errors import DataError, OptionError
+from lensdiv.core.results import Result, Table
+from lensdiv.studies.scaling import (
     TERMS,
     Runs,
     _check_same_tokens,
@@ -334,8 +334,8 @@ def test_family_losses_match_an_independent_forward(tmp_path: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from lensdiv.data import DataSpec, token_batches
-    from lensdiv.tokenizer import byte_tokenizer
+    from lensdiv.data.sources import DataSpec, token_batches
+    from lensdiv.data.tokenizer import byte_tokenizer
     from tests.models import save_tiny_model
 
     folders = [
@@ -364,7 +364,7 @@ def test_family_losses_match_an_independent_forward(tmp_path: Path) -> None:
 def test_family_refuses_different_tokenizations() -> None:
     import torch
 
-    from lensdiv.analyzer import Batch
+    from lensdiv.core.analyzer import Batch
 
     def batch(ids: list[int]) -> Batch:
         tokens = torch.tensor([ids])

@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 import torch
 
-from lensdiv.analyzer import Batch, ModelInfo, Step
 from lensdiv.analyzers.skip import LayerSkip, later_effect, skip_effects, split_intervals
-from lensdiv.capture import capture
-from lensdiv.intervene import Resumer
-from lensdiv.runner import analyze
+from lensdiv.core.analyzer import Batch, ModelInfo, Step
+from lensdiv.ops.capture import capture
+from lensdiv.ops.resume import Resumer
+from lensdiv.run.runner import analyze
 
 EPS = 1e-6
 

@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 import torch
 
-from lensdiv.analyzer import Batch, ModelInfo, Step
 from lensdiv.analyzers.submod import (
     Submodularity,
     curve,
@@ -31,12 +30,13 @@ from lensdiv.analyzers.submod import (
     set_function_stats,
     units_mask,
 )
-from lensdiv.capture import capture
-from lensdiv.data import DataSpec, token_batches
-from lensdiv.intervene import Resumer
-from lensdiv.members import member_hooks
-from lensdiv.runner import analyze
-from lensdiv.stats import Stats
+from lensdiv.core.analyzer import Batch, ModelInfo, Step
+from lensdiv.core.stats import Stats
+from lensdiv.data.sources import DataSpec, token_batches
+from lensdiv.ops.capture import capture
+from lensdiv.ops.members import member_hooks
+from lensdiv.ops.resume import Resumer
+from lensdiv.run.runner import analyze
 from tests.test_core import assert_results_equal
 
 ARCHS = ["gpt2", "llama", "neox", "native"]

@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lensdiv.errors import OptionError
-from lensdiv.results import Result
-from lensdiv.teacher_student import (
+from lensdiv.core.errors import OptionError
+from lensdiv.core.results import Result
+from lensdiv.studies.teacher_student import (
     StudentAdam,
     TeacherStudentConfig,
     fit_depth_exponent,

@@ -12,9 +12,15 @@ import torch
 from typer.testing import CliRunner
 
 from lensdiv.cli import app
-from lensdiv.corpus import MAX_HOPS, RELATIONS, KnowledgeBase, language_documents, mixed_documents
-from lensdiv.errors import ModelLoadError
-from lensdiv.toy import (
+from lensdiv.core.errors import ModelLoadError
+from lensdiv.data.corpus import (
+    MAX_HOPS,
+    RELATIONS,
+    KnowledgeBase,
+    language_documents,
+    mixed_documents,
+)
+from lensdiv.models.toy import (
     ToySpec,
     TrainRecipe,
     entry_dir,

@@ -1,7 +1,7 @@
 """``bias`` — the residual stream as an ensemble: bias minus diversity (SCIENCE.md B1–B3).
 
 Members are the embedding and every attention and MLP output (``M = 2L + 1``, see
-:mod:`lensdiv.members`); member ``i`` predicts ``f_i = M z_i`` where ``z_i`` is its exact logit
+:mod:`lensdiv.ops.members`); member ``i`` predicts ``f_i = M z_i`` where ``z_i`` is its exact logit
 contribution with the constant ``W_U β + b_U`` shared equally (``z_i + const/M``), so the members'
 mean is exactly the model's logits ``z``. Two exact identities are accumulated per position:
 
@@ -42,9 +42,11 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from lensdiv.analyzer import Analyzer, Batch, ModelInfo, Step
-from lensdiv.errors import DataError
-from lensdiv.members import (
+from lensdiv.core.analyzer import Analyzer, Batch, ModelInfo, Step
+from lensdiv.core.errors import DataError
+from lensdiv.core.results import Plot, Result, Table
+from lensdiv.core.stats import Stats
+from lensdiv.ops.members import (
     final_readout,
     keep_chunks,
     member_hooks,
@@ -52,8 +54,6 @@ from lensdiv.members import (
     member_layers,
     member_names,
 )
-from lensdiv.results import Plot, Result, Table
-from lensdiv.stats import Stats
 
 Weighting = Literal["mean", "sum"]
 
@@ -225,7 +225,7 @@ class BiasDiversity(Analyzer):
         final_readout(model)  # an undecomposable final norm fails here, before any forward
         if not self.tasks:
             return None
-        from lensdiv.data import read_task_jsonl
+        from lensdiv.data.sources import read_task_jsonl
 
         rows = read_task_jsonl(
             self.tasks, ("prompt", "label"), what="bias classification", option="bias.tasks"

@@ -15,9 +15,9 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from lensdiv.analyzer import Analyzer, ModelInfo, Step
-from lensdiv.results import Plot, Result, Table
-from lensdiv.stats import Stats
+from lensdiv.core.analyzer import Analyzer, ModelInfo, Step
+from lensdiv.core.results import Plot, Result, Table
+from lensdiv.core.stats import Stats
 
 EPS = 1e-6
 RATIOS = ("r_attn", "r_mlp", "r_block")

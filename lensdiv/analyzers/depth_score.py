@@ -34,12 +34,12 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from lensdiv.analyzer import Analyzer, Batch, ModelInfo, Step
 from lensdiv.analyzers.skip import Intervals, later_effect, skip_effects
-from lensdiv.errors import DataError
-from lensdiv.intervene import Resumer
-from lensdiv.results import Plot, Result, Table
-from lensdiv.stats import Stats
+from lensdiv.core.analyzer import Analyzer, Batch, ModelInfo, Step
+from lensdiv.core.errors import DataError
+from lensdiv.core.results import Plot, Result, Table
+from lensdiv.core.stats import Stats
+from lensdiv.ops.resume import Resumer
 
 BUILTIN = ("auto", "kb", "arith")
 
@@ -53,7 +53,7 @@ def depth_score(effect: Float[Tensor, "*batch skipped"]) -> Float[Tensor, "*batc
 
 def kb_examples(per_grade: int, seed: int) -> list[tuple[str, str, str]]:
     """The toy knowledge base's k-hop queries, asked as in the training documents."""
-    from lensdiv.corpus import KnowledgeBase
+    from lensdiv.data.corpus import KnowledgeBase
 
     asked = KnowledgeBase(seed=0).asked(per_grade, seed=seed + 1)
     return [
@@ -74,7 +74,7 @@ def arith_examples(per_grade: int, seed: int) -> list[tuple[str, str, str]]:
 
 def read_examples(path: str) -> list[tuple[str, str, str]]:
     """``{"prompt", "answer", "grade"}`` rows of a JSONL file; one clear error per bad line."""
-    from lensdiv.data import read_task_jsonl
+    from lensdiv.data.sources import read_task_jsonl
 
     rows = read_task_jsonl(
         path, ("prompt", "answer", "grade"), what="depth-score examples", option="depth-score.tasks"
@@ -124,7 +124,7 @@ class DepthScore(Analyzer):
         tokenizer = model.tokenizer
         tasks = self.tasks
         if tasks == "auto":
-            from lensdiv.tokenizer import NAME
+            from lensdiv.data.tokenizer import NAME
 
             tasks = "kb" if getattr(tokenizer, "name_or_path", "") == NAME else "arith"
         if tasks == "kb":

@@ -18,7 +18,7 @@ is exact without holding the tokens), the layer at which each token stops updati
 scored by next-token cross-entropy (at ``l = L − 1`` this is the model's own loss).
 
 The last-block lens reuses the clean residuals: every ``h_l`` goes through the final block alone
-(:class:`~lensdiv.intervene.Resumer`, stacked along the batch), and its readout is taken at every
+(:class:`~lensdiv.ops.resume.Resumer`, stacked along the batch), and its readout is taken at every
 ``lens_every``-th scored position, recorded in the result. Everything else is elementwise work
 on the cached residuals, so ``dynamics`` rides along with ``lens`` in one forward pass.
 """
@@ -34,11 +34,11 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from lensdiv.analyzer import Analyzer, ModelInfo, Step
-from lensdiv.errors import HookError
-from lensdiv.intervene import Resumer
-from lensdiv.results import Plot, Result, Table
-from lensdiv.stats import Stats
+from lensdiv.core.analyzer import Analyzer, ModelInfo, Step
+from lensdiv.core.errors import HookError
+from lensdiv.core.results import Plot, Result, Table
+from lensdiv.core.stats import Stats
+from lensdiv.ops.resume import Resumer
 
 FinalState = Literal["pre", "post"]
 

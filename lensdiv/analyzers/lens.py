@@ -17,9 +17,9 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from lensdiv.analyzer import Analyzer, ModelInfo, Step
-from lensdiv.results import Plot, Result, Table
-from lensdiv.stats import Stats
+from lensdiv.core.analyzer import Analyzer, ModelInfo, Step
+from lensdiv.core.results import Plot, Result, Table
+from lensdiv.core.stats import Stats
 
 # Elements of the [layers, rows, vocab] log-prob block held at once (~256 MB in fp32).
 _BLOCK_ELEMENTS = 1 << 26

@@ -46,10 +46,10 @@ import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
-from lensdiv.analyzer import Analyzer, Batch, ModelInfo, Step
-from lensdiv.errors import LensdivError, OptionError
-from lensdiv.results import Plot, Result, Table
-from lensdiv.stats import Stats
+from lensdiv.core.analyzer import Analyzer, Batch, ModelInfo, Step
+from lensdiv.core.errors import LensdivError, OptionError
+from lensdiv.core.results import Plot, Result, Table
+from lensdiv.core.stats import Stats
 
 SELF = "self"
 EPS = 1e-6
@@ -277,7 +277,7 @@ class LinearMaps(Analyzer):
         return target_info.n_layers
 
     def _load_target(self, model: Any, info: ModelInfo) -> tuple[Any, ModelInfo]:
-        from lensdiv.models import load_model
+        from lensdiv.models.load import load_model
 
         param = next(model.parameters())
         try:
@@ -322,7 +322,7 @@ class LinearMaps(Analyzer):
         self, bound: _Target, step: Step, select: Bool[Tensor, "batch pos"]
     ) -> Float[Tensor, "n n_target d_target"]:
         """The target states at the selected positions; runs the target on the rows holding some."""
-        from lensdiv.capture import capture
+        from lensdiv.ops.capture import capture
 
         names = [bound.info.resid(j) for j in bound.layers]
         if bound.model is None:

@@ -37,7 +37,7 @@ Conventions:
   left out of the patching scores (counted in ``meta["degenerate_pairs"]``) but still enter the
   erasure and IG maps.
 
-Interventions resume the forward pass from the patched layer (:class:`lensdiv.intervene.Resumer`)
+Interventions resume the forward pass from the patched layer (:class:`lensdiv.ops.resume.Resumer`)
 and batch every site and position of a layer into one pass: a patching sweep is ``L`` passes of
 ``sites x T x pairs`` rows that run ``L/2`` blocks on average, where TransformerLens'
 ``get_act_patch_*`` runs ``3·L·T`` full passes (the tests check both agree). IG needs gradients,
@@ -57,10 +57,10 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from lensdiv.analyzer import Analyzer, Batch, ModelInfo, Step
-from lensdiv.errors import DataError
-from lensdiv.results import Plot, Result, Table
-from lensdiv.stats import Stats
+from lensdiv.core.analyzer import Analyzer, Batch, ModelInfo, Step
+from lensdiv.core.errors import DataError
+from lensdiv.core.results import Plot, Result, Table
+from lensdiv.core.stats import Stats
 
 SITES = ("resid_pre", "attn_out", "mlp_out")
 EPS = 1e-6
@@ -103,7 +103,7 @@ def read_pairs(path: str | Path) -> list[Pair]:
     Raises:
         DataError: Missing or empty file, bad JSON, a missing key or a wrong type, naming the line.
     """
-    from lensdiv.data import read_task_jsonl
+    from lensdiv.data.sources import read_task_jsonl
 
     path = Path(path)
     pairs = []
@@ -145,7 +145,7 @@ _BUILTIN_PAIRS = 16
 
 
 def _is_byte_tokenizer(tokenizer: Any) -> bool:
-    from lensdiv.tokenizer import SPECIALS, VOCAB_SIZE
+    from lensdiv.data.tokenizer import SPECIALS, VOCAB_SIZE
 
     try:
         specials = tokenizer.convert_ids_to_tokens(list(range(len(SPECIALS))))
@@ -164,7 +164,7 @@ def builtin_pairs(tokenizer: Any) -> list[Pair]:
     in their first token.
     """
     if _is_byte_tokenizer(tokenizer):
-        from lensdiv.corpus import RELATIONS, KnowledgeBase, Query
+        from lensdiv.data.corpus import RELATIONS, KnowledgeBase, Query
 
         kb = KnowledgeBase(seed=0)  # the knowledge base every toy model is trained on
         pairs: list[Pair] = []
@@ -305,8 +305,8 @@ _RESUMERS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
 def _resumer(model: Any) -> Any:
-    """One :class:`~lensdiv.intervene.Resumer` per model, so its first-use check runs once."""
-    from lensdiv.intervene import Resumer
+    """One :class:`~lensdiv.ops.resume.Resumer` per model, so its first-use check runs once."""
+    from lensdiv.ops.resume import Resumer
 
     if model not in _RESUMERS:
         _RESUMERS[model] = Resumer(model)
@@ -419,7 +419,7 @@ def integrated_gradients(
         ``f(baseline)`` per row; completeness says ``attr.sum(-1) ≈ f(x) - f(baseline)``.
 
     With ``start`` (``hook_name`` is then the residual ``h_start``) each pass resumes from the
-    path value and runs only blocks ``start..L-1`` (:class:`~lensdiv.intervene.Resumer`).
+    path value and runs only blocks ``start..L-1`` (:class:`~lensdiv.ops.resume.Resumer`).
     """
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}")
@@ -638,7 +638,7 @@ class Patching(Analyzer):
         foil: Int[Tensor, " batch"],
         keep: Bool[Tensor, " pos"],
     ) -> None:
-        from lensdiv.capture import capture
+        from lensdiv.ops.capture import capture
 
         batch, info, model = step.batch, step.info, step.model
         L = info.n_layers

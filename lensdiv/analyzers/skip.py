@@ -16,7 +16,7 @@ Modes:
   ``t' ≥ t`` only through attention.
 
 Cost: blocks ``0..s`` are unchanged by skipping ``s``, so each intervened pass resumes from the
-clean residual (:class:`~lensdiv.intervene.Resumer`) and runs only the blocks after ``s``; the
+clean residual (:class:`~lensdiv.ops.resume.Resumer`) and runs only the blocks after ``s``; the
 output effect is read out (final norm + unembedding) at the measured positions only.
 """
 
@@ -31,10 +31,10 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from lensdiv.analyzer import Analyzer, ModelInfo, Step
-from lensdiv.intervene import Resumer
-from lensdiv.results import Plot, Result, Table
-from lensdiv.stats import Stats
+from lensdiv.core.analyzer import Analyzer, ModelInfo, Step
+from lensdiv.core.results import Plot, Result, Table
+from lensdiv.core.stats import Stats
+from lensdiv.ops.resume import Resumer
 
 EPS = 1e-6
 Mode = Literal["future", "current", "local"]

@@ -12,7 +12,7 @@ mean over positions) of the model using only the units in ``S``, in one of two `
   logits and a softmax per position.
 - ``removal``: units are whole blocks; ``S`` keeps its blocks and skips the others
   (``h_{l+1} := h_l`` for ``l ∉ S``), a real forward pass per subset that resumes from the clean
-  residual at the first skipped block (:class:`~lensdiv.intervene.Resumer`), several subsets
+  residual at the first skipped block (:class:`~lensdiv.ops.resume.Resumer`), several subsets
   stacked along the batch. ``F(all)`` is the model's performance, ``F(∅)`` the embedding's.
 
 Reported, from per-subset sums over positions (so shards merge):
@@ -52,10 +52,10 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from lensdiv.analyzer import Analyzer, ModelInfo, Step
-from lensdiv.intervene import Resumer
-from lensdiv.results import Plot, Result, Table
-from lensdiv.stats import Stats
+from lensdiv.core.analyzer import Analyzer, ModelInfo, Step
+from lensdiv.core.results import Plot, Result, Table
+from lensdiv.core.stats import Stats
+from lensdiv.ops.resume import Resumer
 
 Mode = Literal["direct", "removal"]
 Metric = Literal["neg_ce", "accuracy"]
@@ -324,9 +324,9 @@ def direct_scores(
     """Sum over kept positions of each subset's score, predicting with its members' logits.
 
     Args:
-        step: The clean pass; its cache must hold :func:`lensdiv.members.member_hooks`.
+        step: The clean pass; its cache must hold :func:`lensdiv.ops.members.member_hooks`.
         masks: Subsets of the ``2L + 1`` members (bit ``i`` = member ``i`` of
-            :func:`lensdiv.members.member_names`).
+            :func:`lensdiv.ops.members.member_names`).
         keep: Positions scored (each must have a next token).
         targets: Next tokens.
         metric: ``neg_ce`` or ``accuracy``.
@@ -336,7 +336,7 @@ def direct_scores(
     Returns:
         ``[len(masks)]`` float64 sums.
     """
-    from lensdiv.members import final_readout, iter_member_logits
+    from lensdiv.ops.members import final_readout, iter_member_logits
 
     info = step.info
     n_members = 2 * info.n_layers + 1
@@ -544,14 +544,14 @@ class Submodularity(Analyzer):
     def unit_names(self, info: ModelInfo) -> list[str]:
         """Names of the units in depth order."""
         if self.mode == "direct":
-            from lensdiv.members import member_names
+            from lensdiv.ops.members import member_names
 
             return member_names(info)
         return [f"block{layer}" for layer in range(info.n_layers)]
 
     def hooks(self, info: ModelInfo) -> list[str]:
         if self.mode == "direct":
-            from lensdiv.members import member_hooks
+            from lensdiv.ops.members import member_hooks
 
             return member_hooks(info)
         return [info.resid(layer) for layer in range(info.n_layers + 1)]

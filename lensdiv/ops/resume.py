@@ -25,7 +25,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from lensdiv.capture import stop_hook_name
+from lensdiv.ops.capture import stop_hook_name
 
 Hook = tuple[str, Callable[..., Any]]
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import platform
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -15,10 +14,11 @@ from typing import Any
 
 from rich.jupyter import JupyterMixin
 
-from lensdiv.analyzer import Analyzer, ModelInfo, Step
-from lensdiv.data import DataSpec, check_source, token_batches
-from lensdiv.errors import HookError, LensdivError, ResultError
-from lensdiv.results import Result, write_json_atomic
+from lensdiv.core.analyzer import Analyzer, ModelInfo, Step
+from lensdiv.core.errors import HookError, LensdivError, ResultError
+from lensdiv.core.provenance import versions
+from lensdiv.core.results import Result, write_json_atomic
+from lensdiv.data.sources import DataSpec, check_source, token_batches
 
 MANIFEST = "manifest.json"
 
@@ -53,19 +53,6 @@ class Run(JupyterMixin):
             yield f"[red]analyzer {name!r} failed:[/red] {err}"
         if self.manifest.get("status") == "interrupted":
             yield "[yellow]interrupted: results are partial (see manifest.json)[/yellow]"
-
-
-def versions(*extra: str) -> dict[str, str]:
-    """Versions of everything that can change a number (plus the ``extra`` distributions)."""
-    from importlib import metadata
-
-    out = {"python": platform.python_version()}
-    for dist in ("lensdiv", "torch", "transformer-lens", "transformers", "numpy", *extra):
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            out[dist] = "not installed"
-    return out
 
 
 def check_hooks(analyzers: Iterable[Analyzer], info: ModelInfo) -> dict[str, list[str]]:
@@ -131,8 +118,8 @@ def analyze(
     """
     import torch
 
-    from lensdiv.models import load_model
-    from lensdiv.registry import make_analyzers
+    from lensdiv.core.registry import make_analyzers
+    from lensdiv.models.load import load_model
 
     started = time.time()
     analyzers = make_analyzers(plugins, {k: dict(v) for k, v in (options or {}).items()})
@@ -369,7 +356,7 @@ def _pass(
     tokens seen) to ``counts`` as it goes, so an interrupted pass still reports them."""
     import torch
 
-    from lensdiv.capture import capture
+    from lensdiv.ops.capture import capture
 
     names = list(dict.fromkeys(h for a in analyzers for h in hooks[a.name]))
     need_logits = any(a.needs_logits for a in analyzers)
@@ -416,7 +403,7 @@ def _progress(enabled: bool, label: str) -> Any:
     from rich.progress import ProgressColumn
     from rich.text import Text
 
-    from lensdiv.progress import progress_bar
+    from lensdiv.core.progress import progress_bar
 
     class SpeedColumn(ProgressColumn):
         def render(self, task: Any) -> Text:

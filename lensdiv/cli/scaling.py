@@ -32,7 +32,7 @@ Out = Annotated[
 
 
 def _parse_columns(pairs: list[str]) -> dict[str, str]:
-    from lensdiv.errors import OptionError
+    from lensdiv.core.errors import OptionError
 
     columns = {}
     for pair in pairs:
@@ -71,9 +71,9 @@ def fit(
 
     Example: lensdiv scaling fit ../shared/data/chinchilla_runs.csv --drop-highest 40 --depth-offset -2
     """
-    from lensdiv.cli import _default_out, _fail, _save_and_show
-    from lensdiv.errors import LensdivError
-    from lensdiv.scaling import fit_csv
+    from lensdiv.cli.common import default_out, fail, save_and_show
+    from lensdiv.core.errors import LensdivError
+    from lensdiv.studies.scaling import fit_csv
 
     try:
         result = fit_csv(
@@ -87,8 +87,8 @@ def fit(
             seed=seed,
         )
     except LensdivError as err:
-        _fail(err)
-    _save_and_show(result, out or _default_out(f"scaling-{path.stem}"))
+        fail(err)
+    save_and_show(result, out or default_out(f"scaling-{path.stem}"))
 
 
 @app.command("family")
@@ -134,10 +134,10 @@ def family(
 
     Example: lensdiv scaling family toy:d2,toy:d4,toy:d6,toy:d8 --folds 0
     """
-    from lensdiv.cli import _default_out, _fail, _save_and_show
-    from lensdiv.data import DataSpec
-    from lensdiv.errors import LensdivError
-    from lensdiv.scaling import fit_family
+    from lensdiv.cli.common import default_out, fail, save_and_show
+    from lensdiv.core.errors import LensdivError
+    from lensdiv.data.sources import DataSpec
+    from lensdiv.studies.scaling import fit_family
 
     try:
         spec = DataSpec(
@@ -164,5 +164,5 @@ def family(
             progress=progress,
         )
     except LensdivError as err:
-        _fail(err)
-    _save_and_show(result, out or _default_out(f"scaling-{models.split(',')[0]}"))
+        fail(err)
+    save_and_show(result, out or default_out(f"scaling-{models.split(',')[0]}"))

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lensdiv.errors import ModelLoadError
-from lensdiv.models import place_model
+from lensdiv.core.devices import place_model
+from lensdiv.core.errors import ModelLoadError
 
 TOY_VERSION = 1
 DEFAULT_DEPTH = 4
@@ -61,7 +61,7 @@ class ToySpec:
         """The ``TransformerBridgeConfig`` for ``boot_native``."""
         from transformer_lens.config import TransformerBridgeConfig
 
-        from lensdiv.tokenizer import VOCAB_SIZE
+        from lensdiv.data.tokenizer import VOCAB_SIZE
 
         return TransformerBridgeConfig(
             d_model=self.width,
@@ -158,7 +158,7 @@ def cache_root() -> Path:
 
 def recipe_key(spec: ToySpec, recipe: TrainRecipe) -> str:
     """Hash of everything that determines the trained weights."""
-    from lensdiv.corpus import CORPUS_VERSION
+    from lensdiv.data.corpus import CORPUS_VERSION
 
     blob = json.dumps(
         {
@@ -218,7 +218,7 @@ def build(spec: ToySpec, *, device: Any = None, dtype: Any = None) -> Any:
     """A freshly initialised toy bridge (seeded)."""
     from transformer_lens import TransformerBridge
 
-    from lensdiv.tokenizer import byte_tokenizer
+    from lensdiv.data.tokenizer import byte_tokenizer
 
     model = TransformerBridge.boot_native(
         spec.bridge_config(),
@@ -273,8 +273,8 @@ def train_toy(
     """Train one toy model; cache it (atomically) unless ``save`` is False. Returns (model, log)."""
     import torch
 
-    from lensdiv.corpus import mixed_documents
-    from lensdiv.data import DataSpec, pack
+    from lensdiv.data.corpus import mixed_documents
+    from lensdiv.data.sources import DataSpec, pack
 
     recipe = recipe or TrainRecipe.default()
     torch.manual_seed(spec.seed)
@@ -298,7 +298,7 @@ def train_toy(
         frac = (step - recipe.warmup) / max(1, recipe.steps - recipe.warmup)
         return recipe.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
-    from lensdiv.tokenizer import byte_tokenizer
+    from lensdiv.data.tokenizer import byte_tokenizer
 
     tokenizer = byte_tokenizer()
     pack_spec = DataSpec(
@@ -388,7 +388,7 @@ def multihop_accuracy(model: Any, *, n: int = 200, seed: int = 1) -> dict[str, A
     """
     import torch
 
-    from lensdiv.corpus import KnowledgeBase
+    from lensdiv.data.corpus import KnowledgeBase
 
     kb = KnowledgeBase(seed=0)
     tokenizer = model.tokenizer
@@ -412,14 +412,26 @@ def multihop_accuracy(model: Any, *, n: int = 200, seed: int = 1) -> dict[str, A
 
 
 def _lens_kl(model: Any) -> list[float]:
-    """Logit-lens KL to the output per residual state, on held-out text."""
-    from lensdiv.data import DataSpec
-    from lensdiv.runner import analyze
+    """Logit-lens KL to the output per residual state, on held-out text (the training log's
+    quick check that later layers converge; ``lensdiv analyze --plugins lens`` is the analysis)."""
+    import torch
+    from transformer_lens.tools.analysis.logit_lens import logit_readout
 
-    run = analyze(
-        model, data=DataSpec(max_tokens=2048, seq_len=128), plugins=["lens"], progress=False
-    )
-    return [round(float(v), 5) for v in run["lens"].table()["kl"]]
+    from lensdiv.data.sources import DataSpec, token_batches
+
+    L = int(model.cfg.n_layers)
+    names = [f"blocks.{layer}.hook_resid_pre" for layer in range(L)]
+    names.append(f"blocks.{L - 1}.hook_resid_post")
+    total, count = torch.zeros(L + 1, dtype=torch.float64), 0
+    with torch.no_grad():
+        for batch in token_batches(DataSpec(max_tokens=2048, seq_len=128), model.tokenizer):
+            _, cache = model.run_with_cache(batch.tokens, names_filter=names)
+            stack = torch.stack([cache[name][batch.mask] for name in names])
+            logp = logit_readout(model, stack, return_type="log_probs").values.float()
+            kl = torch.einsum("lrv,lrv->lr", logp.exp(), logp - logp[-1:]).clamp_min(0.0)
+            total += kl.double().sum(1)
+            count += stack.shape[1]
+    return [round(float(v), 5) for v in total / max(count, 1)]
 
 
 def _save_entry(spec: ToySpec, recipe: TrainRecipe, model: Any, log: dict[str, Any]) -> Path:
@@ -448,7 +460,7 @@ def _save_entry(spec: ToySpec, recipe: TrainRecipe, model: Any, log: dict[str, A
 
 
 def _plot_log(log: dict[str, Any], path: Path) -> None:
-    from lensdiv.results import agg_figure
+    from lensdiv.core.results import agg_figure
 
     fig, ax = agg_figure()
     ax.plot(range(1, len(log["train_loss"]) + 1), log["train_loss"], lw=0.8, label="train")
@@ -464,7 +476,7 @@ def _plot_log(log: dict[str, Any], path: Path) -> None:
 
 
 def _train_progress(enabled: bool, name: str) -> Any:
-    from lensdiv.progress import progress_bar
+    from lensdiv.core.progress import progress_bar
 
     return progress_bar(
         f"[bold]training {name}[/bold]", "steps  loss {task.fields[loss]:.3f}", enabled=enabled

@@ -19,7 +19,7 @@ from typing import Any, Literal
 import numpy as np
 from rich.jupyter import JupyterMixin
 
-from lensdiv.errors import ResultError
+from lensdiv.core.errors import ResultError
 
 SCHEMA = 1
 

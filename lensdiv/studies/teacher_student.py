@@ -16,7 +16,7 @@ loop with batched matrix products and a per-student Adam, which gives each stude
 updates it would get trained alone on the same inputs.
 
 Example:
-    >>> from lensdiv.teacher_student import TeacherStudentConfig, run_teacher_student
+    >>> from lensdiv.studies.teacher_student import TeacherStudentConfig, run_teacher_student
     >>> result = run_teacher_student(TeacherStudentConfig.preset("fast"))  # doctest: +SKIP
     >>> result.table("alpha").rows  # doctest: +SKIP
 """
@@ -37,9 +37,9 @@ import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor
 
-from lensdiv.errors import OptionError
-from lensdiv.results import Plot, Result, Table
-from lensdiv.runner import versions
+from lensdiv.core.errors import OptionError
+from lensdiv.core.provenance import versions
+from lensdiv.core.results import Plot, Result, Table
 
 #: Settings of each preset; everything else is a :class:`TeacherStudentConfig` default.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -110,7 +110,7 @@ class TeacherStudentConfig:
         (exp-9-2: depth-scaled learning rate, decayed over the last 20 % of the steps).
         """
         if name not in PRESETS:
-            from lensdiv.errors import did_you_mean
+            from lensdiv.core.errors import did_you_mean
 
             raise OptionError(
                 f"unknown teacher-student preset {name!r}{did_you_mean(name, list(PRESETS))}",
@@ -398,7 +398,7 @@ def _train(
 
 
 def _progress(enabled: bool) -> Any:
-    from lensdiv.progress import progress_bar
+    from lensdiv.core.progress import progress_bar
 
     return progress_bar(
         "[bold]training students[/bold]",

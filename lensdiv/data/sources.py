@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lensdiv.errors import DataError
+from lensdiv.core.errors import DataError
 
 BUILTIN = "builtin"
 _SNIFF_BYTES = 1 << 16
@@ -116,7 +116,7 @@ def documents(spec: DataSpec) -> Iterator[str]:
     """Yield the documents of the source, lazily."""
     kind = check_source(spec)
     if kind == "builtin":
-        from lensdiv.corpus import builtin_documents
+        from lensdiv.data.corpus import builtin_documents
 
         yield from builtin_documents(seed=spec.seed)
     elif kind == "hub":
@@ -238,7 +238,7 @@ def _hub_documents(spec: DataSpec) -> Iterator[str]:
 
 
 def token_batches(spec: DataSpec, tokenizer: Any) -> Iterator[Any]:
-    """Tokenise and pack the documents of ``spec`` into :class:`~lensdiv.analyzer.Batch` es."""
+    """Tokenise and pack the documents of ``spec`` into :class:`~lensdiv.core.analyzer.Batch` es."""
     return pack(documents(spec), tokenizer, spec, source=spec.source)
 
 
@@ -248,7 +248,7 @@ def pack(
     """Pack any stream of documents the way :func:`token_batches` does (``spec`` gives the sizes)."""
     import torch
 
-    from lensdiv.analyzer import Batch
+    from lensdiv.core.analyzer import Batch
 
     bos_id = tokenizer.bos_token_id if spec.bos == "prepend" else None
     eos_id = tokenizer.eos_token_id

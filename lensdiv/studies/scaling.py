@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 from jaxtyping import Float
 
-from lensdiv.errors import DataError, OptionError, did_you_mean
-from lensdiv.results import Plot, Result, Table
+from lensdiv.core.errors import DataError, OptionError, did_you_mean
+from lensdiv.core.results import Plot, Result, Table
 
 # The size variables, in the order they appear in the law, with their symbols.
 TERMS = ("width", "depth", "tokens")
@@ -528,7 +528,7 @@ def fit_runs(
         extra: Extra per-run columns for the data table (e.g. parameter counts).
 
     Returns:
-        A ``scaling`` :class:`~lensdiv.results.Result`: tables ``parameters``, ``runs`` and
+        A ``scaling`` :class:`~lensdiv.core.results.Result`: tables ``parameters``, ``runs`` and
         ``heldout``, one log-log plot per term, and the settings in ``meta``.
 
     Raises:
@@ -555,7 +555,7 @@ def fit_runs(
     heldout = cross_validate(runs, fit, folds, seed=seed) if folds else None
     if np.isnan(fit.cov).any():
         notes.append("JᵀJ is singular, so the parameters are not all identifiable (stderr NaN)")
-    from lensdiv.runner import versions  # provenance; imports torch, so only here
+    from lensdiv.core.provenance import versions  # provenance; imports torch, so only here
 
     settings = {
         **(meta or {}),
@@ -808,7 +808,7 @@ def collect_family(
 
     Args:
         models: Model specs (see :func:`expand_models`), loaded one at a time.
-        data: A :class:`~lensdiv.data.DataSpec` (default: the built-in corpus, 16384 tokens).
+        data: A :class:`~lensdiv.data.sources.DataSpec` (default: the built-in corpus, 16384 tokens).
         device, dtype: Where and in which precision the models run.
         trust_remote_code: Allow hub models with custom code.
         progress: Show a progress bar over the models.
@@ -821,8 +821,8 @@ def collect_family(
         DataError: The models tokenize the data differently (a family shares one tokenizer).
         ModelLoadError: A spec names nothing loadable.
     """
-    from lensdiv.data import DataSpec, check_source, token_batches
-    from lensdiv.models import load_model
+    from lensdiv.data.sources import DataSpec, check_source, token_batches
+    from lensdiv.models.load import load_model
 
     specs = expand_models(models)
     data = data if data is not None else DataSpec()
@@ -861,7 +861,7 @@ def collect_family(
 
 
 def _family_progress(enabled: bool) -> Any:
-    from lensdiv.progress import progress_bar
+    from lensdiv.core.progress import progress_bar
 
     return progress_bar("[bold]evaluating[/bold] {task.fields[model]}", "models", enabled=enabled)
 
@@ -899,24 +899,24 @@ def _mean_cross_entropy(model: Any, batches: list[Any]) -> tuple[float, int]:
 
 def _training_note(spec: str) -> str:
     """What the progress bar adds for a toy model that is not cached (it trains first)."""
-    from lensdiv.models import resolve_spec
+    from lensdiv.models.load import resolve_spec
 
     parsed = resolve_spec(spec)
     if parsed.kind != "toy":
         return ""
-    from lensdiv.toy import cached_log, parse_toy
+    from lensdiv.models.toy import cached_log, parse_toy
 
     return "" if cached_log(parse_toy(parsed.resolved)) else " (not cached: training it first)"
 
 
 def _tokens_trained(spec: str) -> float:
     """Tokens a toy model was trained on (from its cached training log); NaN otherwise."""
-    from lensdiv.models import resolve_spec
+    from lensdiv.models.load import resolve_spec
 
     parsed = resolve_spec(spec)
     if parsed.kind != "toy":
         return math.nan
-    from lensdiv.toy import cached_log, parse_toy
+    from lensdiv.models.toy import cached_log, parse_toy
 
     log = cached_log(parse_toy(parsed.resolved))
     if log is None:
@@ -945,7 +945,7 @@ def fit_family(
 
     Example: ``fit_family("zoo:depth", terms="depth", folds=0)``.
     """
-    from lensdiv.data import DataSpec
+    from lensdiv.data.sources import DataSpec
 
     terms = parse_terms(terms)
     _check_counts(n_bootstrap, folds, confidence)

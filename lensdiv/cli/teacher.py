@@ -63,14 +63,14 @@ def teacher_student(
 
     Example: lensdiv teacher-student --preset fast --rho 0,1 --temperature 1 --out ts-out
     """
-    from lensdiv.cli import _default_out, _fail, _save_and_show
-    from lensdiv.errors import LensdivError, OptionError
+    from lensdiv.cli.common import default_out, fail, save_and_show
+    from lensdiv.core.errors import LensdivError, OptionError
 
-    out = out or _default_out("teacher-student")
+    out = out or default_out("teacher-student")
     try:
         import torch
 
-        from lensdiv.teacher_student import TeacherStudentConfig, run_teacher_student
+        from lensdiv.studies.teacher_student import TeacherStudentConfig, run_teacher_student
 
         given = {"steps": steps, "batch_size": batch_size, "lr": lr, "test_size": test_size}
         config = TeacherStudentConfig.preset(
@@ -87,13 +87,13 @@ def teacher_student(
         torch.set_num_threads(threads)
         result = run_teacher_student(config, progress=progress, device=device)
     except LensdivError as err:
-        _fail(err)
-    _save_and_show(result, out)
+        fail(err)
+    save_and_show(result, out)
 
 
 def _numbers(text: str, option: str, kind: type) -> list[Any]:
     """``"0,1"`` → ``[0.0, 1.0]``; anything else is a one-line error naming ``option``."""
-    from lensdiv.errors import OptionError
+    from lensdiv.core.errors import OptionError
 
     try:
         return [kind(part) for part in text.split(",") if part.strip()]

@@ -25,11 +25,11 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from lensdiv.errors import OptionError, did_you_mean
-from lensdiv.stats import Stats
+from lensdiv.core.errors import OptionError, did_you_mean
+from lensdiv.core.stats import Stats
 
 if TYPE_CHECKING:
-    from lensdiv.results import Result
+    from lensdiv.core.results import Result
 
 Numerics = Literal["raw", "folded"]
 
@@ -217,7 +217,7 @@ class Analyzer(abc.ABC):
         """This analyzer's own examples, or ``None`` to read the run's corpus (the default).
 
         Called once, before any forward pass, so bad task data fails fast with a
-        :class:`~lensdiv.errors.DataError`; return a list (it is iterated once per pass).
+        :class:`~lensdiv.core.errors.DataError`; return a list (it is iterated once per pass).
         Per-example fields go in :attr:`Batch.extra`.
         """
         return None

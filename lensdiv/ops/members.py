@@ -11,7 +11,7 @@ once its scale is fixed, so each member is read through the *final* residual's s
 
 ``γ``, ``β`` and ``eps`` are read off the model's own final norm and *verified* against it on probe
 vectors (:func:`final_readout`); a norm that does not match either form (or an adapter whose logit
-transform is not a scalar multiple) raises :class:`~lensdiv.errors.HookError` rather than being
+transform is not a scalar multiple) raises :class:`~lensdiv.core.errors.HookError` rather than being
 decomposed wrongly. Activations are read in float32.
 
 The constant has no member of its own. ``constant="shared"`` gives every member ``const / M``,
@@ -30,8 +30,8 @@ import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
-from lensdiv.analyzer import ModelInfo
-from lensdiv.errors import HookError
+from lensdiv.core.analyzer import ModelInfo
+from lensdiv.core.errors import HookError
 
 Constant = Literal["shared", "separate"]
 NormKind = Literal["LN", "RMS", "none"]

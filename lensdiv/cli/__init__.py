@@ -1,0 +1,67 @@
+"""The ``lensdiv`` command line: each command parses, calls the Python API and prints.
+
+One module per command group; heavy imports stay inside the commands so ``lensdiv --help``
+answers at once.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+
+from lensdiv.cli import analyze as _analyze
+from lensdiv.cli import plugins as _plugins
+from lensdiv.cli import scaling as _scaling
+from lensdiv.cli import teacher as _teacher
+from lensdiv.cli import toy as _toy
+
+app = typer.Typer(
+    name="lensdiv",
+    help="How does a transformer use its depth? Run depth analyses on any TransformerLens model.\n\n"
+    "Example: lensdiv analyze gpt2-medium --plugins lens,contrib --data text.txt",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+)
+app.command()(_analyze.analyze)
+app.command()(_analyze.compare)
+app.command()(_analyze.report)
+app.add_typer(_plugins.app, name="plugins")
+app.add_typer(_toy.app, name="toy")
+# Whole studies rather than analyzers of one model: fits over many runs, toy experiments.
+app.add_typer(_scaling.app, name="scaling")
+app.command("teacher-student")(_teacher.teacher_student)
+
+
+def _version(value: bool | None) -> None:
+    if value:
+        from lensdiv import __version__
+
+        typer.echo(f"lensdiv {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool | None,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
+    ] = None,
+) -> None:
+    """How does a transformer use its depth?"""
+
+
+def main() -> None:
+    """Console-script entry point."""
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted\n")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""``lensdiv plugins``: inspect the analyzer plugins."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from lensdiv.cli.common import console, fail
+
+app = typer.Typer(help="Inspect the analyzer plugins.", no_args_is_help=True)
+
+
+@app.command("list")
+def plugins_list() -> None:
+    """List the installed analyzers: name, aliases, description and providing package.
+
+    Example: lensdiv plugins list
+    """
+    from rich.table import Table
+
+    from lensdiv.core.registry import default_registry
+
+    registry = default_registry()
+    table = Table(title="lensdiv analyzers", title_justify="left")
+    for col in ("name", "aliases", "description", "provided by"):
+        table.add_column(col, no_wrap=col in ("name", "provided by"))
+    for entry in registry.entries.values():
+        style = "red" if entry.cls is None else None
+        table.add_row(
+            entry.name, ", ".join(entry.aliases), entry.description, entry.provider, style=style
+        )
+    term = console()
+    term.print(table)
+    for problem in registry.problems:
+        console(stderr=True).print(f"[yellow]warning:[/yellow] {problem}")
+
+
+@app.command("show")
+def plugins_show(name: Annotated[str, typer.Argument(help="Analyzer name or alias.")]) -> None:
+    """Show one analyzer's description, needs and options.
+
+    Example: lensdiv plugins show lens
+    """
+
+    from lensdiv.core.errors import LensdivError
+    from lensdiv.core.registry import get_analyzer
+
+    try:
+        cls = get_analyzer(name)
+    except LensdivError as err:
+        fail(err)
+    term = console()
+    term.print(
+        f"[bold]{cls.name}[/bold] ({', '.join(cls.aliases) or 'no aliases'}): {cls.description}"
+    )
+    term.print(
+        f"needs logits: {cls.needs_logits}, extra forwards: {cls.extra_forwards}, "
+        f"gradients: {cls.needs_grad}, numerics: {cls.numerics}"
+    )
+    from rich.table import Table
+
+    table = Table("option", "default", "values", "meaning", box=None, pad_edge=False)
+    for row in cls.option_docs():
+        table.add_row(
+            f"-O {cls.name}.{row['name']}",
+            row["default"],
+            row["type"],
+            row["help"].replace("``", "`"),
+        )
+    if table.row_count:
+        term.print(table)
+    else:
+        term.print("no options")

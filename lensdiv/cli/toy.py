@@ -1,0 +1,81 @@
+"""``lensdiv toy``: the built-in toy zoo (list, train and cache models)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from lensdiv.cli.common import console, fail
+
+app = typer.Typer(
+    help="Built-in toy models: list the zoo, train and cache models.", no_args_is_help=True
+)
+
+
+@app.command("list")
+def toy_list() -> None:
+    """List the toy zoo: size, whether it is cached, and its training results.
+
+    Example: lensdiv toy list
+    """
+    from rich.table import Table
+
+    from lensdiv.models.toy import cache_root, cached_log, zoo
+
+    table = Table(title=f"toy models (cache: {cache_root() / 'toy'})", title_justify="left")
+    for col in ("name", "depth", "width", "cached", "held-out loss", "1-hop acc", "train s"):
+        table.add_column(col, justify="left" if col == "name" else "right")
+    for spec in zoo():
+        log = cached_log(spec)
+        default = " (default: toy)" if spec.name == "toy:d4-w64" else ""
+        if log is None:
+            table.add_row(spec.name + default, str(spec.depth), str(spec.width), "no", "", "", "")
+        else:
+            table.add_row(
+                spec.name + default,
+                str(spec.depth),
+                str(spec.width),
+                "yes",
+                f"{log['heldout_loss']:.4f}",
+                f"{log['multihop']['1']:.2f}",
+                f"{log['train_seconds']:.0f}",
+            )
+    console().print(table)
+
+
+@app.command("train")
+def toy_train(
+    name: Annotated[str | None, typer.Argument(help="toy, toy:d4, toy:d8-w128 ...")] = None,
+    all_: Annotated[bool, typer.Option("--all", help="Train the whole zoo.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Retrain even if cached.")] = False,
+    progress: Annotated[bool, typer.Option(help="Show progress bars.")] = True,
+) -> None:
+    """Train toy models and cache them (weights, training log, loss curve PNG).
+
+    Example: lensdiv toy train --all
+    """
+    from lensdiv.core.errors import LensdivError, ModelLoadError
+    from lensdiv.models.toy import cached_log, entry_dir, parse_toy, train_toy, zoo
+
+    try:
+        if all_ == (name is not None):
+            raise ModelLoadError(
+                "name one toy model or pass --all", hint="e.g. lensdiv toy train toy:d8"
+            )
+        specs = zoo() if all_ else [parse_toy(name or "toy")]
+    except LensdivError as err:
+        fail(err)
+    term = console()
+    for spec in specs:
+        log = None if force else cached_log(spec)
+        cached = log is not None
+        if log is None:
+            _, log = train_toy(spec, progress=progress)
+        hops = ", ".join(f"{h} hop {log['multihop'][h]:.2f}" for h in ("1", "2", "3", "4"))
+        term.print(
+            f"{spec.name}: held-out loss {log['heldout_loss']:.4f}, {hops} "
+            f"(chance {log['multihop']['chance']:.2f}), "
+            f"{'cached; it trained' if cached else 'trained'} in {log['train_seconds']:.0f} s "
+            f"-> {entry_dir(spec)}"
+        )

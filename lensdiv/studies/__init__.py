@@ -1,0 +1,1 @@
+"""Studies over many runs rather than one model: scaling-law fits, teacher-student networks."""
