@@ -623,7 +623,7 @@ class Patching(Analyzer):
                 state.add(f"erase/{n_pos}/sum", dist.sum(-1))
                 state.add(f"erase/{n_pos}/sq", (dist**2).sum(-1))
                 state.add(f"erase/{n_pos}/n", n_batch)
-        if resumer.mode is not None:
+        if resumer.mode is not None and step.pass_index == 0:
             state.add("resumer/resume", float(resumer.mode == "resume"))
             state.add("resumer/calls", 1.0)
 

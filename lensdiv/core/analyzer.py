@@ -2,13 +2,19 @@
 
 An analyzer is a frozen dataclass whose fields are its options. It declares, as class attributes,
 what it needs (hooks, logits, extra forward passes, gradients, numerics), so the runner can fuse
-all selected analyzers into one forward pass per batch. Read-only analyzers stream::
+all selected analyzers into one forward pass per batch. The data flow of a run::
 
-    state = analyzer.init(info)            # a mergeable Stats
-    for step in steps: analyzer.update(state, step)
-    result = analyzer.finalize(state, info)
+    resource = analyzer.setup(model, info)     # once: a reference model, checked inputs
+    state = analyzer.init(info)                # a mergeable Stats
+    for each pass p:                           # most analyzers have one
+        analyzer.start_pass(state, info, p)    # p >= 1: e.g. fit what pass p - 1 summed
+        for step in steps: analyzer.update(state, step)
+        (states of shards merge here; entries of finished passes are frozen)
+    result = analyzer.finalize(state, info)    # from the state alone: no model needed
 
-States of two data shards merge with ``Stats.merge``.
+Analyzers never change during a run: what a run needs beyond the options (the model, the pass
+index, what ``setup`` returned, reusable helpers such as a resumer) comes in the
+:class:`RunContext` of every :class:`Step`; everything learnt from the data lives in the state.
 """
 
 from __future__ import annotations
@@ -127,6 +133,31 @@ class Batch:
 
 
 @dataclass
+class RunContext:
+    """What one run gives its analyzers beyond the batch.
+
+    Args:
+        model: The ``TransformerBridge``.
+        info: Model facts.
+        resources: What each analyzer's :meth:`Analyzer.setup` returned, by analyzer name.
+        pass_index: Which pass over the data is running.
+    """
+
+    model: Any
+    info: ModelInfo
+    resources: dict[str, Any] = field(default_factory=dict)
+    pass_index: int = 0
+    _cache: dict[Any, Any] = field(default_factory=dict, repr=False)
+
+    def cached(self, key: Any, factory: Callable[[], Any]) -> Any:
+        """A helper object built once per run and shared by every batch and analyzer that asks
+        with the same ``key`` (e.g. a :class:`~lensdiv.ops.resume.Resumer`)."""
+        if key not in self._cache:
+            self._cache[key] = factory()
+        return self._cache[key]
+
+
+@dataclass
 class Step:
     """What ``Analyzer.update`` sees for one batch: the clean pass and a way to run more.
 
@@ -138,6 +169,7 @@ class Step:
         info: Model facts.
         pass_index: Which pass over the data this is (``0`` unless the analyzer asked for
             more, see :attr:`Analyzer.passes`).
+        context: The run's :class:`RunContext` (a private one when a step is made by hand).
     """
 
     batch: Batch
@@ -146,6 +178,21 @@ class Step:
     model: Any
     info: ModelInfo
     pass_index: int = 0
+    context: RunContext | None = None
+
+    def __post_init__(self) -> None:
+        if self.context is None:
+            self.context = RunContext(self.model, self.info, pass_index=self.pass_index)
+
+    def cached(self, key: Any, factory: Callable[[], Any]) -> Any:
+        """See :meth:`RunContext.cached`."""
+        assert self.context is not None  # set in __post_init__
+        return self.context.cached(key, factory)
+
+    def resource(self, analyzer: str) -> Any:
+        """What ``analyzer``'s :meth:`Analyzer.setup` returned for this run (``None`` if none)."""
+        assert self.context is not None  # set in __post_init__
+        return self.context.resources.get(analyzer)
 
     def resid(self, layer: int) -> Float[Tensor, "batch pos d_model"]:
         """``h_layer`` from the clean pass."""
@@ -198,6 +245,12 @@ class Analyzer(abc.ABC):
     def hooks(self, info: ModelInfo) -> list[str]:
         """TransformerLens hook names this analyzer reads from the clean pass."""
 
+    def setup(self, model: Any, info: ModelInfo) -> Any:
+        """Load and check what the run needs beyond the model (e.g. a reference model), once,
+        before any forward pass, so a bad input fails fast. The return value reaches every
+        step as ``step.resource(self.name)``; it is never part of the state."""
+        return None
+
     def init(self, info: ModelInfo) -> Stats:
         """Empty state before the first batch."""
         return Stats()
@@ -211,7 +264,9 @@ class Analyzer(abc.ABC):
         """Turn the accumulated state into a result."""
 
     def start_pass(self, state: Stats, info: ModelInfo, index: int) -> None:  # noqa: B027
-        """Called before pass ``index >= 1`` (see :attr:`passes`); e.g. fit what pass 0 summed."""
+        """Called before pass ``index >= 1`` (see :attr:`passes`) on the merged state of all
+        shards; e.g. fit what pass 0 summed and ``put`` the fit into the state. It must depend
+        on the state alone, so every process computes the same thing."""
 
     def examples(self, model: Any, info: ModelInfo) -> Iterable[Batch] | None:
         """This analyzer's own examples, or ``None`` to read the run's corpus (the default).

@@ -46,6 +46,10 @@ class ResultError(LensdivError):
     """A saved run or result that cannot be read."""
 
 
+class StateError(LensdivError):
+    """Analyzer states that cannot be combined or read (different runs, passes or shapes)."""
+
+
 def did_you_mean(word: str, choices: list[str] | tuple[str, ...]) -> str:
     """Return ``" (did you mean 'x'?)"`` for the closest choice, or ``""``."""
     import difflib

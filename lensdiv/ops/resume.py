@@ -222,3 +222,8 @@ class Resumer:
         if direct.shape == want.shape:
             scale = want.abs().max().clamp_min(1e-6)
             self._direct_readout = bool(((direct - want).abs().max() / scale) < self.tolerance)
+
+
+def resumer_for(step: Any, *, fast: bool = True) -> Resumer:
+    """The run's :class:`Resumer` for ``step.model`` (built, and checked, once per run)."""
+    return step.cached(("resumer", fast), lambda: Resumer(step.model, fast=fast))  # type: ignore[no-any-return]  # the cache holds what the factory built

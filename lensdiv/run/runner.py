@@ -7,18 +7,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rich.jupyter import JupyterMixin
 
-from lensdiv.core.analyzer import Analyzer, ModelInfo, Step
-from lensdiv.core.errors import HookError, LensdivError, ResultError
+from lensdiv.core.analyzer import Analyzer, Batch, ModelInfo
+from lensdiv.core.errors import LensdivError, ResultError
 from lensdiv.core.provenance import versions
 from lensdiv.core.results import Result, write_json_atomic
 from lensdiv.data.sources import DataSpec, check_source, token_batches
+from lensdiv.run.engine import Engine, check_hooks, input_device
 
 MANIFEST = "manifest.json"
 
@@ -53,26 +54,6 @@ class Run(JupyterMixin):
             yield f"[red]analyzer {name!r} failed:[/red] {err}"
         if self.manifest.get("status") == "interrupted":
             yield "[yellow]interrupted: results are partial (see manifest.json)[/yellow]"
-
-
-def check_hooks(analyzers: Iterable[Analyzer], info: ModelInfo) -> dict[str, list[str]]:
-    """Every analyzer's hooks, after checking each exists on the model."""
-    needed = {}
-    for analyzer in analyzers:
-        hooks = list(dict.fromkeys(analyzer.hooks(info)))
-        for hook in hooks:
-            if hook not in info.hook_names:
-                parts = hook.split(".")
-                extra = ""
-                if parts[0] == "blocks" and len(parts) > 1 and parts[1].isdigit():
-                    extra = f" ({info.n_layers} blocks: 0-{info.n_layers - 1})"
-                raise HookError(
-                    f"analyzer {analyzer.name!r} needs hook {hook!r} but {info.name} has no such "
-                    f"hook{extra}",
-                    hint="this analyzer does not support this architecture",
-                )
-        needed[analyzer.name] = hooks
-    return needed
 
 
 def analyze(
@@ -165,7 +146,7 @@ def analyze(
             "d_vocab": info.d_vocab,
             "normalization": info.normalization,
             "parallel_residual": info.parallel_residual,
-            "device": str(next(bridge.parameters()).device),
+            "device": str(input_device(bridge)),
             "dtype": str(next(bridge.parameters()).dtype).replace("torch.", ""),
         },
         "data": dataclasses.asdict(spec),
@@ -183,16 +164,19 @@ def analyze(
         if out_dir is not None:
             write_json_atomic(out_dir / MANIFEST, run.manifest)
 
-    # Task analyzers bring their own examples (and linmap its second model): read and check
-    # them all before any forward pass, so a bad task file fails at once and nothing is written.
-    tasks = {a.name: a.examples(bridge, info) for a in analyzers}
+    # Task analyzers bring their own examples, and setup() loads what else a run needs (a
+    # reference model): all of it is read and checked before any forward pass, so a bad task
+    # file fails at once and nothing is written.
+    tasks: dict[str, list[Batch] | None] = {}
     for a in analyzers:
-        if tasks[a.name] is not None:
-            tasks[a.name] = list(tasks[a.name])  # type: ignore[arg-type]
+        own = a.examples(bridge, info)
+        tasks[a.name] = None if own is None else list(own)
+        if own is not None:
             run.manifest["analyzers"][a.name]["data"] = "own examples"
+    resources = {a.name: a.setup(bridge, info) for a in analyzers}
     save_manifest()
     # One fused stream over the corpus per numerics kind, then one stream per task analyzer.
-    groups: list[tuple[list[Analyzer], Any, int]] = []
+    groups: list[tuple[list[Analyzer], Callable[[], Iterable[Batch]], int]] = []
     for kind in ("raw", "folded"):
         shared = [a for a in analyzers if a.numerics == kind and tasks[a.name] is None]
         if shared:
@@ -208,9 +192,14 @@ def analyze(
             break
         if group[0].numerics == "folded" and not getattr(bridge, "compatibility_mode", False):
             bridge.enable_compatibility_mode()
-        stopped = _stream(
-            bridge, group, batches, total, info, hooks, run, out_dir, progress, save_manifest
+        engine = Engine(
+            bridge,
+            info,
+            group,
+            hooks={a.name: hooks[a.name] for a in group},
+            resources={a.name: resources[a.name] for a in group},
         )
+        stopped = _stream(engine, batches, total, run, out_dir, progress, save_manifest)
     if isinstance(stopped, LensdivError):
         run.manifest["status"] = "data_error"
         run.manifest["error"] = str(stopped)
@@ -226,176 +215,89 @@ def analyze(
 
 
 def _stream(
-    bridge: Any,
-    analyzers: list[Analyzer],
-    batches: Any,
+    engine: Engine,
+    batches: Callable[[], Iterable[Batch]],
     total: int,
-    info: ModelInfo,
-    hooks: dict[str, list[str]],
     run: Run,
     out_dir: Path | None,
     progress: bool,
-    save_manifest: Any,
+    save_manifest: Callable[[], None],
 ) -> BaseException | None:
-    """Feed a group of analyzers batch by batch (one fused forward pass per batch, once per
-    requested pass), then finalize and save each.
+    """Run a group through all its passes, then finalize and save each analyzer.
 
     Returns what stopped the stream early (Ctrl-C, or bad data met mid-way), if anything: the
     analyzers are still finalized on the tokens seen so far and marked partial.
     """
-    states = {a.name: a.init(info) for a in analyzers}
-    active = list(analyzers)
-    timings = run.manifest["timings"]
-    spent = {a.name: 0.0 for a in analyzers}
-    counts = {"tokens": 0, "forward_s": 0.0}
+    entries = run.manifest["analyzers"]
+    for a in engine.analyzers:
+        entries[a.name]["status"] = "running"
     stopped: BaseException | None = None
-    for a in analyzers:
-        run.manifest["analyzers"][a.name]["status"] = "running"
-    n_passes = max(a.passes for a in analyzers)
+    n_passes = engine.n_passes
+    states: dict[str, Any] = {}
     try:
+        states = engine.init()
         for index in range(n_passes):
-            members = [a for a in active if a.passes > index]
-            for a in list(members):
-                if index == 0:
-                    continue
-                t0 = time.perf_counter()
-                try:
-                    a.start_pass(states[a.name], info, index)
-                except Exception as err:
-                    _fail(run, a.name, err, None)
-                    active.remove(a)
-                    members.remove(a)
-                spent[a.name] += time.perf_counter() - t0
+            members = engine.begin_pass(index, states)
             if not members:
                 break
             label = ", ".join(a.name for a in members)
             if n_passes > 1:
                 label += f" (pass {index + 1}/{n_passes})"
             bar = _progress(progress, label)
-            _pass(
-                bridge,
-                members,
-                batches(),
-                info,
-                hooks,
-                run,
-                states,
-                spent,
-                index,
-                bar,
-                total,
-                counts,
-            )
-            active = [a for a in active if a.name not in run.errors]
+            with bar:
+                task = bar.add_task("analyzing", total=total)
+                engine.feed(
+                    index,
+                    batches(),
+                    states,
+                    on_batch=lambda batch, bar=bar, task=task: bar.update(
+                        task, advance=batch.n_tokens
+                    ),
+                )
     except (KeyboardInterrupt, LensdivError) as err:
         stopped = err
-    n_tokens, forward_s = int(counts["tokens"]), counts["forward_s"]
     interrupted = stopped is not None
-    timings["forward_s"] = round(timings.get("forward_s", 0.0) + forward_s, 3)
-    own = len(analyzers) == 1 and run.manifest["analyzers"][analyzers[0].name].get("data")
+    timings = run.manifest["timings"]
+    timings["forward_s"] = round(timings.get("forward_s", 0.0) + engine.forward_s, 3)
+    own = len(engine.analyzers) == 1 and entries[engine.analyzers[0].name].get("data")
     if own:
-        run.manifest["analyzers"][analyzers[0].name]["tokens"] = n_tokens
+        entries[engine.analyzers[0].name]["tokens"] = engine.tokens
     else:
-        timings["tokens"] = n_tokens
-    for a in active:
-        t0 = time.perf_counter()
-        if n_tokens == 0:
-            _fail(
-                run,
-                a.name,
-                RuntimeError("no batch was processed, so there is nothing to report"),
-                None,
+        timings["tokens"] = engine.tokens
+    if engine.tokens == 0:
+        for a in list(engine.active):
+            engine.fail(
+                a, RuntimeError("no batch was processed, so there is nothing to report"), "finalize"
             )
+    results = engine.finalize(states) if engine.tokens else {}
+    for name, error in engine.failures.items():
+        run.errors[name] = error
+        entries[name].update(status="failed", error=error)
+    for a in engine.analyzers:
+        if a.name not in results:
             continue
-        try:
-            result = a.finalize(states[a.name], info)
-            meta = {
-                "analyzer": a.name,
-                "options": a.options(),
-                "numerics": a.numerics,
-                "model": run.manifest["model"],
-                "data": "own examples" if own else run.manifest["data"],
-                "tokens": n_tokens,
-                "seed": run.manifest["seed"],
-                "versions": run.manifest["versions"],
-                "partial": interrupted,
-                **result.meta,
-            }
-            result = dataclasses.replace(result, meta=meta)
-        except Exception as err:
-            _fail(run, a.name, err, None)
-            continue
-        spent[a.name] += time.perf_counter() - t0
+        meta = {
+            "analyzer": a.name,
+            "options": a.options(),
+            "numerics": a.numerics,
+            "model": run.manifest["model"],
+            "data": "own examples" if own else run.manifest["data"],
+            "tokens": engine.tokens,
+            "seed": run.manifest["seed"],
+            "versions": run.manifest["versions"],
+            "partial": interrupted,
+            **results[a.name].meta,
+        }
+        result = dataclasses.replace(results[a.name], meta=meta)
         run.results[a.name] = result
-        entry = run.manifest["analyzers"][a.name]
-        entry["status"] = "partial" if interrupted else "complete"
+        entries[a.name]["status"] = "partial" if interrupted else "complete"
         if out_dir is not None:
             result.save(out_dir / a.name)
-            entry["path"] = a.name
-        timings[a.name + "_s"] = round(spent[a.name], 3)
+            entries[a.name]["path"] = a.name
+        timings[a.name + "_s"] = round(engine.spent[a.name], 3)
         save_manifest()
     save_manifest()
     return stopped
-
-
-def _pass(
-    bridge: Any,
-    analyzers: list[Analyzer],
-    batches: Iterable[Any],
-    info: ModelInfo,
-    hooks: dict[str, list[str]],
-    run: Run,
-    states: dict[str, Any],
-    spent: dict[str, float],
-    index: int,
-    bar: Any,
-    total: int,
-    counts: dict[str, Any],
-) -> None:
-    """One pass over ``batches``; adds the clean forward's seconds (and, in pass 0, the real
-    tokens seen) to ``counts`` as it goes, so an interrupted pass still reports them."""
-    import torch
-
-    from lensdiv.ops.capture import capture
-
-    names = list(dict.fromkeys(h for a in analyzers for h in hooks[a.name]))
-    need_logits = any(a.needs_logits for a in analyzers)
-    grad = any(a.needs_grad for a in analyzers)
-    device = next(bridge.parameters()).device
-    active = list(analyzers)
-    with bar:
-        task = bar.add_task("analyzing", total=total)
-        for batch in batches:
-            batch.tokens, batch.mask = batch.tokens.to(device), batch.mask.to(device)
-            if batch.doc is not None:
-                batch.doc = batch.doc.to(device)
-            t0 = time.perf_counter()
-            logits, cache = capture(bridge, batch.tokens, names, need_logits=need_logits, grad=grad)
-            counts["forward_s"] += time.perf_counter() - t0
-            step = Step(
-                batch=batch, cache=cache, logits=logits, model=bridge, info=info, pass_index=index
-            )
-            for a in list(active):
-                t0 = time.perf_counter()
-                try:
-                    with torch.set_grad_enabled(a.needs_grad):
-                        a.update(states[a.name], step)
-                except Exception as err:  # one analyzer failing must not stop the others
-                    _fail(run, a.name, err, batch.index)
-                    active.remove(a)
-                spent[a.name] += time.perf_counter() - t0
-            if index == 0:
-                counts["tokens"] += batch.n_tokens
-            bar.update(task, advance=batch.n_tokens)
-            if not active:
-                break
-
-
-def _fail(run: Run, name: str, err: Exception, batch: int | None) -> None:
-    where = f" (batch {batch})" if batch is not None else " (finalize)"
-    message = f"{type(err).__name__}: {err}".splitlines()[0][:300]
-    run.errors[name] = message + where
-    run.manifest["analyzers"][name].update(status="failed", error=message + where)
 
 
 def _progress(enabled: bool, label: str) -> Any:

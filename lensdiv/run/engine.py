@@ -1,0 +1,216 @@
+"""The engine: a group of analyzers fed by one fused forward pass per batch, pass by pass.
+
+:class:`Engine` is the loop every run goes through — the runner, the merge-contract checks of
+:mod:`lensdiv.testing` and the benchmarks use it alike::
+
+    engine = Engine(model, info, analyzers)
+    states = engine.init()
+    for index in range(engine.n_passes):
+        engine.begin_pass(index, states)      # freeze finished passes, start_pass
+        engine.feed(index, batches, states)   # one forward per batch, every member updates
+        (merge or all-reduce the states of all shards here)
+    results = engine.finalize(states)
+
+A failing analyzer is isolated: it is dropped from the group with one line in
+:attr:`Engine.failures` and the others go on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from lensdiv.core.analyzer import Analyzer, Batch, ModelInfo, RunContext, Step
+from lensdiv.core.errors import HookError
+from lensdiv.core.results import Result
+from lensdiv.core.stats import Stats
+from lensdiv.ops.capture import capture
+
+
+def check_hooks(analyzers: Iterable[Analyzer], info: ModelInfo) -> dict[str, list[str]]:
+    """Every analyzer's hooks, after checking each exists on the model."""
+    needed = {}
+    for analyzer in analyzers:
+        hooks = list(dict.fromkeys(analyzer.hooks(info)))
+        for hook in hooks:
+            if hook not in info.hook_names:
+                parts = hook.split(".")
+                extra = ""
+                if parts[0] == "blocks" and len(parts) > 1 and parts[1].isdigit():
+                    extra = f" ({info.n_layers} blocks: 0-{info.n_layers - 1})"
+                raise HookError(
+                    f"analyzer {analyzer.name!r} needs hook {hook!r} but {info.name} has no such "
+                    f"hook{extra}",
+                    hint="this analyzer does not support this architecture",
+                )
+        needed[analyzer.name] = hooks
+    return needed
+
+
+def describe(err: BaseException) -> str:
+    """``"Type: first line of the message"`` (at most 300 characters)."""
+    return f"{type(err).__name__}: {err}".splitlines()[0][:300]
+
+
+class Engine:
+    """Feed ``analyzers`` together: one fused forward pass per batch.
+
+    Args:
+        model: The ``TransformerBridge``.
+        info: Its facts.
+        analyzers: The group (same numerics, same data).
+        hooks: ``{analyzer: hook names}`` (checked with :func:`check_hooks` when omitted).
+        resources: What each analyzer's ``setup`` returned (called here when omitted).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        info: ModelInfo,
+        analyzers: Sequence[Analyzer],
+        *,
+        hooks: Mapping[str, list[str]] | None = None,
+        resources: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.model = model
+        self.info = info
+        self.analyzers = list(analyzers)
+        self.hooks = dict(hooks) if hooks is not None else check_hooks(analyzers, info)
+        if resources is None:
+            resources = {a.name: a.setup(model, info) for a in self.analyzers}
+        self.context = RunContext(model, info, dict(resources))
+        self.active = list(self.analyzers)
+        self.failures: dict[str, str] = {}
+        self.spent = {a.name: 0.0 for a in self.analyzers}
+        self.tokens = 0  # real tokens of pass 0
+        self.forward_s = 0.0
+
+    @property
+    def n_passes(self) -> int:
+        """Passes the group needs (the most any member asks for)."""
+        return max((a.passes for a in self.analyzers), default=1)
+
+    def members(self, index: int) -> list[Analyzer]:
+        """The analyzers still running that take part in pass ``index``."""
+        return [a for a in self.active if a.passes > index]
+
+    def fail(self, analyzer: Analyzer, err: BaseException, where: str) -> None:
+        """Drop ``analyzer`` from the group, remembering why."""
+        self.failures[analyzer.name] = f"{describe(err)} ({where})"
+        if analyzer in self.active:
+            self.active.remove(analyzer)
+
+    def _timed(self, analyzer: Analyzer, where: str, call: Callable[[], Any]) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return call()
+        except Exception as err:  # one analyzer failing must not stop the others
+            self.fail(analyzer, err, where)
+            return None
+        finally:
+            self.spent[analyzer.name] += time.perf_counter() - t0
+
+    def init(self) -> dict[str, Stats]:
+        """A fresh state per analyzer."""
+        states: dict[str, Stats] = {}
+        for a in list(self.active):
+            state = self._timed(a, "init", lambda a=a: a.init(self.info))
+            if state is not None:
+                states[a.name] = state
+        return states
+
+    def begin_pass(self, index: int, states: Mapping[str, Stats]) -> list[Analyzer]:
+        """Prepare pass ``index``: from the second pass on, freeze what earlier passes wrote and
+        call ``start_pass`` on the (merged) states. Returns the pass's members."""
+        self.context.pass_index = index
+        if index > 0:
+            for a in self.members(index):
+                state = states[a.name]
+
+                def start(a: Analyzer = a, state: Stats = state) -> None:
+                    state.freeze()
+                    a.start_pass(state, self.info, index)
+                    state.freeze()
+
+                self._timed(a, "start of pass", start)
+        return self.members(index)
+
+    def feed(
+        self,
+        index: int,
+        batches: Iterable[Batch],
+        states: Mapping[str, Stats],
+        on_batch: Callable[[Batch], None] | None = None,
+    ) -> None:
+        """Pass ``index`` over ``batches``: one forward per batch, every member updates.
+
+        The clean forward's seconds (and, in pass 0, the real tokens) are counted as they go,
+        so an interrupted pass still reports them.
+        """
+        members = self.members(index)
+        if not members:
+            return
+        names = list(dict.fromkeys(h for a in members for h in self.hooks[a.name]))
+        need_logits = any(a.needs_logits for a in members)
+        grad = any(a.needs_grad for a in members)
+        device = input_device(self.model)
+        for batch in batches:
+            batch.tokens, batch.mask = batch.tokens.to(device), batch.mask.to(device)
+            if batch.doc is not None:
+                batch.doc = batch.doc.to(device)
+            t0 = time.perf_counter()
+            logits, cache = capture(
+                self.model, batch.tokens, names, need_logits=need_logits, grad=grad
+            )
+            self.forward_s += time.perf_counter() - t0
+            step = Step(
+                batch=batch,
+                cache=cache,
+                logits=logits,
+                model=self.model,
+                info=self.info,
+                pass_index=index,
+                context=self.context,
+            )
+            for a in self.members(index):
+
+                def update(a: Analyzer = a, step: Step = step) -> None:
+                    with torch.set_grad_enabled(a.needs_grad):
+                        a.update(states[a.name], step)
+
+                self._timed(a, f"batch {batch.index}", update)
+            if index == 0:
+                self.tokens += batch.n_tokens
+            if on_batch is not None:
+                on_batch(batch)
+            if not self.members(index):
+                break
+
+    def finalize(self, states: Mapping[str, Stats]) -> dict[str, Result]:
+        """Each running analyzer's result (those that fail here are dropped)."""
+        results = {}
+        for a in list(self.active):
+            result = self._timed(a, "finalize", lambda a=a: a.finalize(states[a.name], self.info))
+            if result is not None:
+                results[a.name] = result
+        return results
+
+    def run(self, batches: Callable[[], Iterable[Batch]]) -> dict[str, Result]:
+        """Every pass over ``batches()`` in this process, then the results."""
+        states = self.init()
+        for index in range(self.n_passes):
+            self.begin_pass(index, states)
+            self.feed(index, batches(), states)
+        return self.finalize(states)
+
+
+def input_device(model: Any) -> torch.device:
+    """Where token ids must go: the device of the embedding (the first parameter otherwise)."""
+    embed = getattr(model, "embed", None)
+    weight = getattr(embed, "W_E", None)
+    if isinstance(weight, torch.Tensor) and weight.device.type != "meta":
+        return weight.device
+    return next(model.parameters()).device
