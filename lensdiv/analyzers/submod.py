@@ -527,15 +527,10 @@ class Submodularity(Analyzer):
         if self.chunk < 0:
             raise ValueError(f"chunk must be 0 (auto) or positive, got {self.chunk}")
 
-    @property
-    def passes(self) -> int:  # type: ignore[override]  # depends on the options and the model
-        """One pass, plus one per greedy step after the first; once :meth:`init` has seen the
-        model, only the steps that choose (the last unit is forced)."""
-        steps = self.greedy
-        units = self.__dict__.get("_units")  # set by init (the runner asks after init)
-        if units is not None:
-            steps = min(steps, units - 1)
-        return max(1, steps)
+    def n_passes(self, info: ModelInfo) -> int:
+        """One pass, plus one per greedy step after the first; only the steps that choose
+        (the last unit is forced)."""
+        return max(1, min(self.greedy, self.n_units(info) - 1))
 
     def n_units(self, info: ModelInfo) -> int:
         """Members (direct) or blocks (removal)."""
@@ -561,7 +556,6 @@ class Submodularity(Analyzer):
         return make_plan(self.n_units(info), self.samples, self.seed)
 
     def init(self, info: ModelInfo) -> Stats:
-        self.__dict__["_units"] = self.n_units(info)  # frozen: options only; this is a cache
         state = Stats()
         state.resumer = None  # type: ignore[attr-defined]  # removal mode, built on first use
         return state
@@ -618,7 +612,7 @@ class Submodularity(Analyzer):
         if "F0" not in state or float(state["n"]) == 0:
             raise ValueError("no position with a next token was seen; use longer sequences")
         plan = self.plan(info)
-        table = self.table(state, plan, self.passes - 1)
+        table = self.table(state, plan, self.n_passes(info) - 1)
         steps = min(self.greedy, plan.n_units)
         while True:  # as many greedy steps as were measured
             try:

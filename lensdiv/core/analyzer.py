@@ -226,7 +226,7 @@ class Analyzer(abc.ABC):
         passes: How many times ``update`` sees the data. An analyzer that needs a dataset
             statistic before it can measure (a mean residual, a fitted map) asks for 2; the
             runner calls :meth:`start_pass` before each later pass and streams the data again.
-            It may be a property that depends on the options (read after :meth:`init`).
+            Where the count depends on the model, override :meth:`n_passes` instead.
 
     Analyzers that measure on task examples rather than on the corpus (patching pairs, graded
     prompts) override :meth:`examples`; they still stream through ``update``.
@@ -244,6 +244,10 @@ class Analyzer(abc.ABC):
     @abc.abstractmethod
     def hooks(self, info: ModelInfo) -> list[str]:
         """TransformerLens hook names this analyzer reads from the clean pass."""
+
+    def n_passes(self, info: ModelInfo) -> int:
+        """Passes over the data this analyzer needs on this model (default :attr:`passes`)."""
+        return self.passes
 
     def setup(self, model: Any, info: ModelInfo) -> Any:
         """Load and check what the run needs beyond the model (e.g. a reference model), once,

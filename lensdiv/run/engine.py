@@ -91,11 +91,11 @@ class Engine:
     @property
     def n_passes(self) -> int:
         """Passes the group needs (the most any member asks for)."""
-        return max((a.passes for a in self.analyzers), default=1)
+        return max((a.n_passes(self.info) for a in self.analyzers), default=1)
 
     def members(self, index: int) -> list[Analyzer]:
         """The analyzers still running that take part in pass ``index``."""
-        return [a for a in self.active if a.passes > index]
+        return [a for a in self.active if a.n_passes(self.info) > index]
 
     def fail(self, analyzer: Analyzer, err: BaseException, where: str) -> None:
         """Drop ``analyzer`` from the group, remembering why."""
