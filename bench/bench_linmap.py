@@ -72,7 +72,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from lensdiv.analyzers.linmap import LinearMaps, moment_gb
-    from lensdiv.core.analyzer import ModelInfo, Step
+    from lensdiv.core.analyzer import ModelInfo, RunContext, Step
     from lensdiv.data.sources import DataSpec, token_batches
     from lensdiv.models.load import load_model
     from lensdiv.ops.capture import capture
@@ -84,7 +84,8 @@ def main() -> None:
     source = load_model(str(src_dir), device="cpu")
     info = ModelInfo.from_model(source, name="source")
     analyzer = LinearMaps(target=str(tgt_dir))
-    analyzer.examples(source, info)  # loads the target, checks the tokenizers
+    resource = analyzer.setup(source, info)  # loads the target, checks the tokenizers
+    context = RunContext(source, info, {analyzer.name: resource})
     target = load_model(str(tgt_dir), device="cpu")  # a copy, for timing its forward alone
     spec = DataSpec(max_tokens=args.tokens, seq_len=args.seq_len, batch_size=args.batch_size)
     batches = list(token_batches(spec, source.tokenizer))
@@ -94,14 +95,22 @@ def main() -> None:
 
     state = analyzer.init(info)
     for index in (0, 1):
+        context.pass_index = index
         if index == 1:
+            state.freeze()  # what the runner does at a pass boundary
             seconds["fit"] = timed(lambda: analyzer.start_pass(state, info, 1))
         for batch in batches:
             t0 = time.perf_counter()
             _, cache = capture(source, batch.tokens, hooks, need_logits=False)
             t1 = time.perf_counter()
             step = Step(
-                batch=batch, cache=cache, logits=None, model=source, info=info, pass_index=index
+                batch=batch,
+                cache=cache,
+                logits=None,
+                model=source,
+                info=info,
+                pass_index=index,
+                context=context,
             )
             analyzer.update(state, step)
             t2 = time.perf_counter()

@@ -16,9 +16,9 @@ from lensdiv.analyzers.depth_score import (
     depth_score,
     kb_examples,
 )
-from lensdiv.analyzers.skip import Intervals, later_effect
 from lensdiv.core.analyzer import Batch, ModelInfo, Step
 from lensdiv.ops.capture import capture
+from lensdiv.ops.skipping import Intervals, later_effect
 from lensdiv.run.runner import analyze
 from tests.test_cli import assert_user_error, invoke
 from tests.test_skip import naive_effects

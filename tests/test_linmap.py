@@ -24,12 +24,12 @@ from lensdiv.analyzers.linmap import (
     target_layers,
 )
 from lensdiv.cli import app
-from lensdiv.core.analyzer import Batch, ModelInfo, Step
+from lensdiv.core.analyzer import Batch, ModelInfo
 from lensdiv.core.errors import OptionError
 from lensdiv.core.stats import Stats
 from lensdiv.data.sources import DataSpec, token_batches
 from lensdiv.data.tokenizer import byte_tokenizer
-from lensdiv.ops.capture import capture
+from lensdiv.run.engine import Engine
 from lensdiv.run.runner import analyze
 from tests.models import boot_tiny, save_tiny_model, tiny_config
 
@@ -109,9 +109,10 @@ def lstsq_map(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 # -- agreement with an independent computation ---------------------------------------------------
 
 
-def test_fit_matches_lstsq(pair: dict[str, Any]) -> None:
-    maps = pair["analyzer"].fitted
-    assert maps is not None
+def test_fit_matches_lstsq(pair: dict[str, Any], moments: Stats) -> None:
+    fit = moments.copy()
+    pair["analyzer"].start_pass(fit, ModelInfo.from_model(pair["source"], name="source"), 1)
+    maps = fit["maps"]
     d_src = pair["x"][0].shape[1]
     assert maps.shape == (4, d_src + 1, (DEEP_LAYERS + 1) * DEEP_WIDTH)
     train = pair["train"]
@@ -269,28 +270,23 @@ def test_invariants(
 # -- streaming -----------------------------------------------------------------------------------
 
 
+def engine_for(analyzer: LinearMaps, model: Any) -> Engine:
+    """The run's loop for ``analyzer`` (its setup loads and checks the target once)."""
+    return Engine(model, ModelInfo.from_model(model, name="source"), [analyzer])
+
+
 def pass0(analyzer: LinearMaps, model: Any, batches: list[Batch]) -> Stats:
-    info = ModelInfo.from_model(model, name="source")
-    analyzer.examples(model, info)
-    state = analyzer.init(info)
-    feed(analyzer, state, model, info, batches, 0)
+    engine = engine_for(analyzer, model)
+    states = engine.init()
+    engine.feed(0, batches, states)
+    return states[analyzer.name]
+
+
+def feed(engine: Engine, state: Stats, batches: list[Batch], index: int) -> Stats:
+    """Stream ``batches`` through pass ``index`` into ``state``; return it."""
+    engine.feed(index, batches, {"linmap": state})
+    assert not engine.failures, engine.failures
     return state
-
-
-def feed(
-    analyzer: LinearMaps,
-    state: Stats,
-    model: Any,
-    info: ModelInfo,
-    batches: list[Batch],
-    index: int,
-) -> None:
-    for batch in batches:
-        _, cache = capture(model, batch.tokens, analyzer.hooks(info), need_logits=False)
-        analyzer.update(
-            state,
-            Step(batch=batch, cache=cache, logits=None, model=model, info=info, pass_index=index),
-        )
 
 
 def state_bytes(state: Stats) -> dict[str, int]:
@@ -308,14 +304,15 @@ def test_merged_shards_equal_one_pass(pair: dict[str, Any], moments: Stats) -> N
     for key in whole.sums:
         torch.testing.assert_close(merged[key], whole[key], rtol=1e-12, atol=1e-9)
     assert int(merged["doc_max"]) == int(whole["doc_max"])
-    # Fit on the merged moments, score the two shards separately, merge the scores: the same
-    # numbers as the runner's single stream over all the data.
-    analyzer.start_pass(merged, info, 1)
-    scored = [Stats(), Stats()]
-    feed(analyzer, scored[0], model, info, batches[:2], 1)
-    feed(analyzer, scored[1], model, info, batches[2:], 1)
-    merged.sums.update(scored[0].merge(scored[1]).sums)
-    result = analyzer.finalize(merged, info)
+    # Fit on the merged moments, score the two shards separately (each from a copy of the
+    # fitted state), merge the scores: the same numbers as the runner's single stream.
+    engine = engine_for(analyzer, model)
+    engine.begin_pass(1, {"linmap": merged})
+    scored = [
+        feed(engine, merged.copy(), batches[:2], 1),
+        feed(engine, merged.copy(), batches[2:], 1),
+    ]
+    result = analyzer.finalize(scored[0].merge(scored[1]), info)
     for name in ("r2", "rel_error"):
         np.testing.assert_allclose(result.arrays[name], pair["result"].arrays[name], rtol=1e-9)
 
@@ -323,18 +320,14 @@ def test_merged_shards_equal_one_pass(pair: dict[str, Any], moments: Stats) -> N
 def test_state_size_does_not_grow_with_tokens(pair: dict[str, Any], moments: Stats) -> None:
     model, batches = pair["source"], pair["batches"]
     analyzer = LinearMaps(target=pair["analyzer"].target)
-    info = ModelInfo.from_model(model, name="source")
     one = pass0(analyzer, model, batches[:1])
     assert state_bytes(one) == state_bytes(moments)  # 1 batch or 4: the same tensors
     d_src = model.cfg.d_model
     expected = 8 * 4 * (d_src + 1) * (d_src + 1 + (DEEP_LAYERS + 1) * DEEP_WIDTH)
     assert state_bytes(one)["xtx"] + state_bytes(one)["xty"] == expected
-    analyzer.start_pass(one, info, 1)
-    sizes = []
-    for n in (1, 2):
-        scored = Stats()
-        feed(analyzer, scored, model, info, batches[:n], 1)
-        sizes.append(state_bytes(scored))
+    engine = engine_for(analyzer, model)
+    engine.begin_pass(1, {"linmap": one})
+    sizes = [state_bytes(feed(engine, one.copy(), batches[:n], 1)) for n in (1, 2)]
     assert sizes[0] == sizes[1]
 
 

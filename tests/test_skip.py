@@ -13,10 +13,11 @@ from typing import Any
 import pytest
 import torch
 
-from lensdiv.analyzers.skip import LayerSkip, later_effect, skip_effects, split_intervals
+from lensdiv.analyzers.skip import LayerSkip
 from lensdiv.core.analyzer import Batch, ModelInfo, Step
 from lensdiv.ops.capture import capture
 from lensdiv.ops.resume import Resumer
+from lensdiv.ops.skipping import later_effect, skip_effects, split_intervals
 from lensdiv.run.runner import analyze
 
 EPS = 1e-6

@@ -325,7 +325,7 @@ class BiasDiversity(Analyzer):
         keep[rows, batch.extra["last"].to(device)] = True
         keep &= batch.mask
         ids = batch.extra["label_ids"].to(device)
-        state.label_words = batch.extra["label_words"]  # type: ignore[attr-defined]
+        state.put("label_words", list(batch.extra["label_words"]))
         u, const = member_inputs(step.model, step.cache, info, keep)
         readout = final_readout(step.model)
         z = u @ readout.W_U[:, ids]  # [M, n, K]
@@ -486,8 +486,7 @@ class BiasDiversity(Analyzer):
             "Ensemble loss = bias - diversity (squared error and cross-entropy forms)",
         )
         target = (
-            f"label set {list(getattr(state, 'label_words', self.labels))} at the last prompt "
-            "position"
+            f"label set {list(state.get('label_words', self.labels))} at the last prompt position"
             if labelled
             else "next token, full vocabulary"
         )

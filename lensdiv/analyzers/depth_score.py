@@ -34,12 +34,12 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from lensdiv.analyzers.skip import Intervals, later_effect, skip_effects
 from lensdiv.core.analyzer import Analyzer, Batch, ModelInfo, Step
 from lensdiv.core.errors import DataError
 from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
-from lensdiv.ops.resume import Resumer
+from lensdiv.ops.resume import resumer_for
+from lensdiv.ops.skipping import Intervals, later_effect, skip_effects
 
 BUILTIN = ("auto", "kb", "arith")
 
@@ -166,15 +166,7 @@ class DepthScore(Analyzer):
             batches.append(Batch(tokens, mask, bos=bool(bos), index=index, extra=extra))
         return batches
 
-    def init(self, info: ModelInfo) -> Stats:
-        state = Stats()
-        state.resumer = None  # type: ignore[attr-defined]
-        state.grades = set()  # type: ignore[attr-defined]
-        return state
-
     def update(self, state: Stats, step: Step) -> None:
-        if getattr(state, "resumer", None) is None:
-            state.resumer = Resumer(step.model)  # type: ignore[attr-defined]
         batch = step.batch
         device = batch.tokens.device
         split = batch.extra["split"].to(device)[:, None]
@@ -184,13 +176,13 @@ class DepthScore(Analyzer):
             skip=(pos >= 1) & (pos < split) & batch.mask,
             measure=(pos >= split) & batch.mask,
         )
-        effect, output = skip_effects(step, intervals, resumer=state.resumer)  # type: ignore[attr-defined]
+        effect, output = skip_effects(step, intervals, resumer=resumer_for(step))
         layer_e = torch.stack([later_effect(e) for e in effect])  # [example, skipped]
         scores = {"layer": depth_score(layer_e), "output": depth_score(output)}
-        state.tasks = batch.extra.get("tasks")  # type: ignore[attr-defined]
+        state.put("tasks", batch.extra.get("tasks"))
         for grade in dict.fromkeys(batch.extra["grade"]):
             rows = torch.tensor([g == grade for g in batch.extra["grade"]], device=device)
-            state.grades.add(grade)  # type: ignore[attr-defined]
+            state.include("grades", grade)
             state.add(f"{grade}/n", int(rows.sum()))
             state.add(f"{grade}/E", effect[rows].sum(0))
             state.add(f"{grade}/layer_e", layer_e[rows].sum(0))
@@ -203,7 +195,7 @@ class DepthScore(Analyzer):
 
     def finalize(self, state: Stats, info: ModelInfo) -> Result:
         L = info.n_layers
-        grades = sorted(getattr(state, "grades", set()), key=_grade_key)
+        grades = sorted(state.get("grades", ()), key=_grade_key)
         if not grades:
             raise ValueError("no examples were processed")
         columns: dict[str, list] = {"grade": grades, "examples": []}
@@ -277,7 +269,7 @@ class DepthScore(Analyzer):
                 ),
             ),
             meta={
-                "tasks": getattr(state, "tasks", self.tasks),
+                "tasks": state.get("tasks", self.tasks),
                 "grades": grades,
                 "slope_per_grade": slope,
                 "split": "first answer token",

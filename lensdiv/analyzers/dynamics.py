@@ -38,7 +38,7 @@ from lensdiv.core.analyzer import Analyzer, ModelInfo, Step
 from lensdiv.core.errors import HookError
 from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
-from lensdiv.ops.resume import Resumer
+from lensdiv.ops.resume import Resumer, resumer_for
 
 FinalState = Literal["pre", "post"]
 
@@ -154,11 +154,6 @@ class Dynamics(Analyzer):
     def hooks(self, info: ModelInfo) -> list[str]:
         return [info.resid(layer) for layer in range(info.n_layers + 1)]
 
-    def init(self, info: ModelInfo) -> Stats:
-        state = Stats()
-        state.resumer = None  # type: ignore[attr-defined]  # built on the first batch
-        return state
-
     def update(self, state: Stats, step: Step) -> None:
         info = step.info
         L = info.n_layers
@@ -216,9 +211,7 @@ class Dynamics(Analyzer):
         rows = (keep & has_target).flatten().nonzero()[:, 0][:: self.lens_every]
         if rows.numel() == 0:
             return
-        if getattr(state, "resumer", None) is None:
-            state.resumer = Resumer(step.model)  # type: ignore[attr-defined]
-        resumer: Resumer = state.resumer  # type: ignore[attr-defined]
+        resumer = resumer_for(step)
         tokens = batch.tokens
         n_seq, n_pos = tokens.shape
         wanted = targets.flatten()[rows]
@@ -250,7 +243,7 @@ class Dynamics(Analyzer):
         state.add("lens_ce", ce)
         state.add("lens_n", rows.numel())
         state.add("lens_blocks", len(inputs) * n_seq)
-        state.resume_mode = resumer.mode  # type: ignore[attr-defined]
+        state.put("resume_mode", resumer.mode)
 
     def finalize(self, state: Stats, info: ModelInfo) -> Result:
         L = info.n_layers
@@ -259,10 +252,8 @@ class Dynamics(Analyzer):
         blocks = list(range(L))
         theta_update = list(mean["theta_update"][0]) + [math.nan]
         theta_update_sem = list(mean["theta_update"][1]) + [math.nan]
-        lens_n = float(state.get("lens_n", torch.tensor(0.0)))
-        lens_ce = (
-            (state["lens_ce"] / lens_n).tolist() if lens_n else [math.nan] * L  # type: ignore[union-attr]
-        )
+        lens_n = float(state.get("lens_n", 0.0))
+        lens_ce = (state["lens_ce"] / lens_n).tolist() if lens_n else [math.nan] * L
         updates = Table(
             "updates",
             {
@@ -321,7 +312,7 @@ class Dynamics(Analyzer):
             "mean_middle_theta_update": _mean_of(updates["theta_update"], middle),
             "early_stop_fraction": early,
             "triangle_gap_max": float(state["triangle_gap"]),
-            "last_block_lens": getattr(state, "resume_mode", None),
+            "last_block_lens": state.get("resume_mode"),
         }
         degrees = math.degrees(meta["mean_middle_theta_update"])
         summary = (

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -50,6 +50,8 @@ from lensdiv.core.analyzer import Analyzer, Batch, ModelInfo, Step
 from lensdiv.core.errors import LensdivError, OptionError
 from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
+from lensdiv.models.load import load_model
+from lensdiv.ops.capture import capture
 
 SELF = "self"
 EPS = 1e-6
@@ -169,23 +171,39 @@ def target_layers(n_layers: int, stride: int) -> tuple[int, ...]:
     return tuple(layers)
 
 
-# -- run-time state that is not an option ---------------------------------------------------------
+# -- what a run needs beyond the options (Analyzer.setup) ----------------------------------------
 
 
-@dataclass
-class _Target:
-    """The target model of one run and what the fit produced."""
+@dataclass(frozen=True)
+class Target:
+    """The target model of one run, loaded and checked by :meth:`LinearMaps.setup`.
 
-    source_id: int
-    model: Any  # the target bridge; None when the target is the analysed model itself
+    Args:
+        model: The target bridge; ``None`` when the target is the analysed model itself.
+        info: Its facts.
+        label: How results name it.
+        layers: Target states fitted (every ``stride``-th, and the last).
+        stride: See ``target_stride``.
+    """
+
+    model: Any
     info: ModelInfo
     label: str
     layers: tuple[int, ...]
     stride: int
-    maps: Tensor | None = None  # [S, d_src + 1, len(layers) * d_tgt] after the fit
-    lambdas: list[float] = field(default_factory=list)
-    inexact: list[int] = field(default_factory=list)
-    on_heldout: bool = True
+
+    def facts(self) -> dict[str, Any]:
+        """What finalize needs to know of the target (kept in the state)."""
+        spec = getattr(self.model, "lensdiv_spec", None)
+        return {
+            "label": self.label,
+            "resolved": spec.resolved if spec is not None else self.info.name,
+            "self": self.model is None,
+            "n_layers": self.info.n_layers,
+            "d_model": self.info.d_model,
+            "layers": list(self.layers),
+            "stride": self.stride,
+        }
 
 
 @dataclass(frozen=True)
@@ -232,23 +250,8 @@ class LinearMaps(Analyzer):
             raise ValueError(f"target_stride must be >= 0 (0: automatic), got {self.target_stride}")
 
     # -- target model -----------------------------------------------------------------------------
-    def examples(self, model: Any, info: ModelInfo) -> None:
-        """Load and check the target before any forward pass (bad targets fail fast); the
-        corpus is used as the data."""
-        self._bind(model, info).maps = None  # a new run: never score with a previous fit
-        return None
-
-    @property
-    def fitted(self) -> Tensor | None:
-        """The fitted maps ``[S, d_src+1, J'·d_tgt]`` of the last run (``W`` over ``bᵀ`` per
-        source state, target states side by side), or ``None`` before the fit."""
-        bound = self.__dict__.get("_bound")
-        return None if bound is None else bound.maps
-
-    def _bind(self, model: Any, info: ModelInfo) -> _Target:
-        bound: _Target | None = self.__dict__.get("_bound")
-        if bound is not None and bound.source_id == id(model):
-            return bound
+    def setup(self, model: Any, info: ModelInfo) -> Target:
+        """Load and check the target before any forward pass (bad targets fail fast)."""
         if self.target.strip().lower() == SELF:
             target, target_info, label = None, info, f"{info.name} (itself)"
         else:
@@ -263,9 +266,7 @@ class LinearMaps(Analyzer):
                 f"target_stride={stride}, over max_moment_gb={self.max_moment_gb:g}",
                 hint="raise -O linmap.max_moment_gb or -O linmap.target_stride",
             )
-        bound = _Target(id(model), target, target_info, label, layers, stride)
-        object.__setattr__(self, "_bound", bound)
-        return bound
+        return Target(target, target_info, label, layers, stride)
 
     def _auto_stride(self, info: ModelInfo, target_info: ModelInfo) -> int:
         for stride in range(1, target_info.n_layers + 1):
@@ -277,8 +278,6 @@ class LinearMaps(Analyzer):
         return target_info.n_layers
 
     def _load_target(self, model: Any, info: ModelInfo) -> tuple[Any, ModelInfo]:
-        from lensdiv.models.load import load_model
-
         param = next(model.parameters())
         try:
             target = load_model(self.target, device=param.device, dtype=param.dtype)
@@ -293,11 +292,14 @@ class LinearMaps(Analyzer):
         return [info.resid(layer) for layer in range(info.n_layers + 1)]
 
     def update(self, state: Stats, step: Step) -> None:
-        bound = self._bind(step.model, step.info)
+        target: Target | None = step.resource(self.name)
+        if target is None:  # a step made by hand, outside a run
+            target = self.setup(step.model, step.info)
         batch = step.batch
         keep = batch.positions(exclude_bos=self.exclude_bos)
         held = heldout_mask(batch, self.seed, self.heldout)
         if step.pass_index == 0:
+            state.put("target", target.facts())
             state.add("heldout_positions", (keep & held).sum())
             if batch.doc is not None and bool((batch.doc >= 0).any()):
                 real = batch.doc[batch.doc >= 0]
@@ -305,31 +307,29 @@ class LinearMaps(Analyzer):
                 state.min("doc_min", real.min())
             select = keep & ~held
         else:
-            select = keep & (held if bound.on_heldout else ~held)
+            select = keep & (held if state["on_heldout"] else ~held)
         if not select.any():
             return
         x = torch.stack([step.resid(s)[select] for s in range(step.info.n_layers + 1)])
-        y = self._targets(bound, step, select)
+        y = self._targets(target, step, select)
         rows = max(1, _CHUNK_ELEMENTS // (y.shape[1] * y.shape[2]))
         for start in range(0, x.shape[1], rows):
             part = slice(start, start + rows)
             if step.pass_index == 0:
                 self._accumulate(state, x[:, part], y[part])
             else:
-                self._score(state, bound, x[:, part], y[part])
+                self._score(state, state["maps"], x[:, part], y[part])
 
     def _targets(
-        self, bound: _Target, step: Step, select: Bool[Tensor, "batch pos"]
+        self, target: Target, step: Step, select: Bool[Tensor, "batch pos"]
     ) -> Float[Tensor, "n n_target d_target"]:
         """The target states at the selected positions; runs the target on the rows holding some."""
-        from lensdiv.ops.capture import capture
-
-        names = [bound.info.resid(j) for j in bound.layers]
-        if bound.model is None:
+        names = [target.info.resid(j) for j in target.layers]
+        if target.model is None:
             cache, mask = step.cache, select
         else:
             rows = select.any(dim=1)
-            _, cache = capture(bound.model, step.batch.tokens[rows], names, need_logits=False)
+            _, cache = capture(target.model, step.batch.tokens[rows], names, need_logits=False)
             mask = select[rows]
         return torch.stack([cache[name][mask] for name in names], dim=1)
 
@@ -342,29 +342,26 @@ class LinearMaps(Analyzer):
         # In place: a Stats.add of the cross-moment would allocate a second copy of it.
         xa = augment(x)
         ys = y.reshape(y.shape[0], -1).double()
-        if "xtx" not in state.sums:
-            state.sums["xtx"] = xa.new_zeros((xa.shape[0], xa.shape[2], xa.shape[2]))
-            state.sums["xty"] = xa.new_zeros((xa.shape[0], xa.shape[2], ys.shape[1]))
-        state.sums["xtx"].baddbmm_(xa.transpose(1, 2), xa)
-        xty = state.sums["xty"]
+        n_src, d = xa.shape[0], xa.shape[2]
+        state.zeros("xtx", (n_src, d, d), xa.device).baddbmm_(xa.transpose(1, 2), xa)
+        xty = state.zeros("xty", (n_src, d, ys.shape[1]), xa.device)
         for s in range(xa.shape[0]):
             xty[s].addmm_(xa[s].T, ys)
 
     @staticmethod
     def _score(
         state: Stats,
-        bound: _Target,
+        maps: Float[Tensor, "n_source d_aug n_target_d"],
         x: Float[Tensor, "n_source n d_source"],
         y: Float[Tensor, "n n_target d_target"],
     ) -> None:
-        assert bound.maps is not None
         xa = augment(x)
         y = y.double()
         y_norm = y.norm(dim=-1).clamp_min(EPS)
         sse = y.new_zeros((xa.shape[0], y.shape[1]))
         ratio = torch.zeros_like(sse)
         for s in range(xa.shape[0]):
-            err = (xa[s] @ bound.maps[s]).view_as(y) - y
+            err = (xa[s] @ maps[s]).view_as(y) - y
             sse[s] = err.square().sum(dim=(0, 2))
             ratio[s] = (err.norm(dim=-1) / y_norm).sum(dim=0)
         state.add("eval_n", y.shape[0])
@@ -375,39 +372,41 @@ class LinearMaps(Analyzer):
 
     def start_pass(self, state: Stats, info: ModelInfo, index: int) -> None:
         """Fit every map from the pass-0 moments (in place: the cross-moments become the maps)."""
-        bound: _Target | None = self.__dict__.get("_bound")
-        if bound is None or "xtx" not in state:
+        if "xtx" not in state:
             raise RuntimeError(
                 "no training positions: every document fell in the held-out split; "
                 "use more data or a smaller linmap.heldout"
             )
-        xtx = state.sums["xtx"]
-        maps = state.sums.pop("xty")
-        bound.lambdas, bound.inexact = [], []
+        xtx = state["xtx"]
+        maps = state["xty"]
+        state.drop("xty")
+        lambdas, inexact = [], []
         for s in range(maps.shape[0]):
             fitted, lam, exact = fit_affine(xtx[s], maps[s], self.ridge)
             maps[s].copy_(fitted)
             del fitted
-            bound.lambdas.append(lam)
+            lambdas.append(lam)
             if not exact:
-                bound.inexact.append(s)
-        bound.maps = maps
-        bound.on_heldout = float(state.get("heldout_positions", 0.0)) > 0
+                inexact.append(s)
+        state.put("maps", maps)
+        state.put("lambdas", lambdas)
+        state.put("inexact", inexact)
+        state.put("on_heldout", float(state.get("heldout_positions", 0.0)) > 0)
 
     # -- results ----------------------------------------------------------------------------------
     def finalize(self, state: Stats, info: ModelInfo) -> Result:
-        bound: _Target | None = self.__dict__.get("_bound")
-        if bound is None or bound.maps is None or "eval_n" not in state:
+        if "maps" not in state or "eval_n" not in state:
             raise RuntimeError("the maps were never scored (the run stopped before pass 2)")
+        target = state["target"]
         n = float(state["eval_n"])
         mean_y = state["eval_y"] / n
         sst = (state["eval_yy"] - n * mean_y.square().sum(-1)).clamp_min(1e-300)
         fitted_r2 = (1 - state["eval_sse"] / sst).cpu().numpy()
         fitted_err = (state["eval_ratio"] / n).cpu().numpy()
-        n_src, n_tgt = info.n_layers, bound.info.n_layers
+        n_src, n_tgt = info.n_layers, target["n_layers"]
         r2 = np.full((n_src + 1, n_tgt + 1), np.nan)
         rel_error = np.full_like(r2, np.nan)
-        cols = list(bound.layers)
+        cols = list(target["layers"])
         r2[:, cols], rel_error[:, cols] = fitted_r2, fitted_err
 
         best = [cols[int(np.argmax(row))] for row in fitted_r2]
@@ -427,30 +426,31 @@ class LinearMaps(Analyzer):
                 "same_depth_target": same,
                 "r2_same_depth": [r2[s, j] for s, j in enumerate(same)],
             },
-            f"Best target state of {bound.label} for each source state h_s",
+            f"Best target state of {target['label']} for each source state h_s",
         )
         train_n = float(state["xtx"][0, -1, -1])
         docs = self._documents(state)
         meta: dict[str, Any] = {
-            "target": self._target_meta(bound),
+            "target": {
+                "spec": self.target,
+                **{k: target[k] for k in ("resolved", "self", "n_layers", "d_model")},
+            },
             "target_layers": cols,
-            "target_stride": bound.stride,
+            "target_stride": target["stride"],
             "diagonality": rho,
-            "ridge_lambda": bound.lambdas,
-            "pinv_fallback_layers": bound.inexact,
+            "ridge_lambda": state["lambdas"],
+            "pinv_fallback_layers": state["inexact"],
             "train_positions": int(train_n),
             "eval_positions": int(n),
             "evaluation": "held-out documents"
-            if bound.on_heldout
+            if state["on_heldout"]
             else "training documents (the data held no held-out document)",
-            "moment_gb": round(
-                moment_gb(n_src + 1, info.d_model, len(cols), bound.info.d_model), 4
-            ),
+            "moment_gb": round(moment_gb(n_src + 1, info.d_model, len(cols), target["d_model"]), 4),
             **docs,
         }
         return Result(
             analyzer=self.name,
-            summary=self._summary(bound, info, table, rho, train_n, n),
+            summary=self._summary(state, info, table, rho, train_n, n),
             tables={"linmap": table},
             arrays={"r2": r2, "rel_error": rel_error},
             plots=(
@@ -491,19 +491,10 @@ class LinearMaps(Analyzer):
         held = sum(is_heldout(d, self.seed, self.heldout) for d in range(first, last + 1))
         return {"split": "document", "documents": last - first + 1, "heldout_documents": held}
 
-    def _target_meta(self, bound: _Target) -> dict[str, Any]:
-        spec = getattr(bound.model, "lensdiv_spec", None)
-        return {
-            "spec": self.target,
-            "resolved": spec.resolved if spec is not None else bound.info.name,
-            "self": bound.model is None,
-            "n_layers": bound.info.n_layers,
-            "d_model": bound.info.d_model,
-        }
-
     def _summary(
-        self, bound: _Target, info: ModelInfo, table: Table, rho: float, train: float, n: float
+        self, state: Stats, info: ModelInfo, table: Table, rho: float, train: float, n: float
     ) -> str:
+        target = state["target"]
         r2, best = table["r2"], table["best_target"]
         # Spearman measures order only: a map can keep the order and still bunch its targets.
         follows = (
@@ -517,17 +508,17 @@ class LinearMaps(Analyzer):
         )
         where = (
             "held-out documents"
-            if bound.on_heldout
+            if state["on_heldout"]
             else "the training documents, as the data held no held-out document"
         )
         skipped = (
-            f" Only every {bound.stride}-th target state was fitted (memory budget)."
-            if bound.stride > 1
+            f" Only every {target['stride']}-th target state was fitted (memory budget)."
+            if target["stride"] > 1
             else ""
         )
         return (
             f"Affine maps from the {info.n_layers + 1} residual states of {info.name} onto the "
-            f"{bound.info.n_layers + 1} of {bound.label}, fitted on {int(train)} positions and "
+            f"{target['n_layers'] + 1} of {target['label']}, fitted on {int(train)} positions and "
             f"scored on {int(n)} positions of {where}. The best target state {follows} "
             f"(Spearman {rho:.2f}; best targets by source state: "
             f"{', '.join(str(int(b)) for b in best)}). Best R² ranges from {np.nanmin(r2):.3f} to "

@@ -16,234 +16,22 @@ Modes:
   ``t' ≥ t`` only through attention.
 
 Cost: blocks ``0..s`` are unchanged by skipping ``s``, so each intervened pass resumes from the
-clean residual (:class:`~lensdiv.ops.resume.Resumer`) and runs only the blocks after ``s``; the
-output effect is read out (final norm + unembedding) at the measured positions only.
+clean residual and runs only the blocks after ``s`` (:mod:`lensdiv.ops.skipping`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
-from jaxtyping import Bool, Float, Int
-from torch import Tensor
 
 from lensdiv.core.analyzer import Analyzer, ModelInfo, Step
 from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
-from lensdiv.ops.resume import Resumer
-
-EPS = 1e-6
-Mode = Literal["future", "current", "local"]
-Part = Literal["block", "attn", "mlp"]
-
-# Positions read out through the unembedding at once (bounds the [rows, vocab] block).
-_READOUT_ROWS = 512
-
-
-@dataclass(frozen=True)
-class Intervals:
-    """Which positions are skipped and which are measured, per intervened row.
-
-    Args:
-        rows: Row of the batch each intervened sequence copies.
-        skip: True where block ``s`` is skipped.
-        measure: True where effects are measured (real tokens only).
-    """
-
-    rows: Int[Tensor, " pair"]
-    skip: Bool[Tensor, "pair pos"]
-    measure: Bool[Tensor, "pair pos"]
-
-
-def split_intervals(
-    mask: Bool[Tensor, "batch pos"],
-    *,
-    mode: Mode,
-    splits: int,
-    stride: int,
-    generator: torch.Generator,
-) -> Intervals:
-    """The source's intervals: ``current`` skips ``τ ≥ 1`` and measures everything; ``future`` and
-    ``local`` draw up to ``splits`` split points ``t ∈ range(stride, n − 4, stride)`` per row of
-    real length ``n`` and skip ``1 ≤ τ < t``, measure ``t' ≥ t``. Rows too short get none."""
-    n_rows, width = mask.shape
-    pos = torch.arange(width, device=mask.device)
-    lengths = mask.sum(1).tolist()
-    rows, starts = [], []
-    for row, n in enumerate(lengths):
-        if mode == "current":
-            if n > 1:
-                rows.append(row)
-                starts.append(0)
-            continue
-        candidates = list(range(stride, n - 4, stride))
-        if not candidates:
-            continue
-        order = torch.randperm(len(candidates), generator=generator)[:splits].tolist()
-        for i in sorted(order):
-            rows.append(row)
-            starts.append(candidates[i])
-    index = torch.tensor(rows, dtype=torch.long, device=mask.device)
-    t = torch.tensor(starts, dtype=torch.long, device=mask.device)[:, None]
-    real = mask[index]
-    if mode == "current":
-        skip = (pos >= 1) & real
-        measure = real.clone()
-    else:
-        skip = (pos >= 1) & (pos < t) & real
-        measure = (pos >= t) & real
-    return Intervals(rows=index, skip=skip, measure=measure)
-
-
-def skip_effects(
-    step: Step,
-    intervals: Intervals,
-    *,
-    part: Part = "block",
-    local: bool = False,
-    resumer: Resumer | None = None,
-    chunk: int = 0,
-    layers: list[int] | None = None,
-) -> tuple[Float[Tensor, "pair skipped layer"], Float[Tensor, "pair skipped"]]:
-    """``E`` and ``O`` for every intervened row and skipped block, from one clean step.
-
-    Args:
-        step: The clean pass; its cache must hold every residual ``h_0..h_L`` (and, for a local
-            ``attn``/``mlp`` skip, the sublayer outputs).
-        intervals: Rows, skipped and measured positions (see :func:`split_intervals`).
-        part: ``block``, ``attn`` or ``mlp``.
-        local: Remove only the direct residual write of ``s`` at skipped positions.
-        resumer: Reused across calls (it checks itself once per model).
-        chunk: Intervened rows per forward pass (``0``: as many as the batch has rows).
-        layers: Blocks to skip (default all).
-
-    Returns:
-        ``E[pair, s, l]`` (0 where ``s`` is not in ``layers``) and ``O[pair, s]``, in float64.
-    """
-    info, model = step.info, step.model
-    L = info.n_layers
-    resumer = resumer or Resumer(model)
-    layers = list(range(L)) if layers is None else layers
-    n_pairs = int(intervals.rows.numel())
-    device = step.batch.tokens.device
-    effect = torch.zeros(n_pairs, L, L, dtype=torch.float64, device=device)
-    output = torch.zeros(n_pairs, L, dtype=torch.float64, device=device)
-    if n_pairs == 0:
-        return effect, output
-    resumer.prepare(step.batch.tokens)
-    h = [step.resid(layer) for layer in range(L + 1)]
-    chunk = chunk or step.batch.tokens.shape[0]
-    for lo in range(0, n_pairs, chunk):
-        sel = slice(lo, lo + chunk)
-        rows = intervals.rows[sel]
-        skip = intervals.skip[sel]
-        measure = intervals.measure[sel]
-        tokens = step.batch.tokens[rows]
-        clean_h = [x[rows] for x in h]
-        clean_p = _probs(resumer, clean_h[L][measure])
-        for s in layers:
-            e, o = _one_skip(
-                resumer, step, tokens, clean_h, clean_p, rows, skip, measure, s, part, local
-            )
-            effect[sel, s] = e
-            output[sel, s] = o
-    return effect, output
-
-
-def _probs(resumer: Resumer, final: Float[Tensor, "n d_model"]) -> Float[Tensor, "n d_vocab"]:
-    """Output distributions of final residual vectors, a block of rows at a time."""
-    blocks = [
-        torch.softmax(resumer.readout(final[lo : lo + _READOUT_ROWS]).float(), dim=-1)
-        for lo in range(0, final.shape[0], _READOUT_ROWS)
-    ]
-    if not blocks:
-        return final.new_zeros(0, int(resumer.model.cfg.d_vocab))
-    return torch.cat(blocks)
-
-
-def _one_skip(
-    resumer: Resumer,
-    step: Step,
-    tokens: Int[Tensor, "pair pos"],
-    h: list[Tensor],
-    clean_p: Float[Tensor, "n d_vocab"],
-    rows: Int[Tensor, " pair"],
-    skip: Bool[Tensor, "pair pos"],
-    measure: Bool[Tensor, "pair pos"],
-    s: int,
-    part: Part,
-    local: bool,
-) -> tuple[Float[Tensor, "pair layer"], Float[Tensor, " pair"]]:
-    """Skip block ``s`` on every row of the chunk; return ``E[:, s, :]`` and ``O[:, s]``."""
-    info = step.info
-    L = info.n_layers
-    n_pairs = tokens.shape[0]
-    sk = skip[..., None]
-    hooks: list[tuple[str, Callable[..., Any]]] = []
-    if local:
-        if part == "block":
-            write = h[s + 1] - h[s]
-        else:
-            write = step.cache[f"blocks.{s}.hook_{part}_out"][rows]
-        start, resid = s + 1, torch.where(sk, h[s + 1] - write, h[s + 1])
-        for layer in range(s + 2, L):
-
-            def pin(tensor: Tensor, *, hook: Any, layer: int = layer) -> Tensor:
-                return torch.where(sk, h[layer] - write, tensor)
-
-            hooks.append((f"blocks.{layer}.hook_resid_pre", pin))
-    elif part == "block":
-        start, resid = s + 1, torch.where(sk, h[s], h[s + 1])
-    else:
-        start, resid = s, h[s]
-
-        def zero(tensor: Tensor, *, hook: Any) -> Tensor:
-            return tensor.masked_fill(sk, 0.0)
-
-        hooks.append((f"blocks.{s}.hook_{part}_out", zero))
-
-    # Effects on later updates, computed as each block finishes (nothing is stored).
-    effect = torch.zeros(n_pairs, L, dtype=torch.float64, device=tokens.device)
-    previous = {"h": resid}
-    final: dict[str, Tensor] = {}
-
-    def measure_update(layer: int, new: Tensor, old: Tensor) -> None:
-        clean = (h[layer + 1] - h[layer]).double()
-        diff = (clean - (new - old).double()).norm(dim=-1)
-        ratio = diff / clean.norm(dim=-1).clamp_min(EPS)
-        effect[:, layer] = ratio.masked_fill(~measure, 0.0).amax(dim=1)
-
-    if start == s + 1:
-        measure_update(s, resid, h[s])
-    for layer in range(start, L):
-
-        def watch(tensor: Tensor, *, hook: Any, layer: int = layer) -> Tensor:
-            # With an attn/mlp part the skipped block itself runs, and its update is measured.
-            measure_update(layer, tensor, previous["h"])
-            previous["h"] = tensor
-            if layer == L - 1:
-                final["h"] = tensor
-            return tensor
-
-        hooks.append((f"blocks.{layer}.hook_resid_post", watch))
-    resumer.run(tokens, start, resid, hooks, logits=False)
-    last = final.get("h", resid)
-
-    # Output effect: read out only the measured positions (L2 of probability vectors: float32
-    # is exact enough, the entries are at most 1).
-    vectors = last[measure]
-    dist = torch.empty(vectors.shape[0], dtype=torch.float64, device=tokens.device)
-    for lo in range(0, vectors.shape[0], _READOUT_ROWS):
-        hi = lo + _READOUT_ROWS
-        probs = torch.softmax(resumer.readout(vectors[lo:hi]).float(), dim=-1)
-        dist[lo:hi] = (clean_p[lo:hi] - probs).norm(dim=-1).double()
-    per_pos = torch.zeros(measure.shape, dtype=torch.float64, device=tokens.device)
-    per_pos[measure] = dist
-    return effect, per_pos.amax(dim=1)
+from lensdiv.ops.resume import resumer_for
+from lensdiv.ops.skipping import Mode, Part, later_effect, skip_effects, split_intervals
 
 
 @dataclass(frozen=True)
@@ -292,14 +80,8 @@ class LayerSkip(Analyzer):
             names += [f"blocks.{layer}.hook_{self.part}_out" for layer in range(info.n_layers)]
         return names
 
-    def init(self, info: ModelInfo) -> Stats:
-        state = Stats()
-        state.resumer = None  # type: ignore[attr-defined]  # built on the first batch
-        return state
-
     def update(self, state: Stats, step: Step) -> None:
-        if getattr(state, "resumer", None) is None:
-            state.resumer = Resumer(step.model, fast=self.resume)  # type: ignore[attr-defined]
+        resumer = resumer_for(step, fast=self.resume)
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step.batch.index)
         intervals = split_intervals(
             step.batch.mask,
@@ -311,14 +93,17 @@ class LayerSkip(Analyzer):
         state.add("rows_too_short", step.batch.tokens.shape[0] - intervals.rows.unique().numel())
         if intervals.rows.numel() == 0:
             return
+        runs_before = resumer.blocks_run
         effect, output = skip_effects(
             step,
             intervals,
             part=self.part,
             local=self.mode == "local",
-            resumer=state.resumer,  # type: ignore[attr-defined]
+            resumer=resumer,
             chunk=self.chunk,
         )
+        state.put("resume", {"mode": resumer.mode, "note": resumer.reason})
+        state.add("block_runs", resumer.blocks_run - runs_before)
         # Max over the split points of each prompt, then max and mean over prompts.
         prompts, inverse = intervals.rows.unique(return_inverse=True)
         per_e = torch.stack([effect[inverse == i].amax(0) for i in range(len(prompts))])
@@ -353,7 +138,7 @@ class LayerSkip(Analyzer):
         effect_table = Table(
             "effect", grid, f"E[s, l]: relative change of layer l's update ({self.aggregate})"
         )
-        resumer = getattr(state, "resumer", None)
+        resume = state.get("resume", {})
         later = later_effect(head)
         half = max(1, L // 2)
         # The last block has no later layers; leave it out of the halves' averages.
@@ -411,19 +196,13 @@ class LayerSkip(Analyzer):
                 "prompts": int(n),
                 "split_points": int(state["pairs"]),
                 "rows_too_short": int(state.get("rows_too_short", 0)),
-                "resume": getattr(resumer, "mode", None),
-                "resume_note": getattr(resumer, "reason", ""),
+                "resume": resume.get("mode"),
+                "resume_note": resume.get("note", ""),
                 "block_runs_per_prompt": (
-                    resumer.blocks_run / max(float(state["pairs"]), 1.0) if resumer else None
+                    float(state["block_runs"]) / max(float(state["pairs"]), 1.0)
+                    if "block_runs" in state
+                    else None
                 ),
                 "output_bound": math.sqrt(2),
             },
         )
-
-
-def later_effect(effect: Float[Tensor, "skipped layer"]) -> Float[Tensor, " skipped"]:
-    """``e_s = Σ_{l>s} E[s, l] / max(L − 1 − s, 1)`` (SCIENCE.md A5)."""
-    L = effect.shape[0]
-    later = torch.triu(torch.ones(L, L, dtype=torch.bool, device=effect.device), diagonal=1)
-    counts = torch.clamp(torch.arange(L - 1, -1, -1, device=effect.device), min=1)
-    return (effect * later).sum(1) / counts
