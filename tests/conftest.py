@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from tests.models import ARCHITECTURES, boot_native_tiny, boot_tiny, save_tiny_model
+from lensdiv.testing.models import ARCHITECTURES, boot_native_tiny, boot_tiny, save_tiny_model
 
 
 def pytest_configure(config: pytest.Config) -> None:

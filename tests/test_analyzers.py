@@ -30,11 +30,11 @@ from lensdiv.core.stats import Stats
 from lensdiv.data.sources import DataSpec, token_batches
 from lensdiv.ops.capture import capture
 from lensdiv.run.runner import analyze, load_run
-from tests.models import ARCHITECTURES, boot_native_tiny, boot_tiny
+from lensdiv.testing.models import ARCHITECTURES, boot_native_tiny, boot_tiny
 from tests.test_core import assert_results_equal
 
 ARCHS = [*ARCHITECTURES, "native"]
-PARALLEL = {"neox"}  # architectures built with a parallel residual (tests/models.py)
+PARALLEL = {"neox"}  # architectures built with a parallel residual (lensdiv/testing/models.py)
 
 
 def fresh_model(arch: str, request: pytest.FixtureRequest) -> Any:

@@ -17,7 +17,7 @@ from transformer_lens.tools.analysis.logit_lens import logit_readout
 from transformers import AutoModelForCausalLM
 
 from lensdiv.data.tokenizer import BOS_ID, VOCAB_SIZE, byte_tokenizer
-from tests.models import boot_native_tiny, save_tiny_model
+from lensdiv.testing.models import boot_native_tiny, save_tiny_model
 
 HOOK_TEMPLATES = (
     "blocks.{layer}.hook_resid_pre",
@@ -27,7 +27,7 @@ HOOK_TEMPLATES = (
 )
 BATCH, POS = 2, 12
 
-# What TL 4.3 reports per architecture (documented at the top of tests/models.py):
+# What TL 4.3 reports per architecture (documented at the top of lensdiv/testing/models.py):
 # (cfg.normalization_type, cfg.parallel_attn_mlp, has blocks.{layer}.hook_resid_mid,
 #  cfg.default_prepend_bos)
 EXPECTED_FINDINGS = {

@@ -39,7 +39,7 @@ from lensdiv.ops.members import (
     member_names,
 )
 from lensdiv.run.runner import analyze
-from tests.models import boot_native_tiny, boot_tiny
+from lensdiv.testing.models import boot_native_tiny, boot_tiny
 from tests.test_analyzers import assert_tables_close, batches_of, run_state
 from tests.test_cli import assert_user_error, invoke
 

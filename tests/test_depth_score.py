@@ -19,7 +19,9 @@ from lensdiv.analyzers.depth_score import (
 from lensdiv.core.analyzer import Batch, ModelInfo, Step
 from lensdiv.ops.capture import capture
 from lensdiv.ops.skipping import Intervals, later_effect
+from lensdiv.run.engine import Engine
 from lensdiv.run.runner import analyze
+from lensdiv.testing import assert_results_close
 from tests.test_cli import assert_user_error, invoke
 from tests.test_skip import naive_effects
 
@@ -147,3 +149,24 @@ def test_missing_examples_file(tmp_path: Path) -> None:
         "--no-progress",
     )
     assert_user_error(result, "does not exist")
+
+
+def test_two_shards_merge_into_one_run(native_model: Any) -> None:
+    """Regression: merging two shards' states lost the grades, and finalize then raised
+    "no examples were processed"."""
+    analyzer = DepthScore(tasks="arith", per_grade=3, batch_size=4)
+    info = ModelInfo.from_model(native_model)
+    batches = analyzer.examples(native_model, info)
+    engine = Engine(native_model, info, [analyzer])
+    shards = []
+    for part in (batches[:1], batches[1:]):
+        state = engine.init()["depth-score"]
+        engine.feed(0, part, {"depth-score": state})
+        shards.append(state)
+    whole = engine.init()["depth-score"]
+    engine.feed(0, batches, {"depth-score": whole})
+    merged = engine.finalize({"depth-score": shards[0].merge(shards[1])})["depth-score"]
+    one = engine.finalize({"depth-score": whole})["depth-score"]
+    assert not engine.failures, engine.failures
+    assert merged.meta["grades"] == one.meta["grades"] == ["1-op", "2-op", "3-op", "4-op"]
+    assert_results_close(merged, one, rtol=1e-9, what="depth-score shards")

@@ -31,7 +31,7 @@ from lensdiv.data.sources import DataSpec, token_batches
 from lensdiv.data.tokenizer import byte_tokenizer
 from lensdiv.run.engine import Engine
 from lensdiv.run.runner import analyze
-from tests.models import boot_tiny, save_tiny_model, tiny_config
+from lensdiv.testing.models import boot_tiny, save_tiny_model, tiny_config
 
 SPEC = DataSpec(max_tokens=2048, seq_len=64, batch_size=8)  # ~11 documents, 3 held out
 SMALL = DataSpec(max_tokens=1024, seq_len=64, batch_size=8)

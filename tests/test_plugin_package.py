@@ -191,3 +191,11 @@ def test_entropy_matches_naive_loop(plugin: Any, exclude_bos: bool) -> None:
     merged = analyzer.finalize(state.merge(shard), info)
     assert merged.arrays["entropy"] == pytest.approx(result.arrays["entropy"])
     assert merged.meta["positions"] == 2 * kept
+
+
+def test_plugin_obeys_the_contract(plugin: Any) -> None:
+    """The whole analyzer contract, as a plugin author runs it (lensdiv.testing)."""
+    from lensdiv.testing import check_analyzer
+
+    report = check_analyzer(plugin.AttentionEntropy, architectures=("gpt2", "llama", "native"))
+    assert report.checked == ["gpt2", "llama", "native"], report.skipped

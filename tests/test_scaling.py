@@ -336,7 +336,7 @@ def test_family_losses_match_an_independent_forward(tmp_path: Path) -> None:
 
     from lensdiv.data.sources import DataSpec, token_batches
     from lensdiv.data.tokenizer import byte_tokenizer
-    from tests.models import save_tiny_model
+    from lensdiv.testing.models import save_tiny_model
 
     folders = [
         save_tiny_model("gpt2", tmp_path / f"d{n}", n_layers=n, seed=n) for n in (1, 2, 3, 4)

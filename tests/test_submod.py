@@ -236,7 +236,7 @@ def test_direct_scores_match_the_model_and_a_naive_readout(
 def test_direct_constant_handling(tiny_dirs: Any, constant: str) -> None:
     """Randomly initialised models have β = 0 and no b_U, so the constant is 0 and any handling
     of it passes: a private GPT-2 gets a final-norm bias first."""
-    from tests.models import boot_tiny
+    from lensdiv.testing.models import boot_tiny
 
     model = boot_tiny("gpt2", tiny_dirs["gpt2"])
     g = torch.Generator().manual_seed(0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -72,3 +73,28 @@ def plugins_show(name: Annotated[str, typer.Argument(help="Analyzer name or alia
         term.print(table)
     else:
         term.print("no options")
+
+
+@app.command("new")
+def plugins_new(
+    name: Annotated[str, typer.Argument(help="Plugin name: lower case, digits, hyphens.")],
+    directory: Annotated[
+        Path, typer.Option("--dir", help="Where to create the package folder lensdiv-NAME.")
+    ] = Path("."),
+) -> None:
+    """Create a plugin package: pyproject with the entry point, an analyzer skeleton, a test.
+
+    It installs and passes its tests as generated; then replace the science.
+
+    Example: lensdiv plugins new resid-norm && pip install -e lensdiv-resid-norm
+    """
+    from lensdiv.core.errors import LensdivError
+    from lensdiv.scaffold import new_plugin
+
+    try:
+        root = new_plugin(name, directory)
+    except LensdivError as err:
+        fail(err)
+    term = console()
+    term.print(f"created [bold]{root}[/bold]")
+    term.print(f"next: pip install -e {root} && pytest {root / 'tests'}")

@@ -22,9 +22,7 @@ import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
-from lensdiv.core.analyzer import Analyzer, ModelInfo, Step
-from lensdiv.core.results import Plot, Result, Table
-from lensdiv.core.stats import Stats
+from lensdiv import Analyzer, ModelInfo, Plot, Result, Stats, Step, Table
 
 __all__ = ["AttentionEntropy", "__version__", "head_statistics"]
 __version__ = "0.1.0"

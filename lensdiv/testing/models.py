@@ -86,13 +86,22 @@ def _gpt2(n_layers: int = N_LAYERS, d_model: int = D_MODEL) -> PretrainedConfig:
 
 
 # Keyword arguments every non-GPT-2 config shares: tiny shape, no dropout, untied, byte ids.
-_NO_DROPOUT_UNTIED = {"max_position_embeddings": N_CTX, "attention_dropout": 0.0,
-                      "tie_word_embeddings": False, **_SPECIAL_IDS}
+_NO_DROPOUT_UNTIED = {
+    "max_position_embeddings": N_CTX,
+    "attention_dropout": 0.0,
+    "tie_word_embeddings": False,
+    **_SPECIAL_IDS,
+}
 
 
 def _shape(n_layers: int, d_model: int) -> dict[str, int]:
-    return {"vocab_size": VOCAB_SIZE, "hidden_size": d_model, "intermediate_size": 2 * d_model,
-            "num_hidden_layers": n_layers, "num_attention_heads": N_HEADS}
+    return {
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": d_model,
+        "intermediate_size": 2 * d_model,
+        "num_hidden_layers": n_layers,
+        "num_attention_heads": N_HEADS,
+    }
 
 
 def _llama(n_layers: int = N_LAYERS, d_model: int = D_MODEL) -> PretrainedConfig:

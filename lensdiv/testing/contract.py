@@ -1,0 +1,274 @@
+"""The analyzer contract as a check any plugin author can run, like scikit-learn's
+``check_estimator``: ``check_analyzer(MyAnalyzer)`` in a test.
+
+On tiny random models of several architectures (built locally, no download) it checks:
+
+- **options**: the defaults build an instance; every option's default, written as a string,
+  parses back to itself (what ``-O NAME.OPTION=VALUE`` does); every option is documented;
+- **hooks** exist on the model (an architecture the analyzer declines with a
+  :class:`~lensdiv.core.errors.LensdivError` is reported as skipped, not failed);
+- **merge**: pass by pass, the states of two halves of the batches merged equal the state of
+  one run over all of them (counts exact, floats within ``rtol``), in either order; merging with
+  an empty state changes nothing; and the merged state finalizes to the same result;
+- **serialisation**: the state survives ``save``/``load`` (safetensors + JSON) unchanged;
+- **results**: the result round-trips through JSON and renders in a terminal of fixed width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import math
+import tempfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from rich.console import Console
+
+from lensdiv.core.analyzer import Analyzer, Batch, ModelInfo
+from lensdiv.core.errors import LensdivError, StateError
+from lensdiv.core.results import Result
+from lensdiv.core.stats import Stats
+from lensdiv.data.sources import DataSpec, token_batches
+from lensdiv.run.engine import Engine
+from lensdiv.testing.models import boot_native_tiny, boot_tiny, save_tiny_model
+
+DEFAULT_ARCHITECTURES = ("gpt2", "llama", "neox", "native")
+# 3 batches of 2 rows of 24 tokens, the last one short and padded: halves of unequal size.
+DEFAULT_DATA = DataSpec(seq_len=24, max_tokens=24 * 5 + 9, batch_size=2)
+
+
+@dataclass
+class ContractReport:
+    """What :func:`check_analyzer` checked.
+
+    Args:
+        analyzer: The plugin name.
+        checked: Architectures on which every check passed.
+        skipped: ``{architecture: reason}`` where the analyzer declined the model.
+        passes: Passes run per architecture.
+    """
+
+    analyzer: str
+    checked: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+    passes: dict[str, int] = field(default_factory=dict)
+
+
+def check_analyzer(
+    analyzer: type[Analyzer] | Analyzer,
+    *,
+    architectures: Sequence[str] = DEFAULT_ARCHITECTURES,
+    data: DataSpec = DEFAULT_DATA,
+    models: dict[str, Any] | None = None,
+    rtol: float = 1e-6,
+) -> ContractReport:
+    """Check that ``analyzer`` obeys lensdiv's analyzer contract; raise ``AssertionError`` if not.
+
+    Args:
+        analyzer: The class (checked with its default options) or a configured instance.
+        architectures: Tiny architectures to run on (``gpt2``, ``llama``, ``neox``, ``qwen2``,
+            ``olmo``, ``olmo2``, ``native``).
+        data: How the built-in corpus is packed; needs at least two batches.
+        models: Ready bridges by architecture name, to reuse across checks (built otherwise).
+        rtol: Relative tolerance for floats of merged vs one-run states and results.
+
+    Returns:
+        A :class:`ContractReport`.
+    """
+    instance = analyzer if isinstance(analyzer, Analyzer) else analyzer()
+    check_options(type(instance))
+    report = ContractReport(instance.name)
+    models = dict(models or {})
+    with tempfile.TemporaryDirectory(prefix="lensdiv-contract-") as tmp:
+        for arch in architectures:
+            if arch not in models:
+                models[arch] = _tiny(arch, Path(tmp))
+            try:
+                passes = check_merge(instance, models[arch], data=data, rtol=rtol)
+            except StateError as err:
+                raise AssertionError(f"{instance.name} on {arch}: {err}") from None
+            except LensdivError as err:  # the analyzer declines this architecture
+                report.skipped[arch] = str(err)
+                continue
+            report.checked.append(arch)
+            report.passes[arch] = passes
+    assert report.checked, f"{instance.name}: no architecture could run it: {report.skipped}"
+    return report
+
+
+def _tiny(arch: str, root: Path) -> Any:
+    if arch == "native":
+        return boot_native_tiny()
+    return boot_tiny(arch, save_tiny_model(arch, root / arch))
+
+
+def check_options(cls: type[Analyzer]) -> None:
+    """Defaults build an instance; each default written as text parses back to itself."""
+    name = getattr(cls, "name", None)
+    assert isinstance(name, str) and name, f"{cls.__name__} has no plugin name"
+    assert name == name.strip().lower(), f"plugin name {name!r} must be lower case"
+    assert dataclasses.is_dataclass(cls), f"{name}: analyzers are dataclasses (options = fields)"
+    params = getattr(cls, "__dataclass_params__", None)
+    assert params is not None and params.frozen, f"{name}: use @dataclass(frozen=True)"
+    default = cls.from_options({})
+    docs = {row["name"]: row for row in cls.option_docs()}
+    for f in cls.option_fields():
+        value = getattr(default, f.name)
+        assert docs[f.name]["help"], f"{name}.{f.name} has no line in the docstring's Args:"
+        text = _as_text(value)
+        if text is None:
+            continue
+        parsed = getattr(cls.from_options({f.name: text}), f.name)
+        assert parsed == value, f"{name}.{f.name}: {text!r} parses to {parsed!r}, not {value!r}"
+
+
+def _as_text(value: Any) -> str | None:
+    """How a user writes ``value`` on the command line (``None`` where it cannot be)."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool | int | float | str):
+        return str(value) if not isinstance(value, float) else repr(value)
+    if isinstance(value, tuple) and value and all(isinstance(v, str | int | float) for v in value):
+        return ",".join(map(str, value))
+    return None
+
+
+def check_merge(
+    analyzer: Analyzer, model: Any, *, data: DataSpec = DEFAULT_DATA, rtol: float = 1e-6
+) -> int:
+    """Run ``analyzer`` on all batches and on two halves, pass by pass; compare. Returns the
+    number of passes."""
+    info = ModelInfo.from_model(model)
+    own = analyzer.examples(model, info)
+    batches = list(own) if own is not None else list(token_batches(data, model.tokenizer))
+    assert len(batches) >= 2, f"{analyzer.name}: the check needs at least two batches"
+    cut = (len(batches) + 1) // 2
+    first, second = batches[:cut], batches[cut:]
+    before = dict(vars(analyzer))
+    engine = Engine(model, info, [analyzer])
+    name = analyzer.name
+    whole = engine.init()[name]
+    merged = engine.init()[name]
+    for index in range(engine.n_passes):
+        engine.begin_pass(index, {name: whole})
+        if index > 0:
+            engine.begin_pass(index, {name: merged})
+        engine.feed(index, _copies(batches), {name: whole})
+        halves = []
+        for part in (first, second):
+            state = merged.copy()
+            engine.feed(index, _copies(part), {name: state})
+            halves.append(state)
+        _no_failure(engine)
+        merged = halves[0].merge(halves[1])
+        assert_states_close(merged, whole, rtol=rtol, what=f"{name}, pass {index}: halves merged")
+        assert_states_close(
+            halves[1].merge(halves[0]), merged, rtol=0.0, what=f"{name}: merge order"
+        )
+        assert_states_close(merged.merge(Stats()), merged, rtol=0.0, what=f"{name}: merge ∅")
+        assert_states_close(Stats().merge(merged), merged, rtol=0.0, what=f"{name}: ∅ merge")
+    with tempfile.TemporaryDirectory(prefix="lensdiv-state-") as tmp:
+        whole.save(tmp)
+        assert_states_close(Stats.load(tmp), whole, rtol=0.0, what=f"{name}: saved state")
+    results = [engine.finalize({name: s}) for s in (whole, merged)]
+    _no_failure(engine)
+    assert dict(vars(analyzer)) == before, (
+        f"{name} changed itself during the run (keep run-time "
+        "objects in step.cached / setup, data in the state)"
+    )
+    one, two = results[0][name], results[1][name]
+    assert_results_close(two, one, rtol=rtol, what=f"{name}: result of merged halves")
+    check_result(one)
+    return engine.n_passes
+
+
+def _copies(batches: Iterable[Batch]) -> list[Batch]:
+    """Batches are moved to the model's device in place: hand the engine shallow copies."""
+    return [dataclasses.replace(b, extra=dict(b.extra)) for b in batches]
+
+
+def _no_failure(engine: Engine) -> None:
+    assert not engine.failures, f"analyzer failed: {engine.failures}"
+
+
+def check_result(result: Result, width: int = 100) -> None:
+    """The result round-trips through JSON and renders in a terminal and as plain text."""
+    back = Result.from_json(result.to_json())
+    assert_results_close(back, result, rtol=0.0, what=f"{result.analyzer}: JSON round trip")
+    console = Console(file=io.StringIO(), width=width, record=True, color_system=None)
+    console.print(result)
+    text = console.export_text()
+    assert result.analyzer in text, f"{result.analyzer}: the rendering does not name it"
+
+
+def assert_states_close(a: Stats, b: Stats, *, rtol: float, what: str) -> None:
+    """Same names, kinds and shapes; tensors within ``rtol``; everything else equal."""
+    assert sorted(a.names()) == sorted(b.names()), (
+        f"{what}: names differ: {sorted(set(a.names()) ^ set(b.names()))}"
+    )
+    assert a.frozen == b.frozen, f"{what}: finished passes differ"
+    for name in a.names():
+        assert a.kind(name) == b.kind(name), f"{what}: {name!r} changed kind"
+        x, y = a[name], b[name]
+        if isinstance(x, torch.Tensor):
+            assert isinstance(y, torch.Tensor) and x.shape == y.shape, f"{what}: {name!r} shape"
+            _close(
+                x.detach().cpu().double().numpy(),
+                y.detach().cpu().double().numpy(),
+                rtol,
+                f"{what}: {name!r}",
+            )
+        else:
+            _close_values(x, y, rtol, f"{what}: {name!r}")
+
+
+def assert_results_close(a: Result, b: Result, *, rtol: float, what: str) -> None:
+    """Same tables, arrays and plots; numbers within ``rtol`` (strings and integers exact)."""
+    assert a.analyzer == b.analyzer, what
+    assert list(a.tables) == list(b.tables), f"{what}: tables {list(a.tables)} vs {list(b.tables)}"
+    for key, table in a.tables.items():
+        other = b.tables[key]
+        assert list(table.columns) == list(other.columns), f"{what}: columns of {key!r}"
+        for col in table.columns:
+            _close_values(table.columns[col], other.columns[col], rtol, f"{what}: {key}.{col}")
+    assert list(a.arrays) == list(b.arrays), f"{what}: arrays"
+    for key, array in a.arrays.items():
+        _close(array, b.arrays[key], rtol, f"{what}: array {key!r}")
+    assert a.plots == b.plots, f"{what}: plots differ"
+    assert set(a.meta) == set(b.meta), f"{what}: meta keys {set(a.meta) ^ set(b.meta)}"
+    for key in a.meta:
+        _close_values(a.meta[key], b.meta[key], rtol, f"{what}: meta {key!r}")
+
+
+def _close_values(x: Any, y: Any, rtol: float, what: str) -> None:
+    if isinstance(x, dict) and isinstance(y, dict):
+        assert set(x) == set(y), f"{what}: keys differ"
+        for k in x:
+            _close_values(x[k], y[k], rtol, f"{what}.{k}")
+    elif isinstance(x, list | tuple) and isinstance(y, list | tuple):
+        assert len(x) == len(y), f"{what}: lengths {len(x)} and {len(y)}"
+        for i, (u, v) in enumerate(zip(x, y, strict=True)):
+            _close_values(u, v, rtol, f"{what}[{i}]")
+    elif isinstance(x, float) or isinstance(y, float):
+        both = isinstance(x, int | float) and isinstance(y, int | float)
+        assert both, f"{what}: {x!r} vs {y!r}"
+        if not (math.isnan(x) and math.isnan(y)):
+            assert x == y or math.isclose(x, y, rel_tol=rtol, abs_tol=rtol * 1e-3), (
+                f"{what}: {x!r} vs {y!r}"
+            )
+    else:
+        assert x == y, f"{what}: {x!r} vs {y!r}"
+
+
+def _close(x: Any, y: Any, rtol: float, what: str) -> None:
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    assert x.shape == y.shape, f"{what}: shapes {x.shape} and {y.shape}"
+    scale = max(float(np.nanmax(np.abs(y), initial=0.0)), 1e-30)
+    np.testing.assert_allclose(
+        x, y, rtol=rtol, atol=rtol * scale * 1e-3, equal_nan=True, err_msg=what
+    )
