@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 OUT ?= lensdiv-out/demo
 
-.PHONY: setup demo test bench lint clean
+.PHONY: setup demo test check bench lint clean
 
 setup: $(VENV)/.installed
 
@@ -19,8 +19,13 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 demo: setup
 	$(BIN)/lensdiv analyze toy --plugins lens,contrib --out $(OUT)
 
-test: setup
+test: setup check
 	HF_HUB_OFFLINE=1 MPLBACKEND=Agg $(BIN)/python -m pytest -q
+
+# The architecture (ARCHITECTURE.md: layers import one way) and the types (strict on lensdiv.core).
+check: setup
+	$(BIN)/lint-imports
+	$(BIN)/mypy
 
 bench: setup
 	$(BIN)/python bench/bench_fused.py --json bench/fused_cpu.json

@@ -46,6 +46,7 @@ from lensdiv.core.analyzer import Analyzer, Batch, ModelInfo, Step
 from lensdiv.core.errors import DataError
 from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
+from lensdiv.data.sources import read_task_jsonl
 from lensdiv.ops.members import (
     final_readout,
     keep_chunks,
@@ -225,7 +226,6 @@ class BiasDiversity(Analyzer):
         final_readout(model)  # an undecomposable final norm fails here, before any forward
         if not self.tasks:
             return None
-        from lensdiv.data.sources import read_task_jsonl
 
         rows = read_task_jsonl(
             self.tasks, ("prompt", "label"), what="bias classification", option="bias.tasks"

@@ -38,6 +38,9 @@ from lensdiv.core.analyzer import Analyzer, Batch, ModelInfo, Step
 from lensdiv.core.errors import DataError
 from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
+from lensdiv.data.corpus import KnowledgeBase
+from lensdiv.data.sources import read_task_jsonl
+from lensdiv.data.tokenizer import NAME
 from lensdiv.ops.resume import resumer_for
 from lensdiv.ops.skipping import Intervals, later_effect, skip_effects
 
@@ -53,7 +56,6 @@ def depth_score(effect: Float[Tensor, "*batch skipped"]) -> Float[Tensor, "*batc
 
 def kb_examples(per_grade: int, seed: int) -> list[tuple[str, str, str]]:
     """The toy knowledge base's k-hop queries, asked as in the training documents."""
-    from lensdiv.data.corpus import KnowledgeBase
 
     asked = KnowledgeBase(seed=0).asked(per_grade, seed=seed + 1)
     return [
@@ -74,7 +76,6 @@ def arith_examples(per_grade: int, seed: int) -> list[tuple[str, str, str]]:
 
 def read_examples(path: str) -> list[tuple[str, str, str]]:
     """``{"prompt", "answer", "grade"}`` rows of a JSONL file; one clear error per bad line."""
-    from lensdiv.data.sources import read_task_jsonl
 
     rows = read_task_jsonl(
         path, ("prompt", "answer", "grade"), what="depth-score examples", option="depth-score.tasks"
@@ -124,8 +125,6 @@ class DepthScore(Analyzer):
         tokenizer = model.tokenizer
         tasks = self.tasks
         if tasks == "auto":
-            from lensdiv.data.tokenizer import NAME
-
             tasks = "kb" if getattr(tokenizer, "name_or_path", "") == NAME else "arith"
         if tasks == "kb":
             rows = kb_examples(self.per_grade, self.seed)

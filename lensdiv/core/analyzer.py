@@ -196,7 +196,8 @@ class Step:
 
     def resid(self, layer: int) -> Float[Tensor, "batch pos d_model"]:
         """``h_layer`` from the clean pass."""
-        return self.cache[self.info.resid(layer)]
+        resid: Tensor = self.cache[self.info.resid(layer)]
+        return resid
 
     def forward(
         self,
@@ -206,7 +207,8 @@ class Step:
         """Run an extra (intervened) forward pass and return its logits."""
         tokens = self.batch.tokens if tokens is None else tokens
         with torch.no_grad(), self.model.hooks(fwd_hooks=list(fwd_hooks)):
-            return self.model(tokens)
+            logits: Tensor = self.model(tokens)
+        return logits
 
 
 class Analyzer(abc.ABC):
@@ -284,7 +286,7 @@ class Analyzer(abc.ABC):
     # -- options -------------------------------------------------------------------------------
     def options(self) -> dict[str, Any]:
         """The option values, as recorded in every result."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+        return {f.name: getattr(self, f.name) for f in self.option_fields()}
 
     @classmethod
     def option_fields(cls) -> list[dataclasses.Field[Any]]:

@@ -12,6 +12,7 @@ from functools import lru_cache
 from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
+from lensdiv.core.analyzer import Analyzer
 from lensdiv.core.errors import PluginError, did_you_mean
 
 if TYPE_CHECKING:
@@ -85,7 +86,6 @@ def _provider(ep: metadata.EntryPoint) -> str:
 
 def collect(entry_points: Iterable[metadata.EntryPoint] | None = None) -> Registry:
     """Load every analyzer of the ``lensdiv.plugins`` group (or of ``entry_points``)."""
-    from lensdiv.core.analyzer import Analyzer
 
     if entry_points is None:
         entry_points = metadata.entry_points(group=GROUP)
@@ -147,7 +147,6 @@ def make_analyzers(
     plugins: str | Iterable[str | Analyzer], options: dict[str, dict[str, Any]] | None = None
 ) -> list[Analyzer]:
     """Instantiate analyzers from names (comma-separated string or list) or ready instances."""
-    from lensdiv.core.analyzer import Analyzer
 
     if isinstance(plugins, str):
         plugins = [p for p in plugins.split(",") if p.strip()]

@@ -139,12 +139,13 @@ class Plot:
         if self.kind == "line":
             table = result.tables[self.source]
             xs = table[self.x] if self.x else np.arange(len(table))
-            groups = [None] if self.group is None else list(dict.fromkeys(table[self.group]))
+            group = self.group
+            groups = [None] if group is None else list(dict.fromkeys(table[group]))
             for value in groups:
                 rows = (
                     np.ones(len(table), dtype=bool)
-                    if value is None
-                    else np.asarray(table[self.group] == value)
+                    if value is None or group is None
+                    else np.asarray(table[group] == value)
                 )
                 for col in self.y:
                     label = col if value is None else f"{self.group}={value}"

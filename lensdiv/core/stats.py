@@ -140,7 +140,7 @@ class Stats:
     def drop(self, name: str) -> None:
         """Forget ``name`` (e.g. moments no longer needed once a map is fitted)."""
         for store in self._stores().values():
-            store.pop(name, None)  # type: ignore[attr-defined]  # every store is a dict
+            store.pop(name, None)
         self.frozen.discard(name)
 
     def freeze(self) -> None:
@@ -228,8 +228,10 @@ class Stats:
                     f"statistic {name!r} has shape {tuple(a.shape)} in one state and "
                     f"{tuple(b.shape)} in the other"
                 )
-            op = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}[kind]
-            return op(a, b.to(a.device))
+            b = b.to(a.device)
+            if kind == "sum":
+                return a + b
+            return torch.maximum(a, b) if kind == "max" else torch.minimum(a, b)
         if kind == "set":
             return self.sets[name] | other.sets[name]
         clash = self.rows[name].keys() & other.rows[name].keys()

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lensdiv.core.analyzer import Batch
 from lensdiv.core.errors import DataError
+from lensdiv.data.corpus import builtin_documents
 
 BUILTIN = "builtin"
 _SNIFF_BYTES = 1 << 16
@@ -116,8 +118,6 @@ def documents(spec: DataSpec) -> Iterator[str]:
     """Yield the documents of the source, lazily."""
     kind = check_source(spec)
     if kind == "builtin":
-        from lensdiv.data.corpus import builtin_documents
-
         yield from builtin_documents(seed=spec.seed)
     elif kind == "hub":
         yield from _hub_documents(spec)
@@ -247,8 +247,6 @@ def pack(
 ) -> Iterator[Any]:
     """Pack any stream of documents the way :func:`token_batches` does (``spec`` gives the sizes)."""
     import torch
-
-    from lensdiv.core.analyzer import Batch
 
     bos_id = tokenizer.bos_token_id if spec.bos == "prepend" else None
     eos_id = tokenizer.eos_token_id

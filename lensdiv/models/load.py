@@ -13,6 +13,7 @@ from typing import Any
 
 from lensdiv.core.devices import parse_device, parse_dtype, place_model
 from lensdiv.core.errors import ModelLoadError
+from lensdiv.models.toy import load_toy
 
 DEFAULT_MODEL = "toy"
 
@@ -128,8 +129,6 @@ def load_model(
         parsed = resolve_spec(spec)
         device = parse_device(device)
         if parsed.kind == "toy":
-            from lensdiv.models.toy import load_toy
-
             model = load_toy(parsed.resolved, device=device, dtype=torch_dtype, progress=progress)
         else:
             model = _boot_hf(

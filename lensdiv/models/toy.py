@@ -24,6 +24,11 @@ from typing import Any
 
 from lensdiv.core.devices import place_model
 from lensdiv.core.errors import ModelLoadError
+from lensdiv.core.progress import progress_bar
+from lensdiv.core.results import agg_figure
+from lensdiv.data.corpus import CORPUS_VERSION, KnowledgeBase, mixed_documents
+from lensdiv.data.sources import DataSpec, pack, token_batches
+from lensdiv.data.tokenizer import VOCAB_SIZE, byte_tokenizer
 
 TOY_VERSION = 1
 DEFAULT_DEPTH = 4
@@ -60,8 +65,6 @@ class ToySpec:
     def bridge_config(self) -> Any:
         """The ``TransformerBridgeConfig`` for ``boot_native``."""
         from transformer_lens.config import TransformerBridgeConfig
-
-        from lensdiv.data.tokenizer import VOCAB_SIZE
 
         return TransformerBridgeConfig(
             d_model=self.width,
@@ -158,7 +161,6 @@ def cache_root() -> Path:
 
 def recipe_key(spec: ToySpec, recipe: TrainRecipe) -> str:
     """Hash of everything that determines the trained weights."""
-    from lensdiv.data.corpus import CORPUS_VERSION
 
     blob = json.dumps(
         {
@@ -218,8 +220,6 @@ def build(spec: ToySpec, *, device: Any = None, dtype: Any = None) -> Any:
     """A freshly initialised toy bridge (seeded)."""
     from transformer_lens import TransformerBridge
 
-    from lensdiv.data.tokenizer import byte_tokenizer
-
     model = TransformerBridge.boot_native(
         spec.bridge_config(),
         tokenizer=byte_tokenizer(),
@@ -273,9 +273,6 @@ def train_toy(
     """Train one toy model; cache it (atomically) unless ``save`` is False. Returns (model, log)."""
     import torch
 
-    from lensdiv.data.corpus import mixed_documents
-    from lensdiv.data.sources import DataSpec, pack
-
     recipe = recipe or TrainRecipe.default()
     torch.manual_seed(spec.seed)
     model = build(spec)
@@ -297,8 +294,6 @@ def train_toy(
             return recipe.lr * (step + 1) / recipe.warmup
         frac = (step - recipe.warmup) / max(1, recipe.steps - recipe.warmup)
         return recipe.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-
-    from lensdiv.data.tokenizer import byte_tokenizer
 
     tokenizer = byte_tokenizer()
     pack_spec = DataSpec(
@@ -388,8 +383,6 @@ def multihop_accuracy(model: Any, *, n: int = 200, seed: int = 1) -> dict[str, A
     """
     import torch
 
-    from lensdiv.data.corpus import KnowledgeBase
-
     kb = KnowledgeBase(seed=0)
     tokenizer = model.tokenizer
     out: dict[str, Any] = {"chance": round(1 / kb.n_entities, 4)}
@@ -416,8 +409,6 @@ def _lens_kl(model: Any) -> list[float]:
     quick check that later layers converge; ``lensdiv analyze --plugins lens`` is the analysis)."""
     import torch
     from transformer_lens.tools.analysis.logit_lens import logit_readout
-
-    from lensdiv.data.sources import DataSpec, token_batches
 
     L = int(model.cfg.n_layers)
     names = [f"blocks.{layer}.hook_resid_pre" for layer in range(L)]
@@ -460,7 +451,6 @@ def _save_entry(spec: ToySpec, recipe: TrainRecipe, model: Any, log: dict[str, A
 
 
 def _plot_log(log: dict[str, Any], path: Path) -> None:
-    from lensdiv.core.results import agg_figure
 
     fig, ax = agg_figure()
     ax.plot(range(1, len(log["train_loss"]) + 1), log["train_loss"], lw=0.8, label="train")
@@ -476,7 +466,6 @@ def _plot_log(log: dict[str, Any], path: Path) -> None:
 
 
 def _train_progress(enabled: bool, name: str) -> Any:
-    from lensdiv.core.progress import progress_bar
 
     return progress_bar(
         f"[bold]training {name}[/bold]", "steps  loss {task.fields[loss]:.3f}", enabled=enabled

@@ -25,6 +25,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from lensdiv.core.analyzer import Step
 from lensdiv.ops.capture import stop_hook_name
 
 Hook = tuple[str, Callable[..., Any]]
@@ -224,6 +225,7 @@ class Resumer:
             self._direct_readout = bool(((direct - want).abs().max() / scale) < self.tolerance)
 
 
-def resumer_for(step: Any, *, fast: bool = True) -> Resumer:
+def resumer_for(step: Step, *, fast: bool = True) -> Resumer:
     """The run's :class:`Resumer` for ``step.model`` (built, and checked, once per run)."""
-    return step.cached(("resumer", fast), lambda: Resumer(step.model, fast=fast))  # type: ignore[no-any-return]  # the cache holds what the factory built
+    resumer: Resumer = step.cached(("resumer", fast), lambda: Resumer(step.model, fast=fast))
+    return resumer

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -117,7 +118,7 @@ class Engine:
         """A fresh state per analyzer."""
         states: dict[str, Stats] = {}
         for a in list(self.active):
-            state = self._timed(a, "init", lambda a=a: a.init(self.info))
+            state = self._timed(a, "init", partial(a.init, self.info))
             if state is not None:
                 states[a.name] = state
         return states
@@ -193,7 +194,7 @@ class Engine:
         """Each running analyzer's result (those that fail here are dropped)."""
         results = {}
         for a in list(self.active):
-            result = self._timed(a, "finalize", lambda a=a: a.finalize(states[a.name], self.info))
+            result = self._timed(a, "finalize", partial(a.finalize, states[a.name], self.info))
             if result is not None:
                 results[a.name] = result
         return results
@@ -213,4 +214,5 @@ def input_device(model: Any) -> torch.device:
     weight = getattr(embed, "W_E", None)
     if isinstance(weight, torch.Tensor) and weight.device.type != "meta":
         return weight.device
-    return next(model.parameters()).device
+    first: torch.Tensor = next(model.parameters())
+    return first.device

@@ -9,6 +9,7 @@ import json
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +17,12 @@ from rich.jupyter import JupyterMixin
 
 from lensdiv.core.analyzer import Analyzer, Batch, ModelInfo
 from lensdiv.core.errors import LensdivError, ResultError
+from lensdiv.core.progress import progress_bar
 from lensdiv.core.provenance import versions
+from lensdiv.core.registry import make_analyzers
 from lensdiv.core.results import Result, write_json_atomic
 from lensdiv.data.sources import DataSpec, check_source, token_batches
+from lensdiv.models.load import load_model
 from lensdiv.run.engine import Engine, check_hooks, input_device
 
 MANIFEST = "manifest.json"
@@ -99,9 +103,6 @@ def analyze(
     """
     import torch
 
-    from lensdiv.core.registry import make_analyzers
-    from lensdiv.models.load import load_model
-
     started = time.time()
     analyzers = make_analyzers(plugins, {k: dict(v) for k, v in (options or {}).items()})
     if isinstance(data, DataSpec):
@@ -180,12 +181,12 @@ def analyze(
     for kind in ("raw", "folded"):
         shared = [a for a in analyzers if a.numerics == kind and tasks[a.name] is None]
         if shared:
-            groups.append((shared, lambda: token_batches(spec, bridge.tokenizer), spec.max_tokens))
+            groups.append((shared, partial(token_batches, spec, bridge.tokenizer), spec.max_tokens))
         for a in analyzers:
             own = tasks[a.name]
             if a.numerics == kind and own is not None:
                 size = sum(b.n_tokens for b in own)
-                groups.append(([a], lambda own=own: iter(own), size))
+                groups.append(([a], partial(iter, own), size))
     stopped: BaseException | None = None
     for group, batches, total in groups:
         if stopped is not None:
@@ -246,14 +247,11 @@ def _stream(
             bar = _progress(progress, label)
             with bar:
                 task = bar.add_task("analyzing", total=total)
-                engine.feed(
-                    index,
-                    batches(),
-                    states,
-                    on_batch=lambda batch, bar=bar, task=task: bar.update(
-                        task, advance=batch.n_tokens
-                    ),
-                )
+
+                def advance(batch: Batch, bar: Any = bar, task: Any = task) -> None:
+                    bar.update(task, advance=batch.n_tokens)
+
+                engine.feed(index, batches(), states, on_batch=advance)
     except (KeyboardInterrupt, LensdivError) as err:
         stopped = err
     interrupted = stopped is not None
@@ -304,8 +302,6 @@ def _progress(enabled: bool, label: str) -> Any:
     """A progress bar over tokens, with tokens/s."""
     from rich.progress import ProgressColumn
     from rich.text import Text
-
-    from lensdiv.core.progress import progress_bar
 
     class SpeedColumn(ProgressColumn):
         def render(self, task: Any) -> Text:

@@ -1,0 +1,102 @@
+"""The architecture of ARCHITECTURE.md, enforced: layers import one way, no module imports
+another in a circle, and function-local imports of lensdiv exist only for start-up time."""
+
+from __future__ import annotations
+
+import ast
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "lensdiv"
+# Layers whose whole purpose is a fast start (`lensdiv --help`): their commands import lazily.
+LAZY_BY_DESIGN = ("lensdiv/cli/", "lensdiv/__init__.py")
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> list[tuple[ast.AST, str, bool]]:
+    """``(node, imported module, at module level)`` for every import of a lensdiv module."""
+    tree = ast.parse(path.read_text())
+    local = {
+        id(sub)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        for sub in ast.walk(node)
+    }
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        out += [(node, n, id(node) not in local) for n in names if n.split(".")[0] == "lensdiv"]
+    return out
+
+
+def test_layers_import_one_way() -> None:
+    """import-linter's layers contract (pyproject.toml, [tool.importlinter])."""
+    exe = shutil.which("lint-imports", path=str(Path(sys.executable).parent))
+    if exe is None:
+        pytest.skip("import-linter is not installed (pip install -e '.[dev]')")
+    proc = subprocess.run([exe], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "0 broken" in proc.stdout
+
+
+def test_no_import_cycles() -> None:
+    """Module-level imports between lensdiv modules form no cycle."""
+    modules = {_module(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for name, path in modules.items():
+        for _, target, top in _imports(path):
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if top and target and target != name and not name.startswith(target + "."):
+                graph[name].add(target)
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycle = stack[stack.index(nxt) :] + [nxt]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+
+
+def test_function_local_imports_say_why() -> None:
+    """A lensdiv import inside a function is there for start-up time, and says so."""
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith(LAZY_BY_DESIGN):
+            continue
+        lines = path.read_text().splitlines()
+        for node, target, top in _imports(path):
+            if top:
+                continue
+            near = " ".join(lines[max(node.lineno - 2, 0) : node.lineno]).lower()
+            if "start-up" not in near:
+                offenders.append(f"{rel}:{node.lineno} imports {target}")
+    assert not offenders, "function-local imports without a start-up reason:\n" + "\n".join(
+        offenders
+    )
