@@ -19,22 +19,19 @@ import pandas as pd
 import pytest
 import torch
 
-from lensdiv.analyzers.patch import (
-    Pair,
-    Patching,
-    _resumer,
-    builtin_pairs,
-    integrated_gradients,
-    read_pairs,
-    run_patches,
-    run_variants,
-)
+from lensdiv.analyzers.patch import Patching
 from lensdiv.core.analyzer import ModelInfo
 from lensdiv.core.errors import DataError, OptionError
+from lensdiv.core.stats import Stats
 from lensdiv.data.corpus import KnowledgeBase, Query
+from lensdiv.data.pairs import Pair, builtin_pairs, read_pairs
 from lensdiv.ops.capture import capture
+from lensdiv.ops.patching import integrated_gradients, run_patches, run_variants
+from lensdiv.ops.resume import Resumer
+from lensdiv.run.engine import Engine
 from lensdiv.run.runner import analyze
 from tests.test_cli import assert_user_error, invoke
+from tests.test_core import assert_results_equal
 
 SITES = ("resid_pre", "attn_out", "mlp_out")
 
@@ -118,11 +115,10 @@ def test_patching_matches_transformer_lens(model: Any, tmp_path: Path) -> None:
     # Ours: every (layer, position) of every site, batched and resumed.
     eye = torch.eye(n_pos, dtype=torch.bool)
     ours = torch.zeros(len(SITES), L, n_pos, 5)
+    resumer = Resumer(model)
     for layer in range(L):
         patches = [(site, eye, clean_cache[f"blocks.{layer}.hook_{site}"]) for site in SITES]
-        outs = run_patches(
-            _resumer(model), corrupt, layer, corrupt_cache[info.resid(layer)], patches
-        )
+        outs = run_patches(resumer, corrupt, layer, corrupt_cache[info.resid(layer)], patches)
         for i, logits in enumerate(outs):
             ours[i, layer] = torch.stack([metric_of(lg[:, None], target, foil) for lg in logits])
 
@@ -185,7 +181,7 @@ def test_patching_identities(model: Any, tmp_path: Path) -> None:
     m_clean = metric_of(clean_logits, target, foil)
     m_corrupt = metric_of(corrupt_logits, target, foil)
     assert (m_clean - m_corrupt).abs().min() > 1e-4  # the scores below are well defined
-    resumer = _resumer(model)
+    resumer = Resumer(model)
     n_pos, L = clean.shape[1], info.n_layers
     everything_nothing = torch.tensor([[True] * n_pos, [False] * n_pos])
     for layer in range(L + 1):
@@ -248,7 +244,7 @@ def test_erasure_matches_naive_loop_and_self_erasure_is_zero(model: Any, tmp_pat
                 naive = float((erased[:, -1].softmax(-1) - p).norm(dim=-1).mean())
                 assert abs(erasure[layer, t] - naive) <= 1e-5, (layer, t)
     # A residual replaced by itself changes nothing.
-    resumer = _resumer(model)
+    resumer = Resumer(model)
     eye = torch.eye(n_pos, dtype=torch.bool)
     for layer in range(L + 1):
         h = cache[info.resid(layer)]
@@ -332,6 +328,70 @@ def test_pairs_of_different_lengths_align_at_the_end(native_model: Any, tmp_path
         np.testing.assert_allclose(both[key], expected, rtol=1e-6, atol=1e-9, err_msg=key)
 
 
+# -- shards ---------------------------------------------------------------------------------------
+def assert_results_close(got: Any, want: Any, *, rtol: float) -> None:
+    """Counts and text exactly, floats within ``rtol`` (NaN where NaN)."""
+    assert list(got.tables) == list(want.tables) and list(got.arrays) == list(want.arrays)
+    for name, table in want.tables.items():
+        assert list(got.tables[name].columns) == list(table.columns), name
+        for col in table.columns:
+            x, y = np.asarray(got.tables[name][col]), np.asarray(table[col])
+            if y.dtype.kind == "f":
+                np.testing.assert_allclose(x, y, rtol=rtol, atol=0, err_msg=f"{name}.{col}")
+            else:
+                assert x.tolist() == y.tolist(), f"{name}.{col}"
+    for name, value in want.arrays.items():
+        np.testing.assert_allclose(got.arrays[name], value, rtol=rtol, atol=0, err_msg=name)
+    assert got.meta == want.meta
+    assert got.plots == want.plots
+
+
+def test_merged_shards_finalize_like_one_run(native_model: Any, tmp_path: Path) -> None:
+    """Two shards, pass by pass: pass 0 on each half, merge, start pass 1 on the merged state,
+    pass 1 on each half from a copy of it, merge; then finalize as one run over every batch."""
+    rows = fact_pairs("boss", 3) + fact_pairs("mentor", 2)  # 10 and 12 tokens with BOS
+    path = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    analyzer = Patching(pairs=str(path), ig_steps=4, batch_size=2)
+    info = ModelInfo.from_model(native_model)
+    batches = analyzer.examples(native_model, info)
+    assert [tuple(b.tokens.shape) for b in batches] == [(2, 10), (1, 10), (2, 12)]
+    halves = [batches[1:], batches[:1]]  # a length in both shards, one in a single shard
+
+    whole = Engine(native_model, info, [analyzer])
+    results = whole.run(lambda: batches)
+    assert not whole.failures, whole.failures
+    want = results["patch"]
+
+    shards = [Engine(native_model, info, [analyzer]) for _ in halves]  # a resumer each
+    states = [engine.init() for engine in shards]
+    for engine, half, state in zip(shards, halves, states, strict=True):
+        engine.begin_pass(0, state)
+        engine.feed(0, half, state)
+    merged = {"patch": states[0]["patch"].merge(states[1]["patch"])}
+    assert merged["patch"]["lengths"] == {"10", "12"}
+    shards[0].begin_pass(1, merged)  # freezes pass 0, fits the erasure mean
+    states = [{"patch": merged["patch"].copy()} for _ in halves]
+    for engine, half, state in zip(shards, halves, states, strict=True):
+        engine.feed(1, half, state)
+    final = states[0]["patch"].merge(states[1]["patch"])
+    # Pass 1 wrote only new names (a write to a frozen one would have failed the analyzer).
+    assert not any(engine.failures for engine in shards), [e.failures for e in shards]
+    assert {n for n in final.names() if n not in final.frozen} == {
+        *(f"erase/{t}/{s}" for t in (10, 12) for s in ("sum", "sq", "n")),
+        "erase/intervention",
+    }
+    got = shards[0].finalize({"patch": final})["patch"]
+    assert got.meta["n_pairs"] == 5 and got.tables["pairs"]["line"].tolist() == [1, 2, 3, 4, 5]
+    assert_results_close(got, want, rtol=1e-6)
+
+    # finalize needs the state alone: saved, loaded and finalized by a fresh analyzer.
+    final.save(tmp_path / "state")
+    again = Patching(pairs=str(path), ig_steps=4, batch_size=2).finalize(
+        Stats.load(tmp_path / "state"), info
+    )
+    assert_results_equal(again, got)
+
+
 # -- task data ------------------------------------------------------------------------------------
 def test_builtin_pairs_for_the_byte_tokenizer(native_model: Any) -> None:
     pairs = builtin_pairs(native_model.tokenizer)
@@ -347,7 +407,7 @@ def test_builtin_pairs_for_a_word_tokenizer() -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from lensdiv.analyzers.patch import _CAPITALS
+    from lensdiv.data.pairs import _CAPITALS
 
     words = ["<unk>", "The", "capital", "of", "is"]
     for country, capital in _CAPITALS[:6]:

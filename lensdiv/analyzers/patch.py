@@ -20,15 +20,9 @@ Three measurements on the same pairs ``{clean, corrupt, target[, foil]}``:
 Conventions:
 
 - **Pairs** come from a JSONL file (``-O patch.pairs=FILE``, one object per line; BOS is
-  prepended) or, by default, from :func:`builtin_pairs`: facts of the toy corpus' knowledge base
-  (``boss(ka)=`` against ``boss(mi)=``) for the byte tokenizer of the toy models, capital cities
-  (``The capital of France is`` → ``" Paris"``) for other tokenizers.
-- **Answer position** = the last token of the prompt (the answer is predicted there).
-- **Answer token** = the first token of the target tokenised *as a continuation*: the token that
-  follows the prompt's tokens in ``tokenize(clean + target)``; when the prompt's tokens are not a
-  prefix of that (a merge across the boundary), the first token of ``tokenize(target)`` alone. So
-  write the space yourself where the tokenizer marks word starts (``" Paris"``). A target or foil
-  may also be an integer token id. The foil is tokenised after the corrupt prompt.
+  prepended) or, by default, from the built-in set; the answer position is the prompt's last
+  token and the answer token is the target's first token as a continuation of the prompt (see
+  :mod:`lensdiv.data.pairs`).
 - **Alignment**: clean and corrupt of one pair must tokenise to the same length (positions are
   compared one to one); pairs of different lengths are aligned **at the end**: column ``j`` of a
   ``[.., T]`` map is the position ``j - (T - 1)`` tokens before the answer position, and a column
@@ -37,226 +31,48 @@ Conventions:
   left out of the patching scores (counted in ``meta["degenerate_pairs"]``) but still enter the
   erasure and IG maps.
 
-Interventions resume the forward pass from the patched layer (:class:`lensdiv.ops.resume.Resumer`)
-and batch every site and position of a layer into one pass: a patching sweep is ``L`` passes of
-``sites x T x pairs`` rows that run ``L/2`` blocks on average, where TransformerLens'
-``get_act_patch_*`` runs ``3·L·T`` full passes (the tests check both agree). IG needs gradients,
-which the resumer does not offer, so its passes run every block.
+Interventions resume the forward pass from the patched layer and batch every site and position
+of a layer into one pass (:mod:`lensdiv.ops.patching`; the tests check it agrees with
+TransformerLens' ``get_act_patch_*``).
+
+State (``T`` is a prompt length in tokens; sums unless said otherwise):
+
+- pass 0: ``lengths`` (set of the ``T`` seen), ``pairs`` (rows keyed by the pair's line: tokens,
+  answer ids, clean and corrupt metric), ``all/T`` and ``n/T`` (pairs, and pairs that can be
+  normalised), ``SITE/T/raw|sum|sq`` (raw metric; normalised score and its square, over pairs),
+  ``ig/T/sum|sq|n`` and ``ig/abs_error|rel_error`` (maxima), ``resid_sum``/``resid_n`` (for the
+  erasure mean, with ``erasure``), ``intervention`` (set of the resumer's modes).
+- start of pass 1: ``erase/mean`` (fixed: ``resid_sum / resid_n``; the sums are dropped).
+- pass 1: ``erase/T/sum|sq|n`` and ``erase/intervention`` (set).
 """
 
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import torch
-from jaxtyping import Bool, Float, Int
+from jaxtyping import Float, Int
 from torch import Tensor
 
 from lensdiv.core.analyzer import Analyzer, Batch, ModelInfo, Step
 from lensdiv.core.errors import DataError
 from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
+from lensdiv.data.pairs import ANSWER_RULE, builtin_pairs, pair_batches, read_pairs
+from lensdiv.ops.capture import capture
+from lensdiv.ops.patching import integrated_gradients, run_patches, run_variants, site_hook
+from lensdiv.ops.resume import Resumer, resumer_for
 
 SITES = ("resid_pre", "attn_out", "mlp_out")
 EPS = 1e-6
-# Activation elements one batched intervention pass may hold (~256 MB in fp32).
-_ELEMENTS = 1 << 26
 ALIGNMENT = (
     "end: column j of a [.., T] map is the position j-(T-1) tokens before the answer position "
     "(the prompt's last token); a column averages the pairs long enough to have it"
 )
-ANSWER_RULE = (
-    "first token of the target tokenised as a continuation of the prompt "
-    "(tokenize(prompt + target) after tokenize(prompt); tokenize(target) alone when the prompt's "
-    "tokens are not a prefix); integer targets are token ids"
-)
-
-
-# -- task data ----------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Pair:
-    """One clean/corrupt pair as read from the task file.
-
-    Args:
-        line: 1-based line number in the file (or index in the built-in set).
-        clean: The prompt whose answer is ``target``.
-        corrupt: A prompt of the same token length whose answer differs.
-        target: The clean answer (string, or a token id).
-        foil: The corrupt answer (needed by ``metric=logit_diff``).
-    """
-
-    line: int
-    clean: str
-    corrupt: str
-    target: str | int
-    foil: str | int | None = None
-
-
-def read_pairs(path: str | Path) -> list[Pair]:
-    """Read a JSONL file of ``{clean, corrupt, target[, foil]}`` objects, one per line.
-
-    Raises:
-        DataError: Missing or empty file, bad JSON, a missing key or a wrong type, naming the line.
-    """
-    from lensdiv.data.sources import read_task_jsonl
-
-    path = Path(path)
-    pairs = []
-    required = ("clean", "corrupt", "target")
-    for number, row in read_task_jsonl(path, required, what="pairs", option="patch.pairs"):
-        where = f"{path.name} line {number}"
-        for key in ("clean", "corrupt"):
-            if not isinstance(row[key], str) or not row[key]:
-                raise DataError(f"{where}: {key!r} must be a non-empty string")
-        for key in ("target", "foil"):
-            value = row.get(key)
-            if key == "foil" and value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, (str, int)):
-                raise DataError(f"{where}: {key!r} must be a string or a token id")
-        pairs.append(Pair(number, row["clean"], row["corrupt"], row["target"], row.get("foil")))
-    return pairs
-
-
-_CAPITALS = (
-    ("France", "Paris"),
-    ("Italy", "Rome"),
-    ("Spain", "Madrid"),
-    ("Japan", "Tokyo"),
-    ("Egypt", "Cairo"),
-    ("Peru", "Lima"),
-    ("Kenya", "Nairobi"),
-    ("Chile", "Santiago"),
-    ("China", "Beijing"),
-    ("Russia", "Moscow"),
-    ("Greece", "Athens"),
-    ("Cuba", "Havana"),
-    ("Norway", "Oslo"),
-    ("Poland", "Warsaw"),
-    ("Austria", "Vienna"),
-    ("Germany", "Berlin"),
-)
-_BUILTIN_PAIRS = 16
-
-
-def _is_byte_tokenizer(tokenizer: Any) -> bool:
-    from lensdiv.data.tokenizer import SPECIALS, VOCAB_SIZE
-
-    try:
-        specials = tokenizer.convert_ids_to_tokens(list(range(len(SPECIALS))))
-        return len(tokenizer) == VOCAB_SIZE and tuple(specials) == SPECIALS
-    except Exception:  # any tokenizer without these methods is not ours
-        return False
-
-
-def builtin_pairs(tokenizer: Any) -> list[Pair]:
-    """The built-in task: knowledge-base facts for the byte tokenizer, capitals otherwise.
-
-    Byte tokenizer (toy models): 4 facts per relation of the toy corpus' knowledge base,
-    ``boss(ka)=`` → its answer, corrupted by another entity whose answer starts with a different
-    letter (the foil). Other tokenizers: ``The capital of France is`` → ``" Paris"`` against other
-    countries, keeping pairs whose prompts tokenise to the same length and whose answers differ
-    in their first token.
-    """
-    if _is_byte_tokenizer(tokenizer):
-        from lensdiv.data.corpus import RELATIONS, KnowledgeBase, Query
-
-        kb = KnowledgeBase(seed=0)  # the knowledge base every toy model is trained on
-        pairs: list[Pair] = []
-        per_relation = _BUILTIN_PAIRS // len(RELATIONS)
-        for relation in RELATIONS:
-            entities = kb.entities
-            used = 0
-            for i, entity in enumerate(entities):
-                answer = kb.answer((relation,), entity)
-                for other in entities[i + 1 :] + entities[:i]:
-                    foil = kb.answer((relation,), other)
-                    if foil[0] != answer[0]:
-                        pairs.append(
-                            Pair(
-                                len(pairs) + 1,
-                                Query((relation,), entity, answer).prompt,
-                                Query((relation,), other, foil).prompt,
-                                answer,
-                                foil,
-                            )
-                        )
-                        used += 1
-                        break
-                if used == per_relation:
-                    break
-        return pairs
-    unk = getattr(tokenizer, "unk_token_id", None)
-    pairs = []
-    for country, capital in _CAPITALS:
-        for other, foil in _CAPITALS:
-            if other == country:
-                continue
-            clean, corrupt = f"The capital of {country} is", f"The capital of {other} is"
-            ids = [_encode(tokenizer, clean), _encode(tokenizer, corrupt)]
-            if len(ids[0]) != len(ids[1]):
-                continue
-            answers = [_answer_id(tokenizer, clean, " " + capital)]
-            answers.append(_answer_id(tokenizer, corrupt, " " + foil))
-            if answers[0] == answers[1] or unk in [*ids[0], *ids[1], *answers] or None in answers:
-                continue
-            pairs.append(Pair(len(pairs) + 1, clean, corrupt, " " + capital, " " + foil))
-            break  # one corruption per country keeps the set varied
-        if len(pairs) == _BUILTIN_PAIRS:
-            break
-    return pairs
-
-
-def _encode(tokenizer: Any, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def _answer_id(tokenizer: Any, prompt: str, target: str) -> int | None:
-    """The answer-token rule (module docstring); ``None`` when the target tokenises to nothing."""
-    head = _encode(tokenizer, prompt)
-    full = _encode(tokenizer, prompt + target)
-    if len(full) > len(head) and full[: len(head)] == head:
-        return full[len(head)]
-    alone = _encode(tokenizer, target)
-    return alone[0] if alone else None
-
-
-def answer_token(tokenizer: Any, prompt: str, target: str | int, d_vocab: int, where: str) -> int:
-    """Token id of ``target`` after ``prompt`` (see the module docstring), checked.
-
-    Raises:
-        DataError: The target tokenises to nothing or to the unknown token, or an id is outside
-            the model's vocabulary.
-    """
-    hint = "give a target the tokenizer knows (or its token id below d_vocab)"
-    if isinstance(target, int):
-        if not 0 <= target < d_vocab:
-            raise DataError(
-                f"{where}: token id {target} is not in the vocabulary (d_vocab={d_vocab})",
-                hint=hint,
-            )
-        return target
-    token = _answer_id(tokenizer, prompt, target)
-    if token is None:
-        raise DataError(f"{where}: {target!r} tokenises to nothing", hint=hint)
-    unk = getattr(tokenizer, "unk_token_id", None)
-    if unk is not None and token == unk:
-        raise DataError(
-            f"{where}: {target!r} is not in the vocabulary (it tokenises to the unknown token)",
-            hint=hint,
-        )
-    if token >= d_vocab:
-        raise DataError(
-            f"{where}: {target!r} tokenises to id {token}, outside the model's vocabulary "
-            f"(d_vocab={d_vocab})",
-            hint="the tokenizer does not match the model",
-        )
-    return token
 
 
 # -- measurements -------------------------------------------------------------------------------
@@ -271,194 +87,6 @@ def metric_values(
     if metric == "logit_diff":
         return logits.gather(-1, target[:, None])[:, 0] - logits.gather(-1, foil[:, None])[:, 0]
     return logits.log_softmax(-1).gather(-1, target[:, None])[:, 0].exp()
-
-
-def _last_position(model: Any) -> list[tuple[str, Callable[..., Any]]]:
-    """A hook that unembeds only the last position (the answer position), where the model has
-    the hook: the final norm and unembedding are per position, so the answer's logits are
-    unchanged, and the largest matmul of a small model shrinks ``pos``-fold."""
-    if "unembed.hook_in" not in model.hook_dict:
-        return []
-
-    def last(tensor: Tensor, *, hook: Any) -> Tensor:
-        return tensor[:, -1:]
-
-    return [("unembed.hook_in", last)]
-
-
-def _rows_per_pass(model: Any, n_pos: int, *, grad: bool) -> int:
-    """Rows of ``n_pos`` tokens one batched pass may hold within a fixed memory budget.
-
-    Without gradients a pass holds a few ``[row, pos, d_mlp]`` activations and the logits;
-    with gradients it keeps about a dozen activations per block for the backward.
-    """
-    cfg = model.cfg
-    width = int(getattr(cfg, "d_mlp", None) or 4 * cfg.d_model)
-    if grad:  # the answer position alone is unembedded (see _last_position)
-        per_row = n_pos * width * 12 * int(cfg.n_layers) + int(cfg.d_vocab)
-    else:
-        per_row = n_pos * (width * 4 + int(cfg.d_vocab))
-    return max(1, _ELEMENTS // per_row)
-
-
-_RESUMERS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
-
-
-def _resumer(model: Any) -> Any:
-    """One :class:`~lensdiv.ops.resume.Resumer` per model, so its first-use check runs once."""
-    from lensdiv.ops.resume import Resumer
-
-    if model not in _RESUMERS:
-        _RESUMERS[model] = Resumer(model)
-    return _RESUMERS[model]
-
-
-def site_hook(site: str, layer: int) -> str:
-    """TransformerLens hook name of ``site`` in block ``layer``."""
-    return f"blocks.{layer}.hook_{site}"
-
-
-Patch = tuple[str, Tensor, Tensor]  # (site, masks [variant, pos], values [batch, pos, d_model])
-
-
-def run_patches(
-    resumer: Any,
-    tokens: Int[Tensor, "batch pos"],
-    layer: int,
-    resid: Float[Tensor, "batch pos d_model"],
-    patches: Sequence[Patch],
-) -> list[Tensor]:
-    """Answer-position logits ``[variant, batch, d_vocab]`` of every variant of every patch.
-
-    A patch ``(site, masks, values)`` has one variant per row of ``masks``: it runs every row of
-    ``tokens`` from block ``layer`` with input ``resid`` (``h_layer``, ``0 ≤ layer ≤ L``) and
-    replaces the activation of ``site`` by ``values`` at the positions where the row is True.
-    ``site`` is ``"resid_pre"`` (the residual ``h_layer`` itself; ``layer = L`` is the final
-    residual) or ``"attn_out"``/``"mlp_out"`` of block ``layer``. All variants of all patches
-    share batched passes, chunked to stay within a fixed memory budget.
-    """
-    n_batch, n_pos = tokens.shape
-    kinds = [site for site, masks, _ in patches for _ in range(masks.shape[0])]
-    groups = [g for g, (_, masks, _) in enumerate(patches) for _ in range(masks.shape[0])]
-    masks = torch.cat([m.to(tokens.device) for _, m, _ in patches])
-    per_chunk = max(1, _rows_per_pass(resumer.model, n_pos, grad=False) // n_batch)
-    out = []
-    for start in range(0, masks.shape[0], per_chunk):
-        stop = min(start + per_chunk, masks.shape[0])
-        n = stop - start
-        rows = tokens.repeat(n, 1)
-        where = masks[start:stop, None, :, None].expand(n, n_batch, n_pos, 1)
-        where = where.reshape(n * n_batch, n_pos, 1)
-        values = torch.cat([patches[g][2] for g in groups[start:stop]])
-        of_kind = {
-            kind: torch.tensor(
-                [k == kind for k in kinds[start:stop]], device=tokens.device
-            ).repeat_interleave(n_batch)[:, None, None]
-            for kind in set(kinds[start:stop])
-        }
-        mixed = resid.repeat(n, 1, 1)
-        if "resid_pre" in of_kind:
-            mixed = torch.where(where & of_kind["resid_pre"], values.to(mixed.dtype), mixed)
-        hooks = []
-        for kind, rows_of_kind in of_kind.items():
-            if kind == "resid_pre":
-                continue
-
-            def hook(
-                tensor: Tensor,
-                *,
-                hook: Any,
-                sel: Tensor = where & rows_of_kind,
-                new: Tensor = values,
-            ) -> Tensor:
-                return torch.where(sel, new.to(tensor.dtype), tensor)
-
-            hooks.append((site_hook(kind, layer), hook))
-        logits = resumer.run(rows, layer, mixed, hooks)
-        assert logits is not None
-        out.append(logits[:, -1].reshape(n, n_batch, -1))
-    flat = torch.cat(out)
-    sizes = [masks.shape[0] for _, masks, _ in patches]
-    return list(flat.split(sizes))
-
-
-def run_variants(
-    resumer: Any,
-    tokens: Int[Tensor, "batch pos"],
-    layer: int,
-    resid: Float[Tensor, "batch pos d_model"],
-    masks: Bool[Tensor, "variant pos"],
-    values: Float[Tensor, "batch pos d_model"],
-    site: str = "resid_pre",
-) -> Float[Tensor, "variant batch d_vocab"]:
-    """:func:`run_patches` for one patch: logits of ``len(masks)`` variants."""
-    (logits,) = run_patches(resumer, tokens, layer, resid, [(site, masks, values)])
-    return logits
-
-
-def integrated_gradients(
-    model: Any,
-    tokens: Int[Tensor, "batch pos"],
-    hook_name: str,
-    x: Float[Tensor, "batch pos d_model"],
-    baseline: Float[Tensor, "batch pos d_model"],
-    fn: Callable[[Tensor], Tensor],
-    steps: int,
-    start: int | None = None,
-) -> tuple[Float[Tensor, "batch pos"], Float[Tensor, " batch"], Float[Tensor, " batch"]]:
-    """Integrated gradients of ``fn`` of the answer-position logits w.r.t. activation ``hook_name``.
-
-    ``fn`` maps logits ``[k, batch, d_vocab]`` (``k`` copies of the batch) to ``[k, batch]``.
-
-    The activation is replaced by ``baseline + α (x - baseline)`` for the midpoints
-    ``α = (k + ½)/steps`` (error O(1/steps²)), all α of a chunk in one batched pass (the
-    first also evaluates ``f(x)`` and ``f(baseline)``).
-
-    Returns:
-        ``attr[b, t] = Σ_d (x - baseline)[b, t, d] · mean_α ∂f/∂h[b, t, d]``, ``f(x)`` and
-        ``f(baseline)`` per row; completeness says ``attr.sum(-1) ≈ f(x) - f(baseline)``.
-
-    With ``start`` (``hook_name`` is then the residual ``h_start``) each pass resumes from the
-    path value and runs only blocks ``start..L-1`` (:class:`~lensdiv.ops.resume.Resumer`).
-    """
-    if steps < 1:
-        raise ValueError(f"steps must be at least 1, got {steps}")
-    n_batch, n_pos = tokens.shape
-    diff = (x - baseline).detach()
-    per_chunk = max(1, _rows_per_pass(model, n_pos, grad=True) // n_batch - 2)
-    grad_sum = torch.zeros_like(diff)
-    alphas = (torch.arange(steps, dtype=torch.float64, device=x.device) + 0.5) / steps
-
-    def forward(path: Tensor) -> Tensor:
-        rows = tokens.repeat(path.shape[0] // n_batch, 1)
-
-        def inject(tensor: Tensor, *, hook: Any) -> Tensor:
-            return path.to(tensor.dtype)
-
-        if start is not None:
-            logits = _resumer(model).run(rows, start, path, _last_position(model), grad=True)
-        else:
-            with model.hooks(fwd_hooks=[(hook_name, inject), *_last_position(model)]):
-                logits = model(rows)
-        return fn(logits[:, -1].reshape(-1, n_batch, logits.shape[-1]))
-
-    ends = None
-    for lo in range(0, steps, per_chunk):
-        chunk = alphas[lo : lo + per_chunk].to(x.dtype)
-        path = baseline.detach()[None] + chunk[:, None, None, None] * diff[None]
-        if ends is None:  # the end points ride along with the first chunk (their grads unused)
-            path = torch.cat([x.detach()[None], baseline.detach()[None], path])
-        path = path.reshape(-1, n_pos, diff.shape[-1]).requires_grad_(True)
-        with torch.enable_grad():
-            values = forward(path)
-            (grad,) = torch.autograd.grad(values.sum(), path)
-        grad = grad.detach().reshape(-1, n_batch, n_pos, diff.shape[-1])
-        if ends is None:
-            ends, grad = values.detach()[:2], grad[2:]
-        grad_sum += grad.sum(0)
-    assert ends is not None
-    attr = (diff.double() * grad_sum.double()).sum(-1) / steps
-    return attr.float(), ends[0], ends[1]
 
 
 # -- the analyzer -------------------------------------------------------------------------------
@@ -532,135 +160,76 @@ class Patching(Analyzer):
                 )
         else:
             pairs, source = read_pairs(self.pairs), f"{Path(self.pairs).name} line"
-        bos = tokenizer.bos_token_id if self.prepend_bos else None
-        n_ctx = int(getattr(model.cfg, "n_ctx", 0) or 0)
-        rows: dict[int, list[tuple[list[int], list[int], int, int, int]]] = {}
-        for pair in pairs:
-            where = f"{source} {pair.line}"
-            clean = ([bos] if bos is not None else []) + _encode(tokenizer, pair.clean)
-            corrupt = ([bos] if bos is not None else []) + _encode(tokenizer, pair.corrupt)
-            if len(clean) != len(corrupt):
-                raise DataError(
-                    f"{where}: clean and corrupt tokenise to different lengths "
-                    f"({len(clean)} vs {len(corrupt)} tokens)",
-                    hint="patching compares positions one to one; make the prompts differ by "
-                    "words of equal token length",
-                )
-            target = answer_token(tokenizer, pair.clean, pair.target, info.d_vocab, where)
-            if pair.foil is None:
-                if self.metric == "logit_diff":
-                    raise DataError(
-                        f"{where}: no 'foil', but metric logit_diff needs one",
-                        hint="add the corrupt prompt's answer as foil, or use -O patch.metric=prob",
-                    )
-                foil = target
-            else:
-                foil = answer_token(tokenizer, pair.corrupt, pair.foil, info.d_vocab, where)
-                if foil == target and self.metric == "logit_diff":
-                    raise DataError(
-                        f"{where}: target {pair.target!r} and foil {pair.foil!r} start with the "
-                        f"same token (id {target}), so their logit difference is always 0",
-                        hint="choose answers whose first tokens differ",
-                    )
-            if n_ctx and len(clean) > n_ctx:
-                raise DataError(
-                    f"{where}: the prompt has {len(clean)} tokens, more than the model's context "
-                    f"of {n_ctx}",
-                    hint="shorten the prompts",
-                )
-            rows.setdefault(len(clean), []).append((clean, corrupt, target, foil, pair.line))
-        batches = []
-        for length in sorted(rows):
-            group = rows[length]
-            for start in range(0, len(group), self.batch_size):
-                chunk = group[start : start + self.batch_size]
-                tokens = torch.tensor([c[0] for c in chunk], dtype=torch.long)
-                batches.append(
-                    Batch(
-                        tokens=tokens,
-                        mask=torch.ones_like(tokens, dtype=torch.bool),
-                        bos=bos is not None,
-                        index=len(batches),
-                        extra={
-                            "corrupt": torch.tensor([c[1] for c in chunk], dtype=torch.long),
-                            "target": torch.tensor([c[2] for c in chunk], dtype=torch.long),
-                            "foil": torch.tensor([c[3] for c in chunk], dtype=torch.long),
-                            "line": [c[4] for c in chunk],
-                        },
-                    )
-                )
-        return batches
+        return pair_batches(
+            tokenizer,
+            pairs,
+            source=source,
+            d_vocab=info.d_vocab,
+            n_ctx=int(getattr(model.cfg, "n_ctx", 0) or 0),
+            prepend_bos=self.prepend_bos,
+            logit_diff=self.metric == "logit_diff",
+            batch_size=self.batch_size,
+        )
 
     # -- streaming ---------------------------------------------------------------------------------
     def update(self, state: Stats, step: Step) -> None:
-        batch, info = step.batch, step.info
-        device = batch.tokens.device
-        tokens = batch.tokens
-        n_batch, n_pos = tokens.shape
-        target = batch.extra["target"].to(device)
-        foil = batch.extra["foil"].to(device)
-        L = info.n_layers
-        clean = {k: v.detach() for k, v in step.cache.items()}
-        assert step.logits is not None
-        clean_last = step.logits[:, -1].detach()
-        resumer = _resumer(step.model)
-        keep = torch.ones(n_pos, dtype=torch.bool, device=device)
-        if self.exclude_bos and batch.bos:
-            keep[0] = False
+        resumer = resumer_for(step)
         with torch.no_grad():
             if step.pass_index == 0:
-                self._pass0(state, step, resumer, clean, clean_last, target, foil, keep)
-            elif self.erasure and "resid_n" in state:
-                mean = state["resid_sum"] / state["resid_n"]
-                p_clean = clean_last.float().softmax(-1)
-                eye = torch.eye(n_pos, dtype=torch.bool, device=device)
-                dist = torch.zeros(L + 1, n_pos, n_batch, dtype=torch.float64, device=device)
-                for layer in range(L + 1):
-                    h = clean[info.resid(layer)]
-                    values = mean[layer].to(h.dtype).expand_as(h)
-                    logits = run_variants(resumer, tokens, layer, h, eye, values)
-                    dist[layer] = (logits.float().softmax(-1) - p_clean).norm(dim=-1)
-                state.add(f"erase/{n_pos}/sum", dist.sum(-1))
-                state.add(f"erase/{n_pos}/sq", (dist**2).sum(-1))
-                state.add(f"erase/{n_pos}/n", n_batch)
-        if resumer.mode is not None and step.pass_index == 0:
-            state.add("resumer/resume", float(resumer.mode == "resume"))
-            state.add("resumer/calls", 1.0)
+                self._measure(state, step, resumer)
+                modes = "intervention"
+            elif self.erasure and "erase/mean" in state:
+                self._erase(state, step, resumer)
+                modes = "erase/intervention"
+            else:
+                return
+        if resumer.mode is not None:
+            state.include(modes, resumer.mode)
 
-    def _pass0(
-        self,
-        state: Stats,
-        step: Step,
-        resumer: Any,
-        clean: dict[str, Tensor],
-        clean_last: Float[Tensor, "batch d_vocab"],
-        target: Int[Tensor, " batch"],
-        foil: Int[Tensor, " batch"],
-        keep: Bool[Tensor, " pos"],
-    ) -> None:
-        from lensdiv.ops.capture import capture
+    def start_pass(self, state: Stats, info: ModelInfo, index: int) -> None:
+        if index == 1 and self.erasure and "resid_n" in state:
+            state.put("erase/mean", state["resid_sum"] / state["resid_n"])
+            state.drop("resid_sum")
+            state.drop("resid_n")
 
+    def _measure(self, state: Stats, step: Step, resumer: Resumer) -> None:
+        """Pass 0: the pairs' metrics, patching, IG, and the sums of the erasure mean."""
         batch, info, model = step.batch, step.info, step.model
         L = info.n_layers
         n_batch, n_pos = batch.tokens.shape
-        corrupt_tokens = batch.extra["corrupt"].to(batch.tokens.device)
+        device = batch.tokens.device
+        target = batch.extra["target"].to(device)
+        foil = batch.extra["foil"].to(device)
+        clean = {k: v.detach() for k, v in step.cache.items()}
+        assert step.logits is not None
+        clean_last = step.logits[:, -1].detach()
+        keep = torch.ones(n_pos, dtype=torch.bool, device=device)
+        if self.exclude_bos and batch.bos:
+            keep[0] = False
+        corrupt_tokens = batch.extra["corrupt"].to(device)
         corrupt_logits, corrupt = capture(model, corrupt_tokens, self.hooks(info), need_logits=True)
         assert corrupt_logits is not None
         m_clean = metric_values(clean_last, target, foil, self.metric).double()
         m_corrupt = metric_values(corrupt_logits[:, -1], target, foil, self.metric).double()
         gap = m_clean - m_corrupt
         ok = gap.abs() >= EPS
-        for i, line in enumerate(batch.extra["line"]):
-            state.add(f"pair/{line}/tokens", n_pos)
-            state.add(f"pair/{line}/target", int(target[i]))
-            state.add(f"pair/{line}/foil", int(foil[i]))
-            state.add(f"pair/{line}/clean", float(m_clean[i]))
-            state.add(f"pair/{line}/corrupt", float(m_corrupt[i]))
+        state.include("lengths", str(n_pos))
+        for i, line in enumerate(batch.extra["line"]):  # a pair's line is unique in the set
+            row = {
+                "line": int(line),
+                "tokens": n_pos,
+                "target": int(target[i]),
+                "foil": int(foil[i]),
+                "clean": float(m_clean[i]),
+                "corrupt": float(m_corrupt[i]),
+            }
+            state.append("pairs", int(line), row)
 
         # Dataset-mean residual for the erasure pass.
-        h_all = torch.stack([clean[info.resid(layer)] for layer in range(L + 1)]).double()
-        state.add("resid_sum", h_all[:, :, keep].sum((1, 2)))
-        state.add("resid_n", n_batch * int(keep.sum()))
+        if self.erasure:
+            h_all = torch.stack([clean[info.resid(layer)] for layer in range(L + 1)]).double()
+            state.add("resid_sum", h_all[:, :, keep].sum((1, 2)))
+            state.add("resid_n", n_batch * int(keep.sum()))
 
         # Activation patching: one batched pass per layer for every site and position.
         eye = torch.eye(n_pos, dtype=torch.bool, device=batch.tokens.device)
@@ -701,7 +270,15 @@ class Patching(Analyzer):
                 x = clean[info.resid(layer)]
                 base = x[:, keep].mean(1, keepdim=True).expand_as(x)
                 attr, f_x, f_base = integrated_gradients(
-                    model, batch.tokens, info.resid(layer), x, base, fn, self.ig_steps, layer
+                    model,
+                    batch.tokens,
+                    info.resid(layer),
+                    x,
+                    base,
+                    fn,
+                    self.ig_steps,
+                    layer,
+                    resumer=resumer,
                 )
                 attr_all[layer] = attr.double()
                 delta = (f_x - f_base).double()
@@ -714,10 +291,29 @@ class Patching(Analyzer):
             state.add(f"ig/{n_pos}/sq", (attr_all**2).sum(1))
             state.add(f"ig/{n_pos}/n", n_batch)
 
+    def _erase(self, state: Stats, step: Step, resumer: Resumer) -> None:
+        """Pass 1: ``||p - p~||`` at the answer after erasing each ``h_l(t)`` to the mean."""
+        tokens, info = step.batch.tokens, step.info
+        n_batch, n_pos = tokens.shape
+        L = info.n_layers
+        assert step.logits is not None
+        p_clean = step.logits[:, -1].detach().float().softmax(-1)
+        mean = state["erase/mean"]
+        eye = torch.eye(n_pos, dtype=torch.bool, device=tokens.device)
+        dist = torch.zeros(L + 1, n_pos, n_batch, dtype=torch.float64, device=tokens.device)
+        for layer in range(L + 1):
+            h = step.cache[info.resid(layer)].detach()
+            values = mean[layer].to(h.dtype).expand_as(h)
+            logits = run_variants(resumer, tokens, layer, h, eye, values)
+            dist[layer] = (logits.float().softmax(-1) - p_clean).norm(dim=-1)
+        state.add(f"erase/{n_pos}/sum", dist.sum(-1))
+        state.add(f"erase/{n_pos}/sq", (dist**2).sum(-1))
+        state.add(f"erase/{n_pos}/n", n_batch)
+
     # -- results -----------------------------------------------------------------------------------
     def finalize(self, state: Stats, info: ModelInfo) -> Result:
         L = info.n_layers
-        lengths = sorted(int(k.split("/")[1]) for k in state.sums if k.startswith("all/"))
+        lengths = sorted(int(t) for t in state.get("lengths", ()))
         if not lengths:
             raise RuntimeError("no pair was processed")
         n_pos = max(lengths)
@@ -762,7 +358,7 @@ class Patching(Analyzer):
         long["patching"] = table_patch
 
         for kind, prefix in (("erasure", "erase"), ("ig", "ig")):
-            if not any(k.startswith(f"{prefix}/") and k.endswith("/sum") for k in state.sums):
+            if not any(f"{prefix}/{length}/sum" in state for length in lengths):
                 continue
             mean, stderr, n = aligned(prefix, lambda t, p=prefix: f"{p}/{t}/n", L + 1)
             maps[kind] = mean
@@ -786,14 +382,13 @@ class Patching(Analyzer):
             meta["ig_completeness_abs_error"] = float(state["ig/abs_error"].max())
 
         # Per pair: what the metric does on the clean and the corrupt prompt.
-        lines = sorted({int(k.split("/")[1]) for k in state.sums if k.startswith("pair/")})
+        records = state["pairs"]  # in line order
+        lines = [int(record["line"]) for record in records]
         pairs: dict[str, list] = {"line": lines}
         for key in ("tokens", "target", "foil"):
-            pairs[key if key == "tokens" else f"{key}_id"] = [
-                int(state[f"pair/{i}/{key}"]) for i in lines
-            ]
+            pairs[key if key == "tokens" else f"{key}_id"] = [int(r[key]) for r in records]
         for key in ("clean", "corrupt"):
-            pairs[f"{key}_{self.metric}"] = [float(state[f"pair/{i}/{key}"]) for i in lines]
+            pairs[f"{key}_{self.metric}"] = [float(r[key]) for r in records]
         gaps = [
             c - r
             for c, r in zip(
@@ -869,8 +464,9 @@ class Patching(Analyzer):
                     ylabel="layer output h_l",
                 )
             )
-        resumed = state.get("resumer/resume")
-        calls = state.get("resumer/calls")
+        modes = state.get("intervention", frozenset()) | state.get(
+            "erase/intervention", frozenset()
+        )
         meta.update(
             metric=self.metric,
             sites=list(self.sites),
@@ -887,7 +483,7 @@ class Patching(Analyzer):
             alignment=ALIGNMENT,
             answer_token=ANSWER_RULE,
             answer_position="last prompt token",
-            intervention="resume" if calls and float(resumed) == float(calls) else "rerun",
+            intervention="resume" if modes == {"resume"} else "rerun",
         )
         summary = self._summary(maps, offsets, n_pairs, degenerate, meta)
         return Result(
