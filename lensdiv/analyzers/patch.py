@@ -360,7 +360,7 @@ class Patching(Analyzer):
         for kind, prefix in (("erasure", "erase"), ("ig", "ig")):
             if not any(f"{prefix}/{length}/sum" in state for length in lengths):
                 continue
-            mean, stderr, n = aligned(prefix, lambda t, p=prefix: f"{p}/{t}/n", L + 1)
+            mean, stderr, n = aligned(prefix, f"{prefix}/{{}}/n".format, L + 1)
             maps[kind] = mean
             arrays[kind] = mean
             arrays[f"{kind}_stderr"] = stderr

@@ -29,6 +29,9 @@ import torch
 
 from lensdiv.core.analyzer import Batch
 from lensdiv.core.errors import DataError
+from lensdiv.data.corpus import RELATIONS, KnowledgeBase, Query
+from lensdiv.data.sources import read_task_jsonl
+from lensdiv.data.tokenizer import SPECIALS, VOCAB_SIZE
 
 ANSWER_RULE = (
     "first token of the target tokenised as a continuation of the prompt "
@@ -62,7 +65,6 @@ def read_pairs(path: str | Path) -> list[Pair]:
     Raises:
         DataError: Missing or empty file, bad JSON, a missing key or a wrong type, naming the line.
     """
-    from lensdiv.data.sources import read_task_jsonl
 
     path = Path(path)
     pairs = []
@@ -104,7 +106,6 @@ _BUILTIN_PAIRS = 16
 
 
 def _is_byte_tokenizer(tokenizer: Any) -> bool:
-    from lensdiv.data.tokenizer import SPECIALS, VOCAB_SIZE
 
     try:
         specials = tokenizer.convert_ids_to_tokens(list(range(len(SPECIALS))))
@@ -123,8 +124,6 @@ def builtin_pairs(tokenizer: Any) -> list[Pair]:
     in their first token.
     """
     if _is_byte_tokenizer(tokenizer):
-        from lensdiv.data.corpus import RELATIONS, KnowledgeBase, Query
-
         kb = KnowledgeBase(seed=0)  # the knowledge base every toy model is trained on
         pairs: list[Pair] = []
         per_relation = _BUILTIN_PAIRS // len(RELATIONS)
