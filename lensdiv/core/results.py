@@ -188,6 +188,8 @@ class Result(JupyterMixin):
         arrays: Named numeric arrays (matrices, curves).
         plots: Plot specs drawn by :meth:`save_plots`.
         meta: Options, model, data, token counts and versions.
+        warnings: Caveats a reader must see beside the numbers (e.g. a task the model cannot
+            do); shown in the terminal, the report and the manifest.
     """
 
     analyzer: str
@@ -196,8 +198,10 @@ class Result(JupyterMixin):
     arrays: Mapping[str, Any] = field(default_factory=dict)
     plots: tuple[Plot, ...] = ()
     meta: Mapping[str, Any] = field(default_factory=dict)
+    warnings: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "warnings", tuple(str(w) for w in self.warnings))
         arrays = {k: np.asarray(v, dtype=float) for k, v in self.arrays.items()}
         object.__setattr__(self, "arrays", arrays)
         object.__setattr__(self, "tables", dict(self.tables))
@@ -217,7 +221,7 @@ class Result(JupyterMixin):
     # -- serialisation -------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able data; :meth:`from_dict` inverts it exactly."""
-        return {
+        data = {
             "schema": SCHEMA,
             "analyzer": self.analyzer,
             "summary": self.summary,
@@ -229,6 +233,9 @@ class Result(JupyterMixin):
             "plots": [{**p.__dict__, "y": list(p.y), "points": list(p.points)} for p in self.plots],
             "meta": dict(self.meta),
         }
+        if self.warnings:  # absent when there are none (results of earlier versions read alike)
+            data["warnings"] = list(self.warnings)
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Result:
@@ -247,6 +254,7 @@ class Result(JupyterMixin):
                     for p in data.get("plots", [])
                 ),
                 meta=data.get("meta", {}),
+                warnings=tuple(data.get("warnings", ())),
             )
         except (KeyError, TypeError, ValueError) as err:
             raise ResultError(f"not a lensdiv result: {err}") from None
@@ -311,6 +319,8 @@ class Result(JupyterMixin):
         yield Panel(
             self.summary or "(no summary)", title=f"[bold]{self.analyzer}[/bold]", expand=False
         )
+        for warning in self.warnings:
+            yield f"[yellow]warning:[/yellow] {warning}"
         if self.tables:
             yield self.table()
 

@@ -289,6 +289,8 @@ def _stream(
         result = dataclasses.replace(results[a.name], meta=meta)
         run.results[a.name] = result
         entries[a.name]["status"] = "partial" if interrupted else "complete"
+        if result.warnings:
+            entries[a.name]["warnings"] = list(result.warnings)
         if out_dir is not None:
             result.save(out_dir / a.name)
             entries[a.name]["path"] = a.name
