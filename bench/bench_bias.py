@@ -14,28 +14,20 @@ the 49 members' full-vocabulary softmaxes for the cross-entropy form.
 
 from __future__ import annotations
 
-import torch
-from common import build, describe, fused_overhead, model_parser, report
+import argparse
+
+from common import lens_plus_main
+
+from lensdiv.analyzers.bias import BiasDiversity
+
+
+def members(args: argparse.Namespace) -> dict[str, int]:
+    """The ensemble's size: the embedding and every block's attention and MLP output."""
+    return {"members": 2 * args.layers + 1}
 
 
 def main() -> None:
-    parser = model_parser(__doc__, tokens=1024, batch_size=4, repeats=2)
-    parser.add_argument("--ce-every", type=int, default=None, help="default: the option's")
-    args = parser.parse_args()
-
-    from lensdiv import DataSpec
-    from lensdiv.analyzers.bias import BiasDiversity
-    from lensdiv.analyzers.lens import LogitLens
-
-    torch.set_grad_enabled(False)
-    model = build(args.layers, args.d_model, args.vocab)
-    spec = DataSpec(max_tokens=args.tokens, seq_len=args.seq_len, batch_size=args.batch_size)
-    bias = BiasDiversity() if args.ce_every is None else BiasDiversity(ce_every=args.ce_every)
-    figures = fused_overhead(model, spec, LogitLens(), bias, args.repeats)
-    report(
-        {**describe(args), "members": 2 * args.layers + 1, "ce_every": bias.ce_every, **figures},
-        args.json,
-    )
+    lens_plus_main(__doc__, BiasDiversity, "ce_every", tokens=1024, figures=members)
 
 
 if __name__ == "__main__":

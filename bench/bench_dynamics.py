@@ -15,25 +15,13 @@ position, ``L`` full-vocabulary readouts for the last-block lens.
 
 from __future__ import annotations
 
-import torch
-from common import build, describe, fused_overhead, model_parser, report
+from common import lens_plus_main
+
+from lensdiv.analyzers.dynamics import Dynamics
 
 
 def main() -> None:
-    parser = model_parser(__doc__, tokens=512, batch_size=4, repeats=2)
-    parser.add_argument("--lens-every", type=int, default=None, help="default: the option's")
-    args = parser.parse_args()
-
-    from lensdiv import DataSpec
-    from lensdiv.analyzers.dynamics import Dynamics
-    from lensdiv.analyzers.lens import LogitLens
-
-    torch.set_grad_enabled(False)
-    model = build(args.layers, args.d_model, args.vocab)
-    spec = DataSpec(max_tokens=args.tokens, seq_len=args.seq_len, batch_size=args.batch_size)
-    dynamics = Dynamics() if args.lens_every is None else Dynamics(lens_every=args.lens_every)
-    figures = fused_overhead(model, spec, LogitLens(), dynamics, args.repeats)
-    report({**describe(args), "lens_every": dynamics.lens_every, **figures}, args.json)
+    lens_plus_main(__doc__, Dynamics, "lens_every", tokens=512)
 
 
 if __name__ == "__main__":

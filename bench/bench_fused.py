@@ -10,24 +10,15 @@ neighbour does not decide the ratio. Acceptance (issue 2): fused ≤ 1.2 × lens
 
 from __future__ import annotations
 
-import torch
-from common import best_of, build, describe, model_parser, report
+from common import best_of, describe, model_and_data, model_parser, plain_forward, report
+
+from lensdiv import analyze
 
 
 def main() -> None:
     args = model_parser(__doc__, tokens=1024, batch_size=4, repeats=2).parse_args()
-
-    from lensdiv import DataSpec, analyze
-    from lensdiv.data.sources import token_batches
-
-    torch.set_grad_enabled(False)
-    model = build(args.layers, args.d_model, args.vocab)
-    spec = DataSpec(max_tokens=args.tokens, seq_len=args.seq_len, batch_size=args.batch_size)
-    batches = list(token_batches(spec, model.tokenizer))
-
-    def plain() -> None:
-        for batch in batches:
-            model(batch.tokens)
+    model, spec = model_and_data(args)
+    plain = plain_forward(model, spec)
 
     def run(plugins: str) -> None:
         analyze(model, data=spec, plugins=plugins, progress=False)

@@ -25,15 +25,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import report
+from common import data_spec, report
+from transformers import AutoModelForCausalLM, GPT2Config
+
+from lensdiv.analyzers.linmap import LinearMaps, moment_gb
+from lensdiv.core.analyzer import ModelInfo, RunContext, Step
+from lensdiv.data.sources import token_batches
+from lensdiv.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, byte_tokenizer
+from lensdiv.models.load import load_model
+from lensdiv.ops.capture import capture
 
 
 def save_model(directory: Path, layers: int, width: int, seed: int) -> Path:
     """A random GPT-2-config model (fp32, no dropout) plus the byte tokenizer, saved locally."""
-    from transformers import AutoModelForCausalLM, GPT2Config
-
-    from lensdiv.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, byte_tokenizer
-
     config = GPT2Config(
         vocab_size=VOCAB_SIZE,
         n_positions=1024,
@@ -70,13 +74,6 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
-
-    from lensdiv.analyzers.linmap import LinearMaps, moment_gb
-    from lensdiv.core.analyzer import ModelInfo, RunContext, Step
-    from lensdiv.data.sources import DataSpec, token_batches
-    from lensdiv.models.load import load_model
-    from lensdiv.ops.capture import capture
-
     torch.set_grad_enabled(False)
     root = Path(tempfile.mkdtemp(prefix="bench-linmap-"))
     src_dir = save_model(root / "src", args.src_layers, args.src_width, seed=0)
@@ -87,8 +84,7 @@ def main() -> None:
     resource = analyzer.setup(source, info)  # loads the target, checks the tokenizers
     context = RunContext(source, info, {analyzer.name: resource})
     target = load_model(str(tgt_dir), device="cpu")  # a copy, for timing its forward alone
-    spec = DataSpec(max_tokens=args.tokens, seq_len=args.seq_len, batch_size=args.batch_size)
-    batches = list(token_batches(spec, source.tokenizer))
+    batches = list(token_batches(data_spec(args), source.tokenizer))
     hooks = analyzer.hooks(info)
     capture(source, batches[0].tokens, hooks, need_logits=False)  # warm-up
     seconds = {"source_forward": 0.0, "update_pass0": 0.0, "fit": 0.0, "evaluate": 0.0}

@@ -11,27 +11,18 @@ current mode), and the same sweep with every block re-run (``resume=false``, the
 
 from __future__ import annotations
 
-import torch
-from common import best_of, build, describe, model_parser, report
+from common import best_of, describe, model_and_data, model_parser, plain_forward, report
+
+from lensdiv import analyze
+from lensdiv.analyzers.skip import LayerSkip
 
 
 def main() -> None:
     parser = model_parser(__doc__, tokens=512, batch_size=4, repeats=1)
     parser.add_argument("--skip-naive", action="store_true", help="do not time the re-run sweep")
     args = parser.parse_args()
-
-    from lensdiv import DataSpec, analyze
-    from lensdiv.analyzers.skip import LayerSkip
-    from lensdiv.data.sources import token_batches
-
-    torch.set_grad_enabled(False)
-    model = build(args.layers, args.d_model, args.vocab)
-    spec = DataSpec(max_tokens=args.tokens, seq_len=args.seq_len, batch_size=args.batch_size)
-    batches = list(token_batches(spec, model.tokenizer))
-
-    def plain() -> None:
-        for batch in batches:
-            model(batch.tokens)
+    model, spec = model_and_data(args)
+    plain = plain_forward(model, spec)
 
     def sweep(**options: object) -> dict:
         run = analyze(model, data=spec, plugins=[LayerSkip(**options)], progress=False)

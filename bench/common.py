@@ -1,5 +1,8 @@
-"""What every benchmark here shares: the random model, the command line, interleaved timing and
-the JSON figures. Scripts run as ``python bench/NAME.py`` (this folder is then importable)."""
+"""What every benchmark here shares: the random model and data, the command line, timing, output.
+
+Scripts run as ``python bench/NAME.py`` (this folder is then importable). Besides the pieces,
+:func:`lens_plus_main` is the whole of a benchmark of ``lens`` fused with one more analyzer.
+"""
 
 from __future__ import annotations
 
@@ -11,15 +14,17 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from transformer_lens import TransformerBridge
+from transformer_lens.config import TransformerBridgeConfig
+
+from lensdiv import Analyzer, DataSpec, analyze
+from lensdiv.analyzers.lens import LogitLens
+from lensdiv.data.sources import token_batches
+from lensdiv.data.tokenizer import byte_tokenizer
 
 
 def build(layers: int, d_model: int, vocab: int) -> Any:
     """A random TL-native model of GPT-2 shape (d_head 64, d_mlp 4·d_model, LayerNorm)."""
-    from transformer_lens import TransformerBridge
-    from transformer_lens.config import TransformerBridgeConfig
-
-    from lensdiv.data.tokenizer import byte_tokenizer
-
     cfg = TransformerBridgeConfig(
         d_model=d_model,
         d_head=64,
@@ -50,6 +55,28 @@ def model_parser(
     parser.add_argument("--repeats", type=int, default=repeats)
     parser.add_argument("--json", help="also write the figures to this file")
     return parser
+
+
+def data_spec(args: argparse.Namespace) -> DataSpec:
+    """The built-in corpus at the sizes of ``--tokens --seq-len --batch-size``."""
+    return DataSpec(max_tokens=args.tokens, seq_len=args.seq_len, batch_size=args.batch_size)
+
+
+def model_and_data(args: argparse.Namespace) -> tuple[Any, DataSpec]:
+    """Gradients off; the random model of ``--layers --d-model --vocab`` and :func:`data_spec`."""
+    torch.set_grad_enabled(False)
+    return build(args.layers, args.d_model, args.vocab), data_spec(args)
+
+
+def plain_forward(model: Any, spec: DataSpec) -> Callable[[], None]:
+    """A plain forward pass over the data (tokenised once, here): the unit of cost."""
+    batches = list(token_batches(spec, model.tokenizer))
+
+    def forward() -> None:
+        for batch in batches:
+            model(batch.tokens)
+
+    return forward
 
 
 def describe(args: argparse.Namespace) -> dict[str, Any]:
@@ -96,8 +123,6 @@ def fused_overhead(model: Any, spec: Any, base: Any, extra: Any, repeats: int) -
     the seconds spent in ``extra`` (same tokens, same minute): immune to load drifting between
     runs on a shared machine.
     """
-    from lensdiv import analyze
-
     timings: dict[str, dict[str, float]] = {}
 
     def run(*analyzers: Any) -> None:
@@ -126,3 +151,34 @@ def fused_overhead(model: Any, spec: Any, base: Any, extra: Any, repeats: int) -
         f"fused_over_fused_without_{extra.name}": round(in_run[0], 3),
         "last_run_timings": timings,
     }
+
+
+def lens_plus_main(
+    doc: str,
+    analyzer: type[Analyzer],
+    option: str,
+    *,
+    tokens: int,
+    figures: Callable[[argparse.Namespace], dict[str, Any]] = lambda args: {},
+) -> None:
+    """Time ``lens`` alone, ``analyzer`` alone and both fused (:func:`fused_overhead`); report.
+
+    Args:
+        doc: The script's docstring (its first line describes the command).
+        analyzer: The analyzer class, built with its defaults but for ``option``.
+        option: An integer option of the analyzer, set with ``--OPTION`` (hyphens for
+            underscores) and reported with the figures.
+        tokens: Default of ``--tokens``.
+        figures: Figures of the script's own, reported after the settings.
+    """
+    parser = model_parser(doc, tokens=tokens, batch_size=4, repeats=2)
+    flag = "--" + option.replace("_", "-")
+    parser.add_argument(flag, type=int, default=None, help="default: the option's")
+    args = parser.parse_args()
+    model, spec = model_and_data(args)
+    value = getattr(args, option)
+    extra = analyzer() if value is None else analyzer(**{option: value})
+    timings = fused_overhead(model, spec, LogitLens(), extra, args.repeats)
+    report(
+        {**describe(args), **figures(args), option: getattr(extra, option), **timings}, args.json
+    )

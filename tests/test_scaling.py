@@ -15,7 +15,6 @@ from lensdiv.core.results import Result, Table
 from lensdiv.studies.scaling import (
     TERMS,
     Runs,
-    _check_same_tokens,
     collect_family,
     design,
     expand_models,
@@ -26,6 +25,7 @@ from lensdiv.studies.scaling import (
     parse_terms,
     read_runs,
 )
+from lensdiv.studies.scaling.family import _check_same_tokens
 from tests.test_cli import assert_user_error, invoke
 
 CHINCHILLA = Path(__file__).resolve().parents[1].parent / "shared/data/chinchilla_runs.csv"

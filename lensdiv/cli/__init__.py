@@ -11,6 +11,7 @@ from typing import Annotated
 
 import typer
 
+from lensdiv import __version__
 from lensdiv.cli import analyze as _analyze
 from lensdiv.cli import plugins as _plugins
 from lensdiv.cli import scaling as _scaling
@@ -38,8 +39,6 @@ app.command("teacher-student")(_teacher.teacher_student)
 
 def _version(value: bool | None) -> None:
     if value:
-        from lensdiv import __version__
-
         typer.echo(f"lensdiv {__version__}")
         raise typer.Exit()
 

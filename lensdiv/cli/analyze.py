@@ -7,7 +7,28 @@ from typing import Annotated
 
 import typer
 
-from lensdiv.cli.common import console, default_out, fail, parse_options
+from lensdiv.cli.common import (
+    BatchSize,
+    Bos,
+    Data,
+    Device,
+    Dtype,
+    Field,
+    Progress,
+    SeqLen,
+    Split,
+    TrustRemoteCode,
+    console,
+    default_out,
+    out_option,
+    parse_options,
+    user_errors,
+)
+from lensdiv.core.errors import OptionError
+
+# Options of `analyze` and `compare` alone.
+MaxTokens = Annotated[int, typer.Option(help="Stop after this many tokens.")]
+Seed = Annotated[int, typer.Option(help="Random seed (recorded in every result).")]
 
 
 def analyze(
@@ -21,37 +42,23 @@ def analyze(
             "--plugins", "-p", help="Comma-separated analyzers (see `lensdiv plugins list`)."
         ),
     ] = "lens,contrib",
-    data: Annotated[
-        str | None,
-        typer.Option(
-            "--data",
-            "-d",
-            help="Text file, .jsonl, folder of .txt, or hf:NAME[:CONFIG]. Default: built-in corpus.",
-        ),
-    ] = None,
-    field: Annotated[str, typer.Option(help="JSONL / data-set field holding the text.")] = "text",
-    split: Annotated[str, typer.Option(help="Split of an hf: data set.")] = "train",
-    seq_len: Annotated[int, typer.Option(help="Tokens per sequence (BOS included).")] = 128,
-    max_tokens: Annotated[int, typer.Option(help="Stop after this many tokens.")] = 16384,
-    batch_size: Annotated[int, typer.Option(help="Sequences per forward pass.")] = 8,
-    bos: Annotated[str, typer.Option(help="BOS policy: prepend | none.")] = "prepend",
+    data: Data = None,
+    field: Field = "text",
+    split: Split = "train",
+    seq_len: SeqLen = 128,
+    max_tokens: MaxTokens = 16384,
+    batch_size: BatchSize = 8,
+    bos: Bos = "prepend",
     option: Annotated[
         list[str] | None,
         typer.Option("--option", "-O", help="Analyzer option, ANALYZER.OPTION=VALUE (repeatable)."),
     ] = None,
-    out: Annotated[
-        Path | None,
-        typer.Option("--out", "-o", help="Output folder. Default: lensdiv-out/MODEL-TIME."),
-    ] = None,
-    device: Annotated[
-        str | None, typer.Option(help="cpu, cuda, cuda:1 ... Default: best available.")
-    ] = None,
-    dtype: Annotated[str | None, typer.Option(help="float32 (default), bfloat16, float16.")] = None,
-    seed: Annotated[int, typer.Option(help="Random seed (recorded in every result).")] = 0,
-    trust_remote_code: Annotated[
-        bool, typer.Option("--trust-remote-code", help="Allow hub models that ship their own code.")
-    ] = False,
-    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+    out: Annotated[Path | None, out_option("MODEL-TIME")] = None,
+    device: Device = None,
+    dtype: Dtype = None,
+    seed: Seed = 0,
+    trust_remote_code: TrustRemoteCode = False,
+    progress: Progress = True,
     ref: Annotated[
         str | None,
         typer.Option(
@@ -72,12 +79,11 @@ def analyze(
     lensdiv analyze toy:d8 --plugins lens,dynamics -O dynamics.final_state=post;
     lensdiv plugins show patch
     """
-    from lensdiv.core.errors import LensdivError
+    # start-up: the runner imports torch; it loads only when the command runs.
+    from lensdiv.run.runner import analyze as run_analyze
 
     out = out or default_out(model)
-    try:
-        from lensdiv.run.runner import analyze as run_analyze
-
+    with user_errors():
         options = parse_options(option or [])
         if ref is not None:
             plugins = _add_ref(plugins, options, ref)
@@ -99,8 +105,6 @@ def analyze(
             trust_remote_code=trust_remote_code,
             progress=progress,
         )
-    except LensdivError as err:
-        fail(err)
     term = console()
     term.print(run)
     term.print(f"results in [bold]{out}[/bold] (manifest.json, one folder per analyzer)")
@@ -112,7 +116,7 @@ def analyze(
 
 def _add_ref(plugins: str, options: dict[str, dict[str, str]], ref: str) -> str:
     """Make ``--ref DEEP`` mean ``-O linmap.target=DEEP``, with linmap among the plugins."""
-    from lensdiv.core.errors import OptionError
+    # start-up: the registry imports importlib.metadata (8% of `lensdiv --help`).
     from lensdiv.core.registry import get_analyzer
 
     cls = get_analyzer("linmap")
@@ -133,25 +137,19 @@ def _add_ref(plugins: str, options: dict[str, dict[str, str]], ref: str) -> str:
 def compare(
     shallow: Annotated[str, typer.Argument(help="The model whose layers are mapped (source).")],
     deep: Annotated[str, typer.Argument(help="The deeper model with the same tokenizer (target).")],
-    data: Annotated[
-        str | None,
-        typer.Option("--data", "-d", help="Text, .jsonl, folder or hf:NAME. Default: built-in."),
-    ] = None,
-    seq_len: Annotated[int, typer.Option(help="Tokens per sequence (BOS included).")] = 128,
-    max_tokens: Annotated[int, typer.Option(help="Stop after this many tokens.")] = 16384,
-    batch_size: Annotated[int, typer.Option(help="Sequences per forward pass.")] = 8,
+    data: Data = None,
+    seq_len: SeqLen = 128,
+    max_tokens: MaxTokens = 16384,
+    batch_size: BatchSize = 8,
     option: Annotated[
         list[str] | None,
         typer.Option("--option", "-O", help="linmap option, e.g. -O linmap.ridge=1e-3."),
     ] = None,
-    out: Annotated[
-        Path | None,
-        typer.Option("--out", "-o", help="Output folder. Default: lensdiv-out/SHALLOW-TIME."),
-    ] = None,
-    device: Annotated[str | None, typer.Option(help="cpu, cuda ... Default: best.")] = None,
-    dtype: Annotated[str | None, typer.Option(help="float32 (default), bfloat16, float16.")] = None,
-    seed: Annotated[int, typer.Option(help="Random seed (recorded in every result).")] = 0,
-    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+    out: Annotated[Path | None, out_option("SHALLOW-TIME")] = None,
+    device: Device = None,
+    dtype: Dtype = None,
+    seed: Seed = 0,
+    progress: Progress = True,
 ) -> None:
     """Map every layer of SHALLOW onto every layer of DEEP (cross-model linear maps, R²).
 
@@ -184,13 +182,11 @@ def report(
 
     Example: lensdiv report lensdiv-out/toy-20261121-120000 --plots
     """
-    from lensdiv.core.errors import LensdivError
+    # start-up: the runner imports torch; it loads only when the command runs.
     from lensdiv.run.runner import load_run
 
-    try:
+    with user_errors():
         run = load_run(out)
-    except LensdivError as err:
-        fail(err)
     if plots:
         for name, result in run.results.items():
             result.save_plots(out / name)

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from lensdiv.cli.common import console, fail
+from lensdiv.cli.common import console, user_errors
 
 app = typer.Typer(help="Inspect the analyzer plugins.", no_args_is_help=True)
 
@@ -18,6 +18,7 @@ def plugins_list() -> None:
 
     Example: lensdiv plugins list
     """
+    # start-up: rich and the registry (importlib.metadata) load only when the command runs.
     from rich.table import Table
 
     from lensdiv.core.registry import default_registry
@@ -43,14 +44,13 @@ def plugins_show(name: Annotated[str, typer.Argument(help="Analyzer name or alia
 
     Example: lensdiv plugins show lens
     """
+    # start-up: rich and the registry (importlib.metadata) load only when the command runs.
+    from rich.table import Table
 
-    from lensdiv.core.errors import LensdivError
     from lensdiv.core.registry import get_analyzer
 
-    try:
+    with user_errors():
         cls = get_analyzer(name)
-    except LensdivError as err:
-        fail(err)
     term = console()
     term.print(
         f"[bold]{cls.name}[/bold] ({', '.join(cls.aliases) or 'no aliases'}): {cls.description}"
@@ -59,8 +59,6 @@ def plugins_show(name: Annotated[str, typer.Argument(help="Analyzer name or alia
         f"needs logits: {cls.needs_logits}, extra forwards: {cls.extra_forwards}, "
         f"gradients: {cls.needs_grad}, numerics: {cls.numerics}"
     )
-    from rich.table import Table
-
     table = Table("option", "default", "values", "meaning", box=None, pad_edge=False)
     for row in cls.option_docs():
         table.add_row(
@@ -88,13 +86,10 @@ def plugins_new(
 
     Example: lensdiv plugins new resid-norm && pip install -e lensdiv-resid-norm
     """
-    from lensdiv.core.errors import LensdivError
-    from lensdiv.scaffold import new_plugin
+    from lensdiv.scaffold import new_plugin  # start-up: the registry loads every analyzer
 
-    try:
+    with user_errors():
         root = new_plugin(name, directory)
-    except LensdivError as err:
-        fail(err)
     term = console()
     term.print(f"created [bold]{root}[/bold]")
     term.print(f"next: pip install -e {root} && pytest {root / 'tests'}")

@@ -7,6 +7,24 @@ from typing import Annotated
 
 import typer
 
+from lensdiv.cli.common import (
+    BatchSize,
+    Bos,
+    Data,
+    Device,
+    Dtype,
+    Field,
+    Progress,
+    SeqLen,
+    Split,
+    TrustRemoteCode,
+    default_out,
+    out_option,
+    save_and_show,
+    user_errors,
+)
+from lensdiv.core.errors import OptionError
+
 app = typer.Typer(
     help="Depth scaling laws: fit L = c_m/m^α_m + c_ℓ/ℓ^α_ℓ + c_D/D^α_D + L0 to runs.\n\n"
     "Example: lensdiv scaling fit runs.csv --drop-highest 40 --depth-offset -2",
@@ -25,15 +43,10 @@ Seed = Annotated[int, typer.Option(help="Seeds the bootstrap and the folds (reco
 DepthOffset = Annotated[
     int, typer.Option(help="Added to the layer count: depth ℓ = n_layers + OFFSET (e.g. -2).")
 ]
-Out = Annotated[
-    Path | None,
-    typer.Option("--out", "-o", help="Output folder. Default: lensdiv-out/scaling-NAME-TIME."),
-]
+Out = Annotated[Path | None, out_option("scaling-NAME-TIME")]
 
 
 def _parse_columns(pairs: list[str]) -> dict[str, str]:
-    from lensdiv.core.errors import OptionError
-
     columns = {}
     for pair in pairs:
         role, eq, name = pair.partition("=")
@@ -71,11 +84,10 @@ def fit(
 
     Example: lensdiv scaling fit ../shared/data/chinchilla_runs.csv --drop-highest 40 --depth-offset -2
     """
-    from lensdiv.cli.common import default_out, fail, save_and_show
-    from lensdiv.core.errors import LensdivError
+    # start-up: the study (numpy, scipy) loads only when the command runs.
     from lensdiv.studies.scaling import fit_csv
 
-    try:
+    with user_errors():
         result = fit_csv(
             path,
             terms,
@@ -86,8 +98,6 @@ def fit(
             folds=folds,
             seed=seed,
         )
-    except LensdivError as err:
-        fail(err)
     save_and_show(result, out or default_out(f"scaling-{path.stem}"))
 
 
@@ -100,30 +110,23 @@ def family(
         ),
     ],
     terms: Terms = "full",
-    data: Annotated[
-        str | None,
-        typer.Option(
-            "--data", "-d", help="Text file, .jsonl, folder or hf:NAME. Default: built-in corpus."
-        ),
-    ] = None,
-    field: Annotated[str, typer.Option(help="JSONL / data-set field holding the text.")] = "text",
-    split: Annotated[str, typer.Option(help="Split of an hf: data set.")] = "train",
-    seq_len: Annotated[int, typer.Option(help="Tokens per sequence (BOS included).")] = 128,
+    data: Data = None,
+    field: Field = "text",
+    split: Split = "train",
+    seq_len: SeqLen = 128,
     max_tokens: Annotated[
         int, typer.Option(help="Evaluate every model on this many tokens.")
     ] = 16384,
-    batch_size: Annotated[int, typer.Option(help="Sequences per forward pass.")] = 8,
-    bos: Annotated[str, typer.Option(help="BOS policy: prepend | none.")] = "prepend",
+    batch_size: BatchSize = 8,
+    bos: Bos = "prepend",
     depth_offset: DepthOffset = 0,
     n_bootstrap: Bootstrap = 200,
     folds: Folds = 5,
     seed: Seed = 0,
-    device: Annotated[str | None, typer.Option(help="cpu, cuda ... Default: best.")] = None,
-    dtype: Annotated[str | None, typer.Option(help="float32 (default), bfloat16, float16.")] = None,
-    trust_remote_code: Annotated[
-        bool, typer.Option("--trust-remote-code", help="Allow hub models that ship their own code.")
-    ] = False,
-    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+    device: Device = None,
+    dtype: Dtype = None,
+    trust_remote_code: TrustRemoteCode = False,
+    progress: Progress = True,
     out: Out = None,
 ) -> None:
     """Evaluate a family of models on the same tokens and fit the law to their losses.
@@ -134,12 +137,11 @@ def family(
 
     Example: lensdiv scaling family toy:d2,toy:d4,toy:d6,toy:d8 --folds 0
     """
-    from lensdiv.cli.common import default_out, fail, save_and_show
-    from lensdiv.core.errors import LensdivError
+    # start-up: the study (numpy, scipy) and the data sources load only when the command runs.
     from lensdiv.data.sources import DataSpec
     from lensdiv.studies.scaling import fit_family
 
-    try:
+    with user_errors():
         spec = DataSpec(
             source=data or "builtin",
             field=field,
@@ -163,6 +165,4 @@ def family(
             trust_remote_code=trust_remote_code,
             progress=progress,
         )
-    except LensdivError as err:
-        fail(err)
     save_and_show(result, out or default_out(f"scaling-{models.split(',')[0]}"))

@@ -7,6 +7,14 @@ from typing import Annotated, Any
 
 import typer
 
+from lensdiv.cli.common import Progress, default_out, out_option, save_and_show, user_errors
+from lensdiv.core.errors import OptionError
+
+
+def _preset_default(text: str) -> Any:
+    """An option whose default, ``None``, keeps the preset's value; ``text`` says what it sets."""
+    return typer.Option(help=f"{text} Default: the preset's.")
+
 
 def teacher_student(
     preset: Annotated[
@@ -25,28 +33,15 @@ def teacher_student(
     depths: Annotated[
         str, typer.Option(help="Student depths, comma-separated.")
     ] = "6,12,16,24,32,48",
-    steps: Annotated[
-        int | None, typer.Option(help="Training steps. Default: the preset's.")
-    ] = None,
-    batch_size: Annotated[
-        int | None, typer.Option(help="Fresh inputs per step. Default: the preset's.")
-    ] = None,
-    test_size: Annotated[
-        int | None, typer.Option(help="Held-out inputs for the test loss. Default: the preset's.")
-    ] = None,
-    lr: Annotated[
-        float | None, typer.Option(help="Peak Adam learning rate. Default: the preset's.")
-    ] = None,
+    steps: Annotated[int | None, _preset_default("Training steps.")] = None,
+    batch_size: Annotated[int | None, _preset_default("Fresh inputs per step.")] = None,
+    test_size: Annotated[int | None, _preset_default("Held-out inputs for the test loss.")] = None,
+    lr: Annotated[float | None, _preset_default("Peak Adam learning rate.")] = None,
     objective: Annotated[
         str, typer.Option(help="kl: KL(teacher ‖ student); mse: error of the final states.")
     ] = "kl",
     seed: Annotated[int, typer.Option(help="Seed of teacher, students and data (recorded).")] = 0,
-    out: Annotated[
-        Path | None,
-        typer.Option(
-            "--out", "-o", help="Output folder. Default: lensdiv-out/teacher-student-TIME."
-        ),
-    ] = None,
+    out: Annotated[Path | None, out_option("teacher-student-TIME")] = None,
     device: Annotated[str | None, typer.Option(help="cpu (default), cuda ...")] = None,
     threads: Annotated[
         int,
@@ -55,7 +50,7 @@ def teacher_student(
             "on a busy machine can make training many times slower."
         ),
     ] = 1,
-    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+    progress: Progress = True,
 ) -> None:
     """Train students of several depths on deep random teachers and fit the depth exponent α_ℓ.
 
@@ -63,15 +58,13 @@ def teacher_student(
 
     Example: lensdiv teacher-student --preset fast --rho 0,1 --temperature 1 --out ts-out
     """
-    from lensdiv.cli.common import default_out, fail, save_and_show
-    from lensdiv.core.errors import LensdivError, OptionError
+    # start-up: torch and the study (which imports torch) load only when the command runs.
+    import torch
+
+    from lensdiv.studies.teacher_student import TeacherStudentConfig, run_teacher_student
 
     out = out or default_out("teacher-student")
-    try:
-        import torch
-
-        from lensdiv.studies.teacher_student import TeacherStudentConfig, run_teacher_student
-
+    with user_errors():
         given = {"steps": steps, "batch_size": batch_size, "lr": lr, "test_size": test_size}
         config = TeacherStudentConfig.preset(
             preset,
@@ -86,15 +79,11 @@ def teacher_student(
             raise OptionError(f"--threads must be ≥ 1, got {threads}")
         torch.set_num_threads(threads)
         result = run_teacher_student(config, progress=progress, device=device)
-    except LensdivError as err:
-        fail(err)
     save_and_show(result, out)
 
 
 def _numbers(text: str, option: str, kind: type) -> list[Any]:
     """``"0,1"`` → ``[0.0, 1.0]``; anything else is a one-line error naming ``option``."""
-    from lensdiv.core.errors import OptionError
-
     try:
         return [kind(part) for part in text.split(",") if part.strip()]
     except ValueError:

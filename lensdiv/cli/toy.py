@@ -6,7 +6,8 @@ from typing import Annotated
 
 import typer
 
-from lensdiv.cli.common import console, fail
+from lensdiv.cli.common import console, user_errors
+from lensdiv.core.errors import ModelLoadError
 
 app = typer.Typer(
     help="Built-in toy models: list the zoo, train and cache models.", no_args_is_help=True
@@ -19,6 +20,7 @@ def toy_list() -> None:
 
     Example: lensdiv toy list
     """
+    # start-up: rich and the toy zoo (5% of `lensdiv --help`) load only when the command runs.
     from rich.table import Table
 
     from lensdiv.models.toy import cache_root, cached_log, zoo
@@ -55,17 +57,15 @@ def toy_train(
 
     Example: lensdiv toy train --all
     """
-    from lensdiv.core.errors import LensdivError, ModelLoadError
+    # start-up: the toy zoo (5% of `lensdiv --help`) loads only when the command runs.
     from lensdiv.models.toy import cached_log, entry_dir, parse_toy, train_toy, zoo
 
-    try:
+    with user_errors():
         if all_ == (name is not None):
             raise ModelLoadError(
                 "name one toy model or pass --all", hint="e.g. lensdiv toy train toy:d8"
             )
         specs = zoo() if all_ else [parse_toy(name or "toy")]
-    except LensdivError as err:
-        fail(err)
     term = console()
     for spec in specs:
         log = None if force else cached_log(spec)
