@@ -40,7 +40,7 @@ from lensdiv.ops.members import (
 )
 from lensdiv.run.runner import analyze
 from lensdiv.testing.models import boot_native_tiny, boot_tiny
-from tests.test_analyzers import assert_tables_close, batches_of, run_state
+from tests.helpers import assert_tables_close, batches_of, run_state
 from tests.test_cli import assert_user_error, invoke
 
 RTOL = 1e-4

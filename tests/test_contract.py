@@ -3,18 +3,24 @@ proof that the check catches the mistakes it exists for."""
 
 from __future__ import annotations
 
+import io
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from rich.console import Console
 
 from lensdiv.core.analyzer import Analyzer, ModelInfo, Step
-from lensdiv.core.registry import get_analyzer, list_plugins
+from lensdiv.core.registry import PluginEntry, get_analyzer, list_plugins
 from lensdiv.core.results import Result, Table
 from lensdiv.core.stats import Stats
+from lensdiv.data.sources import DataSpec
+from lensdiv.run.runner import analyze
 from lensdiv.testing import check_analyzer
 from lensdiv.testing.models import boot_tiny
+from tests.helpers import assert_results_equal, batches_of, fresh_model
 
 ARCHS = ("gpt2", "llama", "neox", "native")
 BUILTIN = sorted(e.name for e in list_plugins() if e.provider.startswith("lensdiv "))
@@ -127,3 +133,63 @@ def test_check_catches(broken: type[Analyzer], message: str, contract_models: An
     check_analyzer(_Counting, architectures=("gpt2",), models=contract_models)
     with pytest.raises(AssertionError, match=message):
         check_analyzer(broken, architectures=("gpt2",), models=contract_models)
+
+
+# -- every registered analyzer (third-party ones too) runs end to end on every architecture ------
+
+
+def _plugin_params() -> list[Any]:
+    params = []
+    for entry in list_plugins():
+        marks = []
+        if entry.cls is None and entry.provider.split()[0] != "lensdiv":
+            marks = [pytest.mark.skip(reason=f"third-party plugin failed to load: {entry.error}")]
+        params.append(pytest.param(entry, id=entry.name, marks=marks))
+    return params
+
+
+@pytest.mark.parametrize("entry", _plugin_params())
+def test_runs_end_to_end(entry: PluginEntry, model: Any, arch: str,
+                         request: pytest.FixtureRequest) -> None:
+    assert entry.cls is not None, f"lensdiv's own plugin {entry.name!r} failed: {entry.error}"
+    cls = entry.cls
+    analyzer = cls.from_options({})
+    assert analyzer.name == entry.name and cls.description
+    info = ModelInfo.from_model(model)
+    hooks = analyzer.hooks(info)
+    missing = [h for h in hooks if h not in model.hook_dict]
+    assert not missing, f"{entry.name} declares hooks {arch} lacks: {missing}"
+
+    target = fresh_model(arch, request) if cls.numerics == "folded" else model
+    spec = DataSpec(max_tokens=256, seq_len=32, batch_size=4)
+    run = analyze(target, data=spec, plugins=[entry.name], progress=False, seed=3)
+    assert run.ok, run.errors
+    result = run[entry.name]
+    assert result.analyzer == entry.name
+
+    text = result.to_json()
+    back = Result.from_json(text)
+    assert_results_equal(back, result)
+    assert back.to_json() == text
+
+    console = Console(file=io.StringIO(), width=100)
+    console.print(result)
+    rendered = console.file.getvalue()
+    assert entry.name in rendered
+    assert max(len(line) for line in rendered.splitlines()) <= 100
+
+    meta = result.meta
+    options = json.loads(json.dumps({k: list(v) if isinstance(v, tuple) else v
+                                     for k, v in analyzer.options().items()}))
+    assert meta["options"] == options
+    assert meta["seed"] == 3
+    for dist in ("lensdiv", "torch", "transformer-lens"):
+        assert meta["versions"][dist] not in ("", "not installed"), dist
+    assert meta["model"]["n_layers"] == model.cfg.n_layers
+    assert meta["model"]["d_model"] == model.cfg.d_model
+    if meta["data"] == "own examples":  # task analyzers measure on their own examples
+        info = ModelInfo.from_model(model)
+        own = analyzer.examples(model, info)
+        assert meta["tokens"] == sum(b.n_tokens for b in own)
+    else:
+        assert meta["tokens"] == sum(b.n_tokens for b in batches_of(model, spec))

@@ -22,8 +22,8 @@ from lensdiv.ops.skipping import Intervals, later_effect
 from lensdiv.run.engine import Engine
 from lensdiv.run.runner import analyze
 from lensdiv.testing import assert_results_close
+from tests.helpers import naive_effects
 from tests.test_cli import assert_user_error, invoke
-from tests.test_skip import naive_effects
 
 EXAMPLES = [
     {"prompt": "boss(ka)=", "answer": "mi", "grade": 1},

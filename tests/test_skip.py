@@ -1,8 +1,9 @@
 """Layer skipping (SCIENCE.md A3) against a naive full-rerun implementation, and its invariants.
 
-The naive reference re-runs the whole model once per (sequence, skipped block) with plain
-TransformerLens hooks and computes every ratio with a per-position Python loop in float64; the
-analyzer resumes from the cached clean residual and vectorises. They must agree to 1e-5.
+The naive reference (``tests.helpers.naive_effects``, shared with depth-score) re-runs the
+whole model once per (sequence, skipped block) with plain TransformerLens hooks and computes
+every ratio with a per-position Python loop in float64; the analyzer resumes from the cached
+clean residual and vectorises. They must agree to 1e-5.
 """
 
 from __future__ import annotations
@@ -19,8 +20,7 @@ from lensdiv.ops.capture import capture
 from lensdiv.ops.resume import Resumer
 from lensdiv.ops.skipping import later_effect, skip_effects, split_intervals
 from lensdiv.run.runner import analyze
-
-EPS = 1e-6
+from tests.helpers import naive_effects
 
 
 def make_step(model: Any, seed: int = 0, width: int = 40) -> Step:
@@ -36,71 +36,6 @@ def make_step(model: Any, seed: int = 0, width: int = 40) -> Step:
     names += [f"blocks.{i}.hook_{p}_out" for i in range(info.n_layers) for p in ("attn", "mlp")]
     logits, cache = capture(model, tokens, names, need_logits=True)
     return Step(Batch(tokens, mask), cache, logits, model, info)
-
-
-def naive_effects(step: Step, intervals: Any, part: str, local: bool) -> tuple[Any, Any]:
-    """Full re-run per (sequence, skipped block) with TL hooks; ratios by a Python loop."""
-    model, info = step.model, step.info
-    L = info.n_layers
-    n = int(intervals.rows.numel())
-    E = torch.zeros(n, L, L, dtype=torch.float64)
-    O = torch.zeros(n, L, dtype=torch.float64)  # noqa: E741 - the paper's name
-    for p in range(n):
-        r = int(intervals.rows[p])
-        tokens = step.batch.tokens[r : r + 1]
-        skip = intervals.skip[p][None, :, None]
-        clean = [step.resid(layer)[r : r + 1] for layer in range(L + 1)]
-        clean_probs = torch.softmax(step.logits[r].double(), -1)
-        for s in range(L):
-            hooks = []
-            if local:
-                if part == "block":
-                    write = clean[s + 1] - clean[s]
-                else:
-                    write = step.cache[f"blocks.{s}.hook_{part}_out"][r : r + 1]
-                for layer in range(s + 1, L + 1):
-                    site = info.resid(layer)
-                    target = clean[layer] - write
-
-                    def pin(x: Any, hook: Any, target: Any = target, skip: Any = skip) -> Any:
-                        return torch.where(skip, target, x)
-
-                    hooks.append((site, pin))
-            elif part == "block":
-
-                def skip_block(x: Any, hook: Any, keep: Any = clean[s], skip: Any = skip) -> Any:
-                    return torch.where(skip, keep, x)
-
-                hooks.append((f"blocks.{s}.hook_resid_post", skip_block))
-            else:
-
-                def zero(x: Any, hook: Any, skip: Any = skip) -> Any:
-                    return torch.where(skip, torch.zeros_like(x), x)
-
-                hooks.append((f"blocks.{s}.hook_{part}_out", zero))
-            store: dict[str, Any] = {}
-
-            def keep(x: Any, hook: Any, name: str, store: Any = store) -> Any:
-                store[name] = x.detach().clone()
-                return x
-
-            names = [info.resid(layer) for layer in range(L + 1)]
-            keepers = [(n, lambda x, hook, n=n: keep(x, hook, n)) for n in names]
-            with torch.no_grad(), model.hooks(fwd_hooks=hooks), model.hooks(fwd_hooks=keepers):
-                logits = model(tokens)
-            h = [store[name][0] for name in names]
-            if local:  # the pinned values are what the residual is at skipped positions
-                for layer in range(s + 1, L):
-                    h[layer] = torch.where(skip[0], clean[layer][0] - write[0], h[layer])
-            probs = torch.softmax(logits[0].double(), -1)
-            where = intervals.measure[p]
-            for layer in range(L):  # the formula, dense over positions, then max over measured
-                d_clean = (clean[layer + 1][0] - clean[layer][0]).double()
-                d_new = (h[layer + 1] - h[layer]).double()
-                ratio = (d_clean - d_new).norm(dim=-1) / d_clean.norm(dim=-1).clamp_min(EPS)
-                E[p, s, layer] = ratio[where].max()
-            O[p, s] = (probs - clean_probs).norm(dim=-1)[where].max()
-    return E, O
 
 
 CASES = [

@@ -37,7 +37,7 @@ from lensdiv.ops.capture import capture
 from lensdiv.ops.members import member_hooks
 from lensdiv.ops.resume import Resumer
 from lensdiv.run.runner import analyze
-from tests.test_core import assert_results_equal
+from tests.helpers import assert_results_equal
 
 ARCHS = ["gpt2", "llama", "neox", "native"]
 

@@ -56,7 +56,8 @@ def _same(a: Any, b: Any) -> bool:
         if a.is_floating_point():
             return bool(torch.allclose(a, b.to(a.dtype), rtol=1e-9, atol=1e-12, equal_nan=True))
         return bool(torch.equal(a, b.to(a.dtype)))
-    return bool(a == b)
+    # JSON data: as for tensors, NaN agrees with NaN (which ``==`` denies).
+    return bool(a == b) or json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
 
 
 class Stats:
@@ -117,7 +118,7 @@ class Stats:
         value is fine; a different one raises :class:`StateError`.
         """
         if name in self.fixed:
-            if not _same(self.fixed[name], value):
+            if not _same(self.fixed[name], value if isinstance(value, Tensor) else _json(value)):
                 raise StateError(f"fixed statistic {name!r} changed from one batch to the next")
             return
         self._kind_free(name, "fixed")
@@ -286,13 +287,14 @@ class Stats:
     @classmethod
     def load(cls, directory: str | Path, device: torch.device | str = "cpu") -> Stats:
         """Inverse of :meth:`save`."""
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
         directory = Path(directory)
         try:
             plain = json.loads((directory / STATE_FILE).read_text())
             tensors = load_file(str(directory / TENSOR_FILE), device=str(device))
-        except (OSError, ValueError) as err:
+        except (OSError, ValueError, SafetensorError) as err:
             raise StateError(f"cannot read the state saved in {directory}: {err}") from None
         if not isinstance(plain, dict) or plain.get("lensdiv_state") != FORMAT:
             raise StateError(f"{directory / STATE_FILE} is not a lensdiv state (format {FORMAT})")

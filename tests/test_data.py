@@ -1,0 +1,250 @@
+"""Data: sources (files, folders, JSONL, hub folders, the built-in corpus), packing and errors.
+
+Packing is checked by identities: the packed rows' real tokens are the tokenised documents, in
+order, each followed by EOS; splitting at EOS and decoding gives the documents back.
+"""
+
+from __future__ import annotations
+
+import json
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lensdiv.core.analyzer import Batch
+from lensdiv.core.errors import DataError
+from lensdiv.data.corpus import builtin_documents
+from lensdiv.data.sources import DataSpec, documents, token_batches
+from lensdiv.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, byte_tokenizer
+
+DOCS = [
+    "The cat sleeps.",
+    "Café, naïve, 日本語 and an emoji 🎉 cross byte boundaries.",
+    "A somewhat longer document that certainly spans more than one packed row of tokens. " * 2,
+    "x",
+    "Line one\nline two\n\ttabbed",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return byte_tokenizer()
+
+
+@pytest.fixture
+def jsonl(tmp_path: Path) -> Path:
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(DOCS)),
+                    encoding="utf-8")
+    return path
+
+
+def _stream(tokenizer: Any, docs: list[str]) -> list[int]:
+    out: list[int] = []
+    for doc in docs:
+        out += tokenizer(doc, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return out
+
+
+def _rows(batches: list[Batch]) -> list[list[int]]:
+    return [row[mask].tolist() for b in batches for row, mask in zip(b.tokens, b.mask, strict=True)]
+
+
+def _check_packing(batches: list[Batch], spec: DataSpec, stream: list[int]) -> list[list[int]]:
+    """The packing invariants; returns the rows' real tokens."""
+    assert batches
+    assert [b.index for b in batches] == list(range(len(batches)))
+    for b in batches:
+        assert b.tokens.dtype == torch.long and b.mask.dtype == torch.bool
+        assert b.tokens.shape == b.mask.shape and 1 <= b.tokens.shape[0] <= spec.batch_size
+        assert b.bos == (spec.bos == "prepend")
+        # mask is False exactly at pads (the byte tokenizer never emits PAD inside text) ...
+        assert torch.equal(b.mask, b.tokens != PAD_ID)
+        # ... and pads only ever trail a row.
+        lengths = b.mask.sum(1)
+        assert torch.equal(b.mask, torch.arange(b.tokens.shape[1]) < lengths[:, None])
+    assert all(b.tokens.shape[0] == spec.batch_size for b in batches[:-1])
+    rows = _rows(batches)
+    assert all(len(r) == spec.seq_len for r in rows[:-1])
+    assert 1 <= len(rows[-1]) <= spec.seq_len
+    assert sum(len(r) for r in rows) == sum(b.n_tokens for b in batches) <= spec.max_tokens
+    if spec.bos == "prepend":
+        assert all(r[0] == BOS_ID and BOS_ID not in r[1:] for r in rows)
+        content = [t for r in rows for t in r[1:]]
+    else:
+        content = [t for r in rows for t in r]
+    assert content == stream[: len(content)]
+    return rows
+
+
+@pytest.mark.parametrize("bos", ["prepend", "none"])
+@pytest.mark.parametrize("seq_len, batch_size", [(16, 3), (7, 2), (64, 8)])
+def test_packing_reproduces_documents(jsonl: Path, tokenizer: Any, bos: str, seq_len: int,
+                                      batch_size: int) -> None:
+    spec = DataSpec(source=str(jsonl), seq_len=seq_len, batch_size=batch_size, max_tokens=10**6,
+                    bos=bos)  # type: ignore[arg-type]
+    stream = _stream(tokenizer, DOCS)
+    batches = list(token_batches(spec, tokenizer))
+    rows = _check_packing(batches, spec, stream)
+    content = [t for r in rows for t in (r[1:] if bos == "prepend" else r)]
+    assert content == stream  # nothing lost when the budget is not binding
+    # Independent of the encoder: splitting at EOS and decoding gives the documents back.
+    pieces, piece = [], []
+    for t in content:
+        if t == EOS_ID:
+            pieces.append(piece)
+            piece = []
+        else:
+            piece.append(t)
+    assert piece == []
+    assert [tokenizer.decode(p) for p in pieces] == DOCS
+
+
+def test_packing_records_the_document_of_every_position(jsonl: Path, tokenizer: Any) -> None:
+    spec = DataSpec(source=str(jsonl), seq_len=16, batch_size=3, max_tokens=10**6)
+    batches = list(token_batches(spec, tokenizer))
+    docs = torch.cat([b.doc[b.mask] for b in batches]).tolist()
+    tokens = torch.cat([b.tokens[b.mask] for b in batches]).tolist()
+    assert all((b.doc[~b.mask] == -1).all() for b in batches)
+    assert docs == sorted(docs) and set(docs) == set(range(len(DOCS)))  # in order, none lost
+    content = [(t, d) for t, d in zip(tokens, docs, strict=True) if t != BOS_ID]
+    for i, text in enumerate(DOCS):  # each document's positions hold exactly its tokens + EOS
+        ids = [t for t, d in content if d == i]
+        assert ids == tokenizer(text, add_special_tokens=False)["input_ids"] + [EOS_ID]
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 17, 40, 100])
+def test_packing_respects_token_budget(jsonl: Path, tokenizer: Any, max_tokens: int) -> None:
+    spec = DataSpec(source=str(jsonl), seq_len=16, batch_size=2, max_tokens=max_tokens)
+    stream = _stream(tokenizer, DOCS)
+    if max_tokens < 2:  # a row that would hold only BOS is no row at all
+        with pytest.raises(DataError, match="no tokens"):
+            list(token_batches(spec, tokenizer))
+        return
+    _check_packing(list(token_batches(spec, tokenizer)), spec, stream)
+
+
+def test_folder_and_text_sources(tmp_path: Path, tokenizer: Any) -> None:
+    folder = tmp_path / "corpus"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "b.txt").write_text(DOCS[1], encoding="utf-8")
+    (folder / "a.txt").write_text(DOCS[0], encoding="utf-8")
+    (folder / "sub" / "c.txt").write_text(DOCS[2], encoding="utf-8")
+    (folder / "ignored.md").write_text("not text", encoding="utf-8")
+    assert list(documents(DataSpec(source=str(folder)))) == [DOCS[0], DOCS[1], DOCS[2]]
+    spec = DataSpec(source=str(folder / "b.txt"), seq_len=8, batch_size=2, max_tokens=10**6)
+    assert list(documents(spec)) == [DOCS[1]]
+    _check_packing(list(token_batches(spec, tokenizer)), spec, _stream(tokenizer, [DOCS[1]]))
+
+
+
+
+def test_next_tokens_of_packed_batches(jsonl: Path, tokenizer: Any) -> None:
+    spec = DataSpec(source=str(jsonl), seq_len=16, batch_size=3, max_tokens=10**6)
+    for batch in token_batches(spec, tokenizer):
+        targets, valid = batch.next_tokens()
+        assert valid.sum() == batch.n_tokens - batch.tokens.shape[0]  # one per row
+        assert not (valid & ~batch.mask).any()
+        assert torch.equal(targets[:, :-1][valid[:, :-1]], batch.tokens[:, 1:][valid[:, :-1]])
+
+
+def test_builtin_corpus_is_seeded(tokenizer: Any) -> None:
+    def docs(seed: int) -> list[str]:
+        return list(islice(builtin_documents(seed=seed), 20))
+
+    assert docs(0) == docs(0)
+    assert docs(0) != docs(1)
+    assert [d.encode() for d in islice(documents(DataSpec(seed=3)), 20)] == [
+        d.encode() for d in docs(3)]
+
+    def tokens(seed: int) -> torch.Tensor:
+        spec = DataSpec(seed=seed, seq_len=32, max_tokens=32 * 6, batch_size=4)
+        return torch.cat([b.tokens for b in token_batches(spec, tokenizer)])
+
+    assert torch.equal(tokens(0), tokens(0))
+    assert not torch.equal(tokens(0), tokens(1))
+    spec = DataSpec(seed=2, seq_len=32, max_tokens=32 * 6, batch_size=4)
+    batches = list(token_batches(spec, tokenizer))
+    _check_packing(batches, spec, _stream(tokenizer, list(islice(builtin_documents(seed=2), 50))))
+    assert sum(b.n_tokens for b in batches) == 32 * 6
+
+
+def _bad_source(tmp_path: Path, kind: str) -> Path:
+    path = tmp_path / f"{kind}.txt"
+    if kind == "missing":
+        return path
+    if kind == "empty":
+        path.write_bytes(b"")
+    elif kind == "blank":
+        path.write_bytes(b"  \n\n\t ")
+    elif kind == "binary":
+        path.write_bytes(b"GIF89a\x00\x01\x02 some text")
+    elif kind == "latin1":
+        path.write_bytes("caf\u00e9 au lait".encode("latin-1"))
+    elif kind == "latin1_late":  # the bad byte lies beyond the sniffed head of the file
+        path.write_bytes(b"a" * (1 << 17) + "caf\u00e9".encode("latin-1"))
+    elif kind == "empty_folder":
+        path = tmp_path / "folder"
+        path.mkdir()
+        (path / "notes.md").write_text("no txt here")
+    return path
+
+
+@pytest.mark.parametrize(
+    "kind, words",
+    [("missing", "does not exist"), ("empty", "empty"), ("blank", "empty"),
+     ("binary", "binary"), ("latin1", "UTF-8"), ("latin1_late", "UTF-8"),
+     ("empty_folder", "no .txt")],
+)
+def test_bad_sources_raise_data_error(tmp_path: Path, tokenizer: Any, kind: str,
+                                      words: str) -> None:
+    spec = DataSpec(source=str(_bad_source(tmp_path, kind)), seq_len=8)
+    with pytest.raises(DataError, match=words):
+        list(token_batches(spec, tokenizer))
+
+
+def test_jsonl_errors_name_line_and_field(tmp_path: Path, tokenizer: Any) -> None:
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"text": "fine"}\n\n{"body": "no text here"}\n', encoding="utf-8")
+    with pytest.raises(DataError) as err:
+        list(token_batches(DataSpec(source=str(path), seq_len=8), tokenizer))
+    assert "line 3" in str(err.value) and "'text'" in str(err.value) and "body" in str(err.value)
+    path.write_text('{"text": "fine"}\nnot json\n', encoding="utf-8")
+    with pytest.raises(DataError, match="line 2"):
+        list(token_batches(DataSpec(source=str(path), seq_len=8), tokenizer))
+
+
+def test_jsonl_late_bad_encoding_raises_data_error(tmp_path: Path, tokenizer: Any) -> None:
+    path = tmp_path / "late.jsonl"
+    good = (json.dumps({"text": "a" * 100}) + "\n").encode() * 1000  # > the 64 KiB sniff
+    path.write_bytes(good + '{"text": "caf\u00e9"}\n'.encode("latin-1"))
+    with pytest.raises(DataError, match="UTF-8"):
+        list(token_batches(DataSpec(source=str(path), seq_len=8, max_tokens=10**7), tokenizer))
+
+
+def test_jsonl_field_option(tmp_path: Path) -> None:
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"body": "one", "text": "x"}\n{"body": "two"}\n', encoding="utf-8")
+    assert list(documents(DataSpec(source=str(path), field="body"))) == ["one", "two"]
+
+
+@pytest.mark.parametrize("bad", [{"seq_len": 1}, {"max_tokens": 0}, {"batch_size": 0}])
+def test_bad_spec_raises_data_error(bad: dict[str, Any]) -> None:
+    with pytest.raises(DataError):
+        DataSpec(**bad)
+
+
+def test_hub_source_from_local_folder(tmp_path: Path, tokenizer: Any) -> None:
+    pytest.importorskip("datasets")
+    folder = tmp_path / "hubdata"
+    folder.mkdir()
+    (folder / "data.jsonl").write_text(
+        "".join(json.dumps({"text": d}) + "\n" for d in DOCS), encoding="utf-8")
+    spec = DataSpec(source=f"hf:{folder}", seq_len=16, batch_size=3, max_tokens=10**6)
+    assert list(documents(spec)) == DOCS
+    _check_packing(list(token_batches(spec, tokenizer)), spec, _stream(tokenizer, DOCS))
+    with pytest.raises(DataError, match="no field 'body'"):
+        list(documents(DataSpec(source=f"hf:{folder}", field="body")))
