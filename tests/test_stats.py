@@ -397,15 +397,14 @@ def test_shards_with_different_shapes_do_not_merge(kind: str) -> None:
         a.merge(b)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: a later update broadcasts instead of raising")
 def test_the_first_update_fixes_the_shape() -> None:
     state = Stats()
     state.max("m", torch.ones(3))
     with pytest.raises(StateError):
-        state.max("m", torch.ones(2, 3))  # today: silently becomes (2, 3)
+        state.max("m", torch.ones(2, 3))
     state.add("s", torch.ones(3))
     with pytest.raises(StateError):
-        state.add("s", torch.ones(2, 3))  # today: a RuntimeError from torch
+        state.add("s", torch.ones(2, 3))
 
 
 # -- drop, signature, copy, to -----------------------------------------------------------------------
@@ -553,3 +552,34 @@ def test_a_damaged_or_absent_state_raises(tmp_path: Path, how: str) -> None:
     with pytest.raises(StateError) as err:
         Stats.load(folder)
     assert str(folder) in str(err.value)
+
+
+def test_states_of_different_passes_do_not_merge_in_either_order() -> None:
+    a, b = Stats(), Stats()
+    a.add("n", 1)
+    b.add("n", 10)
+    b.freeze()
+    b.add("m", 1)
+    for x, y in ((a, b), (b, a)):
+        with pytest.raises(StateError, match="different passes"):
+            x.merge(y)
+
+
+def test_copies_share_nothing() -> None:
+    state = Stats()
+    state.append("r", 0, {"v": [1]})
+    state.put("f", {"v": [1]})
+    state.include("s", "a")
+    copy = state.copy()
+    copy["r"][0]["v"].append(2)
+    copy.fixed["f"]["v"].append(2)
+    copy.sets["s"].add("b")
+    assert state["r"] == [{"v": [1]}] and state["f"] == {"v": [1]} and state["s"] == {"a"}
+
+
+def test_put_never_aliases_a_live_statistic() -> None:
+    state = Stats()
+    state.add("a", torch.ones(3))
+    state.put("b", state["a"])
+    state.add("a", torch.ones(3))
+    assert state["b"].tolist() == [1.0, 1.0, 1.0]

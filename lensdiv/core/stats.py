@@ -27,6 +27,7 @@ other shard's tensors to this one's device.
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -81,6 +82,7 @@ class Stats:
         self._writable(name, "sum")
         value = _tensor(value)
         if name in self.sums:
+            self._same_shape(name, self.sums[name], value)
             self.sums[name] += value.to(self.sums[name].device)
         else:
             self.sums[name] = value.clone()
@@ -122,7 +124,12 @@ class Stats:
                 raise StateError(f"fixed statistic {name!r} changed from one batch to the next")
             return
         self._kind_free(name, "fixed")
-        self.fixed[name] = value.detach() if isinstance(value, Tensor) else _json(value)
+        if isinstance(value, Tensor):
+            value = value.detach()
+            # Kept without a copy (a fitted map may be large), unless it is a live statistic.
+            if any(value.data_ptr() == t.data_ptr() for t in self._tensors()):
+                value = value.clone()
+        self.fixed[name] = value if isinstance(value, Tensor) else _json(value)
 
     def include(self, name: str, *items: str) -> None:
         """Add ``items`` to the set ``name`` (e.g. the difficulty grades seen)."""
@@ -198,7 +205,7 @@ class Stats:
             StateError: The shards disagree on a name's kind or shape, on a fixed value, or on
                 a row key, or on which entries earlier passes finished.
         """
-        if self.frozen != other.frozen and self.frozen and other.frozen:
+        if self.frozen != other.frozen and not (self.empty or other.empty):
             raise StateError("the states come from different passes and cannot be merged")
         out = Stats()
         out.frozen = set(self.frozen or other.frozen)
@@ -339,6 +346,10 @@ class Stats:
             "rows": self.rows,
         }
 
+    def _tensors(self) -> list[Tensor]:
+        stores: list[dict[str, Any]] = [self.sums, self.maxs, self.mins, self.fixed]
+        return [v for store in stores for v in store.values() if isinstance(v, Tensor)]
+
     def _store(self, kind: Kind) -> dict[str, Any]:
         return self._stores()[kind]
 
@@ -349,11 +360,7 @@ class Stats:
         value = self._raw(kind, name)
         if isinstance(value, Tensor):
             return value.clone()
-        if kind == "set":
-            return set(value)
-        if kind == "rows":
-            return dict(value)
-        return value
+        return copy.deepcopy(value)  # sets, rows and JSON values: nothing shared with the input
 
     def _set(self, kind: Kind, name: str, value: Any) -> None:
         self._store(kind)[name] = value
@@ -369,12 +376,22 @@ class Stats:
             )
         self._kind_free(name, kind)
 
-    @staticmethod
-    def _extremum(store: dict[str, Tensor], name: str, value: Any, op: Any) -> None:
+    @classmethod
+    def _extremum(cls, store: dict[str, Tensor], name: str, value: Any, op: Any) -> None:
         value = _tensor(value)
-        store[name] = (
-            op(store[name], value.to(store[name].device)) if name in store else value.clone()
-        )
+        if name in store:
+            cls._same_shape(name, store[name], value)
+            store[name] = op(store[name], value.to(store[name].device))
+        else:
+            store[name] = value.clone()
+
+    @staticmethod
+    def _same_shape(name: str, old: Tensor, new: Tensor) -> None:
+        if old.shape != new.shape:
+            raise StateError(
+                f"statistic {name!r} has shape {tuple(old.shape)}, not {tuple(new.shape)}: the "
+                "first update fixes a statistic's shape"
+            )
 
 
 def _json(value: Any) -> Any:
