@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 OUT ?= lensdiv-out/demo
 
-.PHONY: setup demo test check bench lint clean
+.PHONY: setup demo test check bench findings lint clean
 
 setup: $(VENV)/.installed
 
@@ -33,6 +33,11 @@ bench: setup
 	$(BIN)/python bench/bench_linmap.py --json bench/linmap_cpu.json
 	$(BIN)/python bench/bench_bias.py --json bench/bias_cpu.json
 	$(BIN)/python bench/bench_dynamics.py --json bench/dynamics_cpu.json
+
+# docs/findings.md and its figures, measured from scratch (trains the toy models it needs that are not
+# cached, runs every analysis and the teacher-student cpu preset; the run time is in the document).
+findings: setup
+	HF_HUB_OFFLINE=1 MPLBACKEND=Agg $(BIN)/python docs/findings.py
 
 lint: setup
 	$(BIN)/ruff check lensdiv tests bench plugins

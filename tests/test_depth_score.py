@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,6 +18,7 @@ from lensdiv.analyzers.depth_score import (
     kb_examples,
 )
 from lensdiv.core.analyzer import Batch, ModelInfo, Step
+from lensdiv.data.corpus import KnowledgeBase
 from lensdiv.ops.capture import capture
 from lensdiv.ops.skipping import Intervals, later_effect
 from lensdiv.run.engine import Engine
@@ -94,10 +96,11 @@ def test_builtin_tasks_split_at_the_answer(native_model: Any) -> None:
     # Deterministic given the seed; another seed differs.
     assert kb_examples(5, 0) == kb_examples(5, 0) != kb_examples(5, 1)
     assert arith_examples(5, 0) == arith_examples(5, 0) != arith_examples(5, 1)
-    assert all(eval(p[:-1]) == int(a) for p, a, _ in arith_examples(5, 0))  # noqa: S307
+    assert all(eval(p[:-1]) == int(a) for p, a, _, _ in arith_examples(5, 0))  # noqa: S307
 
 
 def test_toy_end_to_end(tmp_path: Path) -> None:
+    """On a zoo toy, the kb tasks are scored on toy:kb (unless model=self), with accuracy."""
     run = analyze(
         "toy",
         plugins="depth-score",
@@ -107,8 +110,89 @@ def test_toy_end_to_end(tmp_path: Path) -> None:
     )
     result = run["depth-score"]
     assert result.meta["tasks"] == "kb"
-    assert list(result.table()["grade"]) == ["1-hop", "2-hop", "3-hop", "4-hop"]
+    assert result.meta["scored_model"] == "toy:kb" and "toy:kb" in result.summary
+    table = result.table()
+    assert list(table["grade"]) == ["1-hop", "2-hop", "3-hop", "4-hop"]
+    assert ((table["accuracy"] >= 0) & (table["accuracy"] <= 1)).all()
     assert (tmp_path / "depth-score" / "depth_score.png").is_file()
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["analyzers"]["depth-score"].get("warnings", []) == list(result.warnings)
+    itself = analyze(
+        "toy",
+        plugins="depth-score",
+        options={"depth-score": {"per_grade": 2, "model": "self"}},
+        progress=False,
+    )["depth-score"]
+    assert itself.meta["scored_model"] == "toy" and itself.meta["n_layers"] == 4
+
+
+def test_kb_baselines_are_the_chains_best_constant_answer() -> None:
+    """The prior baseline of a query is the share of start entities whose chain ends at the
+    chain's most common end, counted by brute force here."""
+    kb = KnowledgeBase(seed=0)
+    for prompt, answer, grade, baseline in kb_examples(3, 0):
+        query = prompt.split(" ")[-1]  # e.g. friend(boss(ka))=
+        relations = tuple(reversed(query.split("(")[:-1]))
+        ends = [kb.answer(relations, e) for e in kb.entities]
+        assert baseline == max(ends.count(x) for x in ends) / len(ends)
+        assert kb.answer(relations, query.split("(")[-1].rstrip(")=")) == answer
+        assert int(grade[0]) == len(relations)
+    # The most likely sum of two digits 1..9 is 10 (9 of 81 pairs).
+    assert arith_examples(1, 0)[0][3] == pytest.approx(9 / 81)
+
+
+def _own_answers(model: Any, n: int) -> list[tuple[str, str]]:
+    """Prompts and the model's own greedy next byte, with distinct answers (so the grade's prior
+    baseline is 1/n)."""
+    tok = model.tokenizer
+    rng = torch.Generator().manual_seed(0)
+    found: dict[str, str] = {}
+    for _ in range(400):
+        prompt = "".join(chr(97 + int(i)) for i in torch.randint(0, 26, (6,), generator=rng))
+        ids = [tok.bos_token_id, *tok(prompt, add_special_tokens=False)["input_ids"]]
+        with torch.no_grad():
+            nxt = int(model(torch.tensor([ids]))[0, -1].argmax())
+        answer = tok.decode([nxt])
+        if answer.isalnum() and tok(answer, add_special_tokens=False)["input_ids"] == [nxt]:
+            found.setdefault(answer, prompt)
+        if len(found) == n:
+            break
+    assert len(found) == n, f"only {len(found)} distinct greedy answers"
+    return [(p, a) for a, p in found.items()]
+
+
+def test_accuracy_and_warnings(native_model: Any, tmp_path: Path) -> None:
+    """Answers the model gives itself are 100 % right and significantly above their baseline
+    (no warning); the same prompts with other answers are 0 % right (a warning naming the
+    grade and the baseline)."""
+    own = _own_answers(native_model, 6)
+    rows = [{"prompt": p, "answer": a, "grade": "1-own"} for p, a in own]
+    shifted = [own[(i + 1) % len(own)][1] for i in range(len(own))]
+    rows += [{"prompt": p, "answer": b, "grade": "2-other"} for (p, _), b in zip(own, shifted, strict=True)]
+    path = tmp_path / "own.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    result = analyze(
+        native_model,
+        plugins=[DepthScore(tasks=str(path), batch_size=5)],
+        progress=False,
+    )["depth-score"]
+    table = result.table()
+    assert list(table["grade"]) == ["1-own", "2-other"]
+    assert list(table["accuracy"]) == [1.0, 0.0]
+    assert list(table["correct"]) == [6, 0]
+    assert list(table["baseline"]) == pytest.approx([1 / 6, 1 / 6])
+    assert table["p_above_baseline"][0] == pytest.approx((1 / 6) ** 6)  # all 6 right by luck
+    assert table["p_above_baseline"][1] == pytest.approx(1.0)
+    assert np.isnan(table["score_layer_correct"][1])
+    assert table["score_layer_correct"][0] == pytest.approx(table["score_layer"][0])
+    assert len(result.warnings) == 1
+    warning = result.warnings[0]
+    assert warning.startswith("2-other:") and "0 of 6" in warning and "17%" in warning
+
+
+def test_model_option_is_checked(native_model: Any) -> None:
+    with pytest.raises(ValueError, match="model"):
+        DepthScore(model=" ")
 
 
 @pytest.mark.parametrize(

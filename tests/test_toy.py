@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -14,6 +15,7 @@ from typer.testing import CliRunner
 from lensdiv.cli import app
 from lensdiv.core.errors import ModelLoadError
 from lensdiv.data.corpus import (
+    CORPUS_VERSION,
     MAX_HOPS,
     RELATIONS,
     KnowledgeBase,
@@ -21,6 +23,7 @@ from lensdiv.data.corpus import (
     mixed_documents,
 )
 from lensdiv.models.toy import (
+    TOY_VERSION,
     ToySpec,
     TrainRecipe,
     entry_dir,
@@ -29,6 +32,7 @@ from lensdiv.models.toy import (
     recipe_key,
     train_toy,
     verify_entry,
+    zoo,
 )
 
 TINY = TrainRecipe(steps=12, batch_size=4, seq_len=64, warmup=2, eval_every=6, eval_tokens=512,
@@ -99,6 +103,37 @@ def test_bad_toy_names(name: str) -> None:
 def test_recipe_key_changes_with_the_recipe() -> None:
     assert recipe_key(SPEC, TINY) != recipe_key(SPEC, TrainRecipe(steps=13))
     assert recipe_key(SPEC, TINY) != recipe_key(ToySpec(depth=2, width=32), TINY)
+    assert recipe_key(SPEC, TINY) != recipe_key(SPEC, dataclasses.replace(TINY, kb_fraction=1.0))
+    assert recipe_key(SPEC, TINY) != recipe_key(dataclasses.replace(SPEC, task="kb"), TINY)
+
+
+def test_fields_added_later_keep_old_cache_keys() -> None:
+    """Models cached before ``kb_fraction``, ``kb_hops`` and ``task`` existed keep their keys."""
+    later = ("kb_fraction", "kb_hops")
+    old = {k: v for k, v in dataclasses.asdict(TrainRecipe()).items() if k not in later}
+    spec = {k: v for k, v in dataclasses.asdict(ToySpec()).items() if k != "task"}
+    blob = json.dumps({"spec": spec, "recipe": old, "corpus": CORPUS_VERSION, "toy": TOY_VERSION},
+                      sort_keys=True)  # fmt: skip
+    assert recipe_key(ToySpec(), TrainRecipe()) == hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def test_multihop_toy_spec_and_recipe(monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = parse_toy("toy:kb")
+    assert spec.name == "toy:kb" and spec.task == "kb" and spec in zoo()
+    monkeypatch.delenv("LENSDIV_TOY_STEPS", raising=False)
+    recipe = TrainRecipe.default(spec)
+    assert recipe == TrainRecipe.multihop() and recipe.kb_fraction == 1.0
+    assert recipe.steps > TrainRecipe().steps  # trained longer than the zoo
+    assert TrainRecipe.default(ToySpec()) == TrainRecipe()
+    monkeypatch.setenv("LENSDIV_TOY_STEPS", "7")
+    short = TrainRecipe.default(spec)
+    assert short.steps == 7 and short.kb_fraction == recipe.kb_fraction  # still the kb mix
+    assert entry_dir(spec).name.startswith("toy-kb-")
+
+
+def test_kb_only_mix_has_no_language_documents() -> None:
+    docs = list(itertools.islice(mixed_documents(kb_fraction=1.0), 50))
+    assert all("=" in d and ";" in d and "." not in d for d in docs)
 
 
 def test_train_cache_and_reload(cache: Path) -> None:
@@ -109,8 +144,12 @@ def test_train_cache_and_reload(cache: Path) -> None:
     saved = json.loads((folder / "train_log.json").read_text())
     assert saved["heldout_loss"] == log["heldout_loss"]
     assert len(saved["train_loss"]) == TINY.steps
-    assert set(saved["multihop"]) == {"chance", "1", "2", "3", "4"}
+    assert set(saved["multihop"]) == {"chance", "baseline", "1", "2", "3", "4"}
     assert all(0.0 <= saved["multihop"][str(h)] <= 1.0 for h in range(1, 5))
+    # The prior baseline (best answer ignoring the start entity) beats 1/entities.
+    baseline = saved["multihop"]["baseline"]
+    assert set(baseline) == {"1", "2", "3", "4"}
+    assert all(saved["multihop"]["chance"] < baseline[h] < 1 for h in baseline)
     assert len(saved["lens_kl"]) == SPEC.depth + 1 and saved["lens_kl"][-1] == pytest.approx(0, abs=1e-6)
     # training lowers the loss from its value at initialisation (log 260 for a uniform guess)
     assert saved["heldout_loss"] < saved["train_loss"][0]

@@ -14,13 +14,31 @@ paper finds it does not.
 Examples (option ``tasks``):
 - ``auto``: ``kb`` for models with lensdiv's byte tokenizer (the toy zoo), ``arith`` otherwise;
 - ``kb``: the toy knowledge base's k-hop queries ``friend(boss(ka))=`` (k = 1..4), asked after
-  three unrelated facts as in training;
+  three unrelated facts as in training. 1-hop queries are the facts; 2–4-hop ones are chains of
+  the training split (option ``chains=seen``, the default: the toy can answer them, whether by
+  composing facts or by recalling the chain) or held-out chains (``chains=unseen``: compositions
+  no training document holds, so only a model that composes facts answers them);
 - ``arith``: chained additions ``3+4+2=`` graded by the number of operations (1..4);
 - a JSONL file of ``{"prompt": ..., "answer": ..., "grade": ...}`` rows.
 
 Tokenisation rule: ``[BOS] + tokens(prompt) + tokens(answer)``, each part tokenised on its own
 without special tokens, so ``t`` is exactly where the answer starts (put a leading space in the
 answer if the tokenizer expects one).
+
+A centre of mass of skip effects on examples the model cannot answer is not a finding, so the
+result also gives, per grade, the model's **accuracy** (greedy decoding of the whole answer, read
+off the clean pass teacher-forced), a **prior baseline** (the accuracy of the best answer that
+ignores the example's content: for ``kb`` the most common end of the query's relation chain over
+all start entities, for ``arith`` the most likely sum, for a file the grade's most common answer),
+the one-sided exact binomial p-value of the accuracy against that baseline, and the depth score of
+the correctly answered examples alone. Grades whose accuracy is not significantly above the
+baseline (p ≥ 0.05) get a warning in ``Result.warnings``.
+
+Which model is scored (option ``model``): ``auto`` scores the analysed model, except that on a
+toy model of lensdiv's zoo with the ``kb`` tasks it scores ``toy:kb``, the toy trained for the
+knowledge-base queries (the zoo answers 2–4-hop queries at the prior baseline); ``self`` always
+scores the analysed model; any other value is a model spec (same tokenizer) to score instead.
+The scored model is named in the summary and in ``meta["scored_model"]``.
 """
 
 from __future__ import annotations
@@ -35,16 +53,24 @@ from jaxtyping import Float
 from torch import Tensor
 
 from lensdiv.core.analyzer import Analyzer, Batch, ModelInfo, Step
-from lensdiv.core.errors import DataError
+from lensdiv.core.errors import DataError, LensdivError, OptionError
 from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
-from lensdiv.data.corpus import KnowledgeBase
+from lensdiv.data.corpus import CHAINS, KnowledgeBase
 from lensdiv.data.sources import read_task_jsonl
 from lensdiv.data.tokenizer import NAME
-from lensdiv.ops.resume import resumer_for
+from lensdiv.models.load import load_model
+from lensdiv.models.toy import KB_TOY
+from lensdiv.ops.capture import capture
+from lensdiv.ops.resume import Resumer, resumer_for
 from lensdiv.ops.skipping import Intervals, later_effect, skip_effects
 
 BUILTIN = ("auto", "kb", "arith")
+#: Significance level below which a grade's accuracy counts as above its prior baseline.
+ALPHA = 0.05
+
+# One example: (prompt, answer, grade, prior baseline accuracy of the example).
+Example = tuple[str, str, str, float]
 
 
 def depth_score(effect: Float[Tensor, "*batch skipped"]) -> Float[Tensor, "*batch"]:
@@ -54,33 +80,59 @@ def depth_score(effect: Float[Tensor, "*batch skipped"]) -> Float[Tensor, "*batc
     return torch.where(total > 0, (effect * s).sum(-1) / total, torch.full_like(total, math.nan))
 
 
-def kb_examples(per_grade: int, seed: int) -> list[tuple[str, str, str]]:
-    """The toy knowledge base's k-hop queries, asked as in the training documents."""
-
-    asked = KnowledgeBase(seed=0).asked(per_grade, seed=seed + 1)
+def kb_examples(per_grade: int, seed: int, chains: str = "seen") -> list[Example]:
+    """The toy knowledge base's k-hop queries, asked as in the training documents (2–4-hop ones
+    from the training split's chains, or held out: ``chains``); the prior baseline of each is
+    :meth:`KnowledgeBase.prior_accuracy` of its relation chain."""
+    kb = KnowledgeBase(seed=0)
+    asked = kb.asked_queries(per_grade, seed=seed + 1, chains=chains)
     return [
-        (prompt, answer, f"{hops}-hop") for hops, rows in asked.items() for prompt, answer in rows
+        (prompt, q.answer, f"{hops}-hop", kb.prior_accuracy(q.relations))
+        for hops, rows in asked.items()
+        for q, prompt in rows
     ]
 
 
-def arith_examples(per_grade: int, seed: int) -> list[tuple[str, str, str]]:
-    """Chained single-digit additions; the grade is the number of operations (1..4)."""
+def arith_examples(per_grade: int, seed: int) -> list[Example]:
+    """Chained single-digit additions; the grade is the number of operations (1..4). The prior
+    baseline is the probability of the most likely sum of that many terms."""
     rng = random.Random(f"arith-{seed}")
     out = []
     for ops in range(1, 5):
+        baseline = _mode_probability(ops + 1)
         for _ in range(per_grade):
             terms = [rng.randint(1, 9) for _ in range(ops + 1)]
-            out.append(("+".join(map(str, terms)) + "=", str(sum(terms)), f"{ops}-op"))
+            out.append(("+".join(map(str, terms)) + "=", str(sum(terms)), f"{ops}-op", baseline))
     return out
 
 
-def read_examples(path: str) -> list[tuple[str, str, str]]:
-    """``{"prompt", "answer", "grade"}`` rows of a JSONL file; one clear error per bad line."""
+def _mode_probability(terms: int) -> float:
+    """Probability of the most likely sum of ``terms`` independent digits uniform on 1..9."""
+    dist = [1.0]
+    for _ in range(terms):
+        nxt = [0.0] * (len(dist) + 9)
+        for total, p in enumerate(dist):
+            for digit in range(1, 10):
+                nxt[total + digit] += p / 9
+        dist = nxt
+    return max(dist)
 
+
+def read_examples(path: str) -> list[Example]:
+    """``{"prompt", "answer", "grade"}`` rows of a JSONL file; one clear error per bad line.
+
+    The prior baseline of every example of a grade is the share of the grade's most common
+    answer (always giving that answer scores this much).
+    """
     rows = read_task_jsonl(
         path, ("prompt", "answer", "grade"), what="depth-score examples", option="depth-score.tasks"
     )
-    return [(str(r["prompt"]), str(r["answer"]), str(r["grade"])) for _, r in rows]
+    parsed = [(str(r["prompt"]), str(r["answer"]), str(r["grade"])) for _, r in rows]
+    answers: dict[str, list[str]] = {}
+    for _, answer, grade in parsed:
+        answers.setdefault(grade, []).append(answer)
+    majority = {g: max(a.count(x) for x in set(a)) / len(a) for g, a in answers.items()}
+    return [(p, a, g, majority[g]) for p, a, g in parsed]
 
 
 def _grade_key(grade: str) -> tuple[float, str]:
@@ -94,14 +146,33 @@ def _grade_key(grade: str) -> tuple[float, str]:
 
 
 @dataclass(frozen=True)
+class Scored:
+    """The model whose depth score is measured, when it is not the analysed one.
+
+    Args:
+        model: The ``TransformerBridge``.
+        info: Its facts.
+        label: Its name in the result.
+    """
+
+    model: Any
+    info: ModelInfo
+    label: str
+
+
+@dataclass(frozen=True)
 class DepthScore(Analyzer):
-    """Multi-hop depth score by difficulty grade.
+    """Multi-hop depth score by difficulty grade, with the model's accuracy per grade.
 
     Args:
         tasks: ``auto``, ``kb``, ``arith`` or a JSONL file of ``prompt``/``answer``/``grade`` rows.
         per_grade: Examples per grade for the built-in tasks.
         batch_size: Examples per forward pass.
         seed: Seed of the built-in examples.
+        model: ``auto`` (the analysed model; ``toy:kb`` in place of a toy zoo model on the
+            ``kb`` tasks), ``self`` (always the analysed model) or a model spec to score instead.
+        chains: ``kb`` tasks: 2–4-hop queries from the training split's chains (``seen``) or
+            held out (``unseen``: compositions no training document holds).
     """
 
     name = "depth-score"
@@ -113,21 +184,30 @@ class DepthScore(Analyzer):
     per_grade: int = 32
     batch_size: int = 16
     seed: int = 0
+    model: str = "auto"
+    chains: str = "seen"
 
     def __post_init__(self) -> None:
         if self.per_grade < 1 or self.batch_size < 1:
             raise ValueError("per_grade and batch_size must be positive")
+        if self.chains not in CHAINS:
+            raise ValueError(f"chains must be one of {', '.join(CHAINS)}, got {self.chains!r}")
+        if not self.model.strip():
+            raise ValueError("model must be 'auto', 'self' or a model spec")
 
     def hooks(self, info: ModelInfo) -> list[str]:
         return [info.resid(layer) for layer in range(info.n_layers + 1)]
 
+    def _tasks(self, model: Any) -> str:
+        if self.tasks != "auto":
+            return self.tasks
+        return "kb" if getattr(model.tokenizer, "name_or_path", "") == NAME else "arith"
+
     def examples(self, model: Any, info: ModelInfo) -> list[Batch]:
         tokenizer = model.tokenizer
-        tasks = self.tasks
-        if tasks == "auto":
-            tasks = "kb" if getattr(tokenizer, "name_or_path", "") == NAME else "arith"
+        tasks = self._tasks(model)
         if tasks == "kb":
-            rows = kb_examples(self.per_grade, self.seed)
+            rows = kb_examples(self.per_grade, self.seed, self.chains)
         elif tasks == "arith":
             rows = arith_examples(self.per_grade, self.seed)
         else:
@@ -135,7 +215,7 @@ class DepthScore(Analyzer):
         unk = tokenizer.unk_token_id
         bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
         encoded = []
-        for i, (prompt, answer, grade) in enumerate(rows, 1):
+        for i, (prompt, answer, grade, baseline) in enumerate(rows, 1):
             p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
             a = tokenizer(answer, add_special_tokens=False)["input_ids"]
             if not a or (unk is not None and unk in a) or max(a) >= info.d_vocab:
@@ -146,27 +226,63 @@ class DepthScore(Analyzer):
                 )
             if not p:
                 raise DataError(f"depth-score example {i}: the prompt is empty")
-            encoded.append((bos + p + a, len(bos) + len(p), grade))
+            encoded.append((bos + p + a, len(bos) + len(p), grade, baseline))
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         batches = []
         for index, lo in enumerate(range(0, len(encoded), self.batch_size)):
             chunk = encoded[lo : lo + self.batch_size]
-            width = max(len(ids) for ids, _, _ in chunk)
+            width = max(len(ids) for ids, _, _, _ in chunk)
             tokens = torch.full((len(chunk), width), pad, dtype=torch.long)
             mask = torch.zeros((len(chunk), width), dtype=torch.bool)
-            for r, (ids, _, _) in enumerate(chunk):
+            for r, (ids, _, _, _) in enumerate(chunk):
                 tokens[r, : len(ids)] = torch.tensor(ids)
                 mask[r, : len(ids)] = True
             extra = {
-                "split": torch.tensor([t for _, t, _ in chunk]),
-                "grade": [g for _, _, g in chunk],
+                "split": torch.tensor([t for _, t, _, _ in chunk]),
+                "grade": [g for _, _, g, _ in chunk],
+                "baseline": torch.tensor([b for _, _, _, b in chunk], dtype=torch.float64),
                 "tasks": tasks,
             }
             batches.append(Batch(tokens, mask, bos=bool(bos), index=index, extra=extra))
         return batches
 
+    def setup(self, model: Any, info: ModelInfo) -> Scored | None:
+        """Load the model to score, where it is not the analysed one (see ``model``)."""
+        choice = self.model.strip()
+        if choice == "self":
+            return None
+        if choice == "auto":
+            own = str(getattr(model.cfg, "model_name", ""))
+            if not (self._tasks(model) == "kb" and own.startswith("toy:") and own != KB_TOY):
+                return None
+            choice = KB_TOY
+        param = next(model.parameters())
+        try:
+            other = load_model(choice, device=param.device, dtype=param.dtype)
+        except LensdivError as err:
+            raise type(err)(f"depth-score model: {err.message}", hint=err.hint) from None
+        if other.tokenizer.get_vocab() != model.tokenizer.get_vocab():
+            raise OptionError(
+                f"depth-score model {choice!r} does not share the tokenizer of {info.name}",
+                hint="score a model with the same tokenizer, or -O depth-score.model=self",
+            )
+        return Scored(other, ModelInfo.from_model(other, name=choice), choice)
+
     def update(self, state: Stats, step: Step) -> None:
         batch = step.batch
+        scored: Scored | None = step.resource(self.name)
+        if scored is None:
+            resumer = resumer_for(step)
+            label = step.info.name
+        else:
+            # The example batches ran through the analysed model; score the other one here.
+            names = [scored.info.resid(layer) for layer in range(scored.info.n_layers + 1)]
+            _, cache = capture(scored.model, batch.tokens, names, need_logits=False)
+            step = Step(
+                batch, cache, None, scored.model, scored.info, step.pass_index, step.context
+            )
+            resumer = step.cached((self.name, "resumer"), lambda: Resumer(scored.model))
+            label = scored.label
         device = batch.tokens.device
         split = batch.extra["split"].to(device)[:, None]
         pos = torch.arange(batch.tokens.shape[1], device=device)
@@ -175,17 +291,25 @@ class DepthScore(Analyzer):
             skip=(pos >= 1) & (pos < split) & batch.mask,
             measure=(pos >= split) & batch.mask,
         )
-        effect, output = skip_effects(step, intervals, resumer=resumer_for(step))
+        effect, output = skip_effects(step, intervals, resumer=resumer)
+        correct = _answered(resumer, step, intervals.measure)
         layer_e = torch.stack([later_effect(e) for e in effect])  # [example, skipped]
         scores = {"layer": depth_score(layer_e), "output": depth_score(output)}
         state.put("tasks", batch.extra.get("tasks"))
+        state.put("scored_model", label)
+        state.put("n_layers", step.info.n_layers)
+        baseline = batch.extra["baseline"].to(device)
         for grade in dict.fromkeys(batch.extra["grade"]):
             rows = torch.tensor([g == grade for g in batch.extra["grade"]], device=device)
+            right = rows & correct
             state.include("grades", grade)
             state.add(f"{grade}/n", int(rows.sum()))
+            state.add(f"{grade}/correct", int(right.sum()))
+            state.add(f"{grade}/baseline", baseline[rows].sum())
             state.add(f"{grade}/E", effect[rows].sum(0))
             state.add(f"{grade}/layer_e", layer_e[rows].sum(0))
             state.add(f"{grade}/output_e", output[rows].sum(0))
+            state.add(f"{grade}/correct_layer_e", layer_e[right].sum(0))
             for kind, score in scores.items():
                 ok = rows & ~score.isnan()
                 state.add(f"{grade}/{kind}_n", int(ok.sum()))
@@ -193,19 +317,47 @@ class DepthScore(Analyzer):
                 state.add(f"{grade}/{kind}_sq", (score[ok] ** 2).sum())
 
     def finalize(self, state: Stats, info: ModelInfo) -> Result:
-        L = info.n_layers
+        L = int(state.get("n_layers", info.n_layers))
+        scored = str(state.get("scored_model", info.name))
         grades = sorted(state.get("grades", ()), key=_grade_key)
         if not grades:
             raise ValueError("no examples were processed")
-        columns: dict[str, list] = {"grade": grades, "examples": []}
+        columns: dict[str, list] = {
+            "grade": grades,
+            "examples": [],
+            "accuracy": [],
+            "baseline": [],
+            "p_above_baseline": [],
+        }
         for kind in ("layer", "output"):
             columns[f"score_{kind}"] = []
             columns[f"mean_{kind}"] = []
             columns[f"se_{kind}"] = []
+        columns["correct"] = []
+        columns["score_layer_correct"] = []
         profiles: dict[str, list] = {"skipped": list(range(L))}
+        warnings = []
         for grade in grades:
             n = float(state[f"{grade}/n"])
+            right = int(state[f"{grade}/correct"])
+            accuracy = right / n
+            baseline = float(state[f"{grade}/baseline"]) / n
+            p_value = _p_above(right, int(n), baseline)
             columns["examples"].append(int(n))
+            columns["accuracy"].append(accuracy)
+            columns["baseline"].append(baseline)
+            columns["p_above_baseline"].append(p_value)
+            columns["correct"].append(right)
+            columns["score_layer_correct"].append(
+                float(depth_score(state[f"{grade}/correct_layer_e"] / right)) if right else math.nan
+            )
+            if not p_value < ALPHA:
+                warnings.append(
+                    f"{grade}: {scored} answers {right} of {int(n)} correctly ({accuracy:.0%}), "
+                    f"not significantly above the prior baseline of {baseline:.0%} (one-sided "
+                    f"binomial p = {p_value:.2g}): it cannot do these examples, so their depth "
+                    "score does not say how it does them."
+                )
             for kind in ("layer", "output"):
                 e = state[f"{grade}/{kind}_e"] / n
                 columns[f"score_{kind}"].append(float(depth_score(e)))
@@ -217,13 +369,21 @@ class DepthScore(Analyzer):
                 columns[f"se_{kind}"].append(se)
                 profiles[f"{kind}:{grade}"] = e.tolist()
         table = Table(
-            "depth_score", columns, "Depth score (centre of mass of skip effects) by grade"
+            "depth_score",
+            columns,
+            "Depth score (centre of mass of skip effects) by grade, with the scored model's "
+            "accuracy, the prior baseline and the score of the correctly answered examples",
         )
         scores = table["score_layer"]
         slope = _slope(scores)
         summary = (
-            "Layer-effect depth score by grade: "
-            + ", ".join(f"{g} {v:.2f}" for g, v in zip(grades, scores, strict=True))
+            f"Layer-effect depth score of {scored} by grade: "
+            + ", ".join(
+                f"{g} {v:.2f} (accuracy {a:.0%}, baseline {b:.0%})"
+                for g, v, a, b in zip(
+                    grades, scores, table["accuracy"], table["baseline"], strict=True
+                )
+            )
             + f" (blocks 0..{L - 1}; uniform effects would give {(L - 1) / 2:.1f})."
         )
         if len(grades) > 1:
@@ -269,11 +429,50 @@ class DepthScore(Analyzer):
             ),
             meta={
                 "tasks": state.get("tasks", self.tasks),
+                "chains": self.chains if state.get("tasks") == "kb" else None,
+                "scored_model": scored,
+                "n_layers": L,
                 "grades": grades,
                 "slope_per_grade": slope,
                 "split": "first answer token",
+                "accuracy": "greedy decoding of the whole answer (teacher-forced argmax)",
+                "baseline": BASELINES.get(str(state.get("tasks", self.tasks)), BASELINES["file"]),
+                "significance": ALPHA,
             },
+            warnings=tuple(warnings),
         )
+
+
+BASELINES = {
+    "kb": "most common end of the query's relation chain over all start entities",
+    "arith": "probability of the most likely sum",
+    "file": "share of the grade's most common answer",
+}
+
+
+def _answered(resumer: Resumer, step: Step, measure: Tensor) -> Tensor:
+    """Per example, whether greedy decoding gives the whole answer (teacher-forced: the clean
+    logits at the position before each answer token)."""
+    tokens = step.batch.tokens
+    final = step.resid(step.info.n_layers)
+    before = torch.zeros_like(measure)
+    before[:, :-1] = measure[:, 1:]  # the position that predicts each answer token
+    logits = resumer.readout(final[before])
+    hit = logits.argmax(-1) == tokens[measure]
+    per_position = torch.ones_like(measure)
+    per_position[measure] = hit
+    return per_position.all(dim=1)
+
+
+def _p_above(right: int, n: int, baseline: float) -> float:
+    """One-sided exact binomial p-value of ``right`` of ``n`` against success rate ``baseline``."""
+    from scipy.stats import binomtest
+
+    if n == 0:
+        return math.nan
+    if baseline >= 1.0:
+        return 1.0
+    return float(binomtest(right, n, max(baseline, 0.0), alternative="greater").pvalue)
 
 
 def _slope(values: Any) -> float:

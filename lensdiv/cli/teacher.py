@@ -31,8 +31,9 @@ def teacher_student(
         str, typer.Option(help="Teacher temperatures T, comma-separated (kl only).")
     ] = "1",
     depths: Annotated[
-        str, typer.Option(help="Student depths, comma-separated.")
-    ] = "6,12,16,24,32,48",
+        str | None,
+        _preset_default("Student depths, comma-separated (the source's: 6,12,16,24,32,48)."),
+    ] = None,
     steps: Annotated[int | None, _preset_default("Training steps.")] = None,
     batch_size: Annotated[int | None, _preset_default("Fresh inputs per step.")] = None,
     test_size: Annotated[int | None, _preset_default("Held-out inputs for the test loss.")] = None,
@@ -65,12 +66,17 @@ def teacher_student(
 
     out = out or default_out("teacher-student")
     with user_errors():
-        given = {"steps": steps, "batch_size": batch_size, "lr": lr, "test_size": test_size}
+        given = {
+            "steps": steps,
+            "batch_size": batch_size,
+            "lr": lr,
+            "test_size": test_size,
+            "depths": None if depths is None else tuple(_numbers(depths, "--depths", int)),
+        }
         config = TeacherStudentConfig.preset(
             preset,
             rhos=tuple(_numbers(rho, "--rho", float)),
             temperatures=tuple(_numbers(temperature, "--temperature", float)),
-            depths=tuple(_numbers(depths, "--depths", int)),
             objective=objective,
             seed=seed,
             **{k: v for k, v in given.items() if v is not None},

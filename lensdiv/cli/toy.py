@@ -25,14 +25,21 @@ def toy_list() -> None:
 
     from lensdiv.models.toy import cache_root, cached_log, zoo
 
-    table = Table(title=f"toy models (cache: {cache_root() / 'toy'})", title_justify="left")
-    for col in ("name", "depth", "width", "cached", "held-out loss", "1-hop acc", "train s"):
+    table = Table(
+        title=f"toy models (cache: {cache_root() / 'toy'})",
+        title_justify="left",
+        caption="1-hop, 2-hop: accuracy on held-out knowledge-base queries",
+        caption_justify="left",
+    )
+    columns = ("name", "depth", "width", "cached", "held-out loss", "1-hop", "2-hop", "train s")
+    for col in columns:
         table.add_column(col, justify="left" if col == "name" else "right")
     for spec in zoo():
         log = cached_log(spec)
         default = " (default: toy)" if spec.name == "toy:d4-w64" else ""
+        default += " (multi-hop)" if spec.task == "kb" else ""
         if log is None:
-            table.add_row(spec.name + default, str(spec.depth), str(spec.width), "no", "", "", "")
+            table.add_row(spec.name + default, str(spec.depth), str(spec.width), "no", *[""] * 4)
         else:
             table.add_row(
                 spec.name + default,
@@ -41,6 +48,7 @@ def toy_list() -> None:
                 "yes",
                 f"{log['heldout_loss']:.4f}",
                 f"{log['multihop']['1']:.2f}",
+                f"{log['multihop']['2']:.2f}",
                 f"{log['train_seconds']:.0f}",
             )
     console().print(table)
@@ -48,7 +56,7 @@ def toy_list() -> None:
 
 @app.command("train")
 def toy_train(
-    name: Annotated[str | None, typer.Argument(help="toy, toy:d4, toy:d8-w128 ...")] = None,
+    name: Annotated[str | None, typer.Argument(help="toy, toy:d4, toy:d8-w128, toy:kb ...")] = None,
     all_: Annotated[bool, typer.Option("--all", help="Train the whole zoo.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Retrain even if cached.")] = False,
     progress: Annotated[bool, typer.Option(help="Show progress bars.")] = True,
@@ -72,10 +80,15 @@ def toy_train(
         cached = log is not None
         if log is None:
             _, log = train_toy(spec, progress=progress)
-        hops = ", ".join(f"{h} hop {log['multihop'][h]:.2f}" for h in ("1", "2", "3", "4"))
+        hop = log["multihop"]
+        baseline = hop.get("baseline", {})  # logs cached before it existed lack it
+        hops = ", ".join(
+            f"{h} hop {hop[h]:.2f}" + (f" (baseline {baseline[h]:.2f})" if h in baseline else "")
+            for h in ("1", "2", "3", "4")
+        )
         term.print(
-            f"{spec.name}: held-out loss {log['heldout_loss']:.4f}, {hops} "
-            f"(chance {log['multihop']['chance']:.2f}), "
+            f"{spec.name}: held-out loss {log['heldout_loss']:.4f}, accuracy {hops} "
+            f"(chance {hop['chance']:.2f}), "
             f"{'cached; it trained' if cached else 'trained'} in {log['train_seconds']:.0f} s "
             f"-> {entry_dir(spec)}"
         )

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import random
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
@@ -68,6 +69,8 @@ RELATIONS = ("boss", "friend", "rival", "mentor")
 _CONSONANTS = "bdfgklmnprstvz"
 _VOWELS = "aeiou"
 MAX_HOPS = 4
+QUERY_HOPS = tuple(range(1, MAX_HOPS + 1))  # the queries of a knowledge-base document
+CHAINS = ("unseen", "seen")  # multi-hop queries asked: held-out chains, or training-split ones
 
 
 # -- language-like text -------------------------------------------------------------------------
@@ -209,46 +212,77 @@ class KnowledgeBase:
             entity = self.facts[(relation, entity)]
         return steps
 
-    def asked(self, n: int, *, seed: int = 1, context: int = 3) -> dict[int, list[tuple[str, str]]]:
-        """``n`` queries per hop count (1-hop from the facts, longer ones held out), each as
-        asked in the training documents: ``Query.prompt`` is preceded by ``context`` other facts
-        (never ones on the query's own chain). Returns ``{hops: [(prompt, answer), ...]}``.
+    def asked(
+        self, n: int, *, seed: int = 1, context: int = 3, chains: str = "unseen"
+    ) -> dict[int, list[tuple[str, str]]]:
+        """``n`` queries per hop count, each as asked in the training documents:
+        ``Query.prompt`` is preceded by ``context`` other facts (never ones on the query's own
+        chain). 1-hop queries are the facts; longer ones are held-out chains (``chains=
+        "unseen"``: compositions no training document holds) or chains of the training split
+        (``"seen"``). Returns ``{hops: [(prompt, answer), ...]}``.
         """
+        asked = self.asked_queries(n, seed=seed, context=context, chains=chains)
+        return {hops: [(prompt, q.answer) for q, prompt in rows] for hops, rows in asked.items()}
+
+    def asked_queries(
+        self, n: int, *, seed: int = 1, context: int = 3, chains: str = "unseen"
+    ) -> dict[int, list[tuple[Query, str]]]:
+        """:meth:`asked` with each query itself: ``{hops: [(query, full prompt), ...]}``."""
+        if chains not in CHAINS:
+            raise ValueError(f"chains must be one of {', '.join(CHAINS)}, got {chains!r}")
         facts = list(self.facts.items())
         rng = random.Random(f"multihop-eval-{seed}")
-        out: dict[int, list[tuple[str, str]]] = {}
+        out: dict[int, list[tuple[Query, str]]] = {}
         for hops in range(1, MAX_HOPS + 1):
-            split = "train" if hops == 1 else "test"
+            split = "train" if hops == 1 or chains == "seen" else "test"
             out[hops] = []
             for q in self.queries(split, hops, seed=seed, n=n):
                 chain = set(self.chain(q))
                 before = [
                     f"{r}({e})={a};" for (r, e), a in rng.sample(facts, 8) if (r, e) not in chain
                 ]
-                out[hops].append((" ".join([*before[:context], q.prompt]), q.answer))
+                out[hops].append((q, " ".join([*before[:context], q.prompt])))
         return out
 
-    def documents(self, split: str = "train", seed: int = 0) -> Iterator[str]:
-        """Documents of facts and queries: 4 facts, then one query of each hop count, shuffled."""
+    def prior_accuracy(self, relations: tuple[str, ...]) -> float:
+        """Accuracy of the best answer to a chain of ``relations`` that ignores its start entity.
+
+        The relations are not onto, so some entities end many chains: always answering the most
+        common end of the chain (over all start entities) beats ``1 / n_entities``. A model that
+        has learnt only which entities each relation tends to return scores this much.
+        """
+        ends = Counter(self.answer(relations, e) for e in self.entities)
+        return max(ends.values()) / self.n_entities
+
+    def documents(
+        self, split: str = "train", seed: int = 0, hops: tuple[int, ...] = QUERY_HOPS
+    ) -> Iterator[str]:
+        """Documents of facts and queries: 4 facts, then one query per entry of ``hops`` (by
+        default one of each hop count), shuffled."""
         rng = random.Random(f"kb-docs-{self.seed}-{split}-{seed}")
-        streams = {h: self.queries(split, h, seed=seed) for h in range(1, MAX_HOPS + 1)}
+        streams = {h: self.queries(split, h, seed=seed) for h in sorted(set(hops))}
         facts = list(self.facts.items())
         while True:
             parts = [f"{r}({e})={a};" for (r, e), a in rng.sample(facts, 4)]
-            parts += [next(streams[h]).text for h in range(1, MAX_HOPS + 1)]
+            parts += [next(streams[h]).text for h in hops]
             rng.shuffle(parts)
             yield " ".join(parts)
 
 
 def mixed_documents(
-    seed: int = 0, split: str = "train", kb_fraction: float = 0.35, kb: KnowledgeBase | None = None
+    seed: int = 0,
+    split: str = "train",
+    kb_fraction: float = 0.35,
+    kb: KnowledgeBase | None = None,
+    kb_hops: tuple[int, ...] = QUERY_HOPS,
 ) -> Iterator[str]:
-    """The toy models' training mix: language documents and knowledge-base documents."""
+    """The toy models' training mix: language documents and knowledge-base documents (whose
+    queries have the hop counts ``kb_hops``, see :meth:`KnowledgeBase.documents`)."""
     kb = kb or KnowledgeBase(seed=0)
     rng = random.Random(f"mix-{seed}-{split}")
     offset = 0 if split == "train" else 1_000_003  # a different stream of language documents
     language = language_documents(seed + offset)
-    facts = kb.documents(split, seed=seed)
+    facts = kb.documents(split, seed=seed, hops=kb_hops)
     while True:
         yield next(facts) if rng.random() < kb_fraction else next(language)
 

@@ -159,7 +159,7 @@ def _fits(config: TeacherStudentConfig, losses: Table) -> list[DepthFit]:
 
 
 def _alpha_table(config: TeacherStudentConfig, fits: list[DepthFit]) -> Table:
-    fields = ("alpha", "stderr", "ci_low", "ci_high", "r2")
+    fields = ("alpha", "stderr", "ci_low", "ci_high", "r2", "intercept")
     return Table(
         "alpha",
         {
@@ -168,7 +168,8 @@ def _alpha_table(config: TeacherStudentConfig, fits: list[DepthFit]) -> Table:
             "temperature": [temperature for _, temperature in config.teachers],
             **{name: [getattr(fit, name) for fit in fits] for name in fields},
         },
-        "α_ℓ: slope of log test loss against log student depth (95 % t-interval)",
+        "α_ℓ: slope of log test loss against log student depth (95 % t-interval; intercept: "
+        "the fitted log loss at depth 1)",
     )
 
 

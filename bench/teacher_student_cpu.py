@@ -1,0 +1,156 @@
+"""The search for a CPU-sized teacher–student configuration (``--preset cpu``): every trial run.
+
+Each trial is a :class:`~lensdiv.studies.teacher_student.TeacherStudentConfig` (overrides of
+the ``fast`` preset) run through the public API on one thread. For each one this records the
+settings, the inputs seen, ``α_ℓ`` per teacher with its 95 % interval, the test loss per depth,
+how much the training loss still fell over the last quarter, the wall and CPU seconds and the
+load average before and after (the machine is shared: CPU seconds are the comparable cost).
+
+    python bench/teacher_student_cpu.py                  # list the trials and what is recorded
+    python bench/teacher_student_cpu.py T1 T4 --json bench/teacher_student_cpu.json
+    python bench/teacher_student_cpu.py --markdown bench/teacher_student_cpu.json
+
+Results are merged into the JSON file by trial name, so trials can run one at a time (or in two
+processes at once on two cores). ``bench/README.md`` has the table and what was learnt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+#: name -> (what the trial tests, overrides of the fast preset). Append; never rewrite a trial
+#: that has been run (its figures in the JSON file would no longer match its settings).
+TRIALS: dict[str, tuple[str, dict[str, Any]]] = {
+    "T0": ("the fast preset, as shipped", {}),
+    "T1": (
+        "source depths, 3.3x the fast preset's inputs at batch 256",
+        {"steps": 3000, "batch_size": 256},
+    ),
+    "T2": (
+        "shallower students (2-16): about 3x cheaper per input, so more inputs",
+        {"steps": 5000, "batch_size": 256, "depths": (2, 4, 6, 8, 12, 16)},
+    ),
+    "T3": (
+        "source depths at the whole budget: 2.3 M inputs",
+        {"steps": 9000, "batch_size": 256},
+    ),
+    "T4": (
+        "students 4-24 at the whole budget: 3.1 M inputs",
+        {"steps": 12000, "batch_size": 256, "depths": (4, 6, 8, 12, 16, 24)},
+    ),
+    "T5": (
+        "as T4 at batch 128: more, smaller steps (2.8 M inputs)",
+        {"steps": 22000, "batch_size": 128, "depths": (4, 6, 8, 12, 16, 24)},
+    ),
+}
+
+
+def run_trial(name: str) -> dict[str, Any]:
+    """Run one trial on one thread; return its record."""
+    import torch
+
+    from lensdiv.studies.teacher_student import TeacherStudentConfig, run_teacher_student
+
+    torch.set_num_threads(1)
+    what, overrides = TRIALS[name]
+    config = TeacherStudentConfig.preset("fast", **overrides)
+    load_before = os.getloadavg()
+    wall, cpu = time.perf_counter(), time.process_time()
+    result = run_teacher_student(config, progress=False)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    alpha, losses = result.table("alpha"), result.table("losses")
+    return {
+        "trial": name,
+        "what": what,
+        "overrides": {k: list(v) if isinstance(v, tuple) else v for k, v in overrides.items()},
+        "config": dataclasses.asdict(config),
+        "inputs": config.steps * config.batch_size,
+        "alpha": {
+            label: {k: round(float(alpha[k][i]), 4) for k in ("alpha", "ci_low", "ci_high", "r2")}
+            for i, label in enumerate(alpha["teacher"])
+        },
+        "test_loss": {
+            label: {
+                int(d): float(v)
+                for t, d, v in zip(
+                    losses["teacher"], losses["depth"], losses["test_loss"], strict=True
+                )
+                if t == label
+            }
+            for label in alpha["teacher"]
+        },
+        "late_drop_max": round(float(losses["late_drop"].max()), 4),
+        "wall_seconds": round(wall, 1),
+        "cpu_seconds": round(cpu, 1),
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+    }
+
+
+def markdown(records: dict[str, dict[str, Any]]) -> str:
+    """The exploration table of ``bench/README.md``."""
+    lines = [
+        "| trial | what changed | inputs | α_ℓ ρ=0 (95 % CI) | α_ℓ ρ=1 (95 % CI) | late drop | "
+        "CPU s | wall s (load) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in sorted(records.items(), key=lambda kv: int(kv[0][1:])):
+        fits = list(r["alpha"].values())
+        cells = [f"{f['alpha']:.2f} ({f['ci_low']:.2f}–{f['ci_high']:.2f})" for f in fits[:2]] + [
+            ""
+        ] * (2 - len(fits[:2]))
+        load = (r["load_average_before"][0] + r["load_average_after"][0]) / 2
+        lines.append(
+            f"| {name} | {r['what']} | {r['inputs'] / 1e6:.2f} M | {cells[0]} | {cells[1]} | "
+            f"{r['late_drop_max']:.0%} | {r['cpu_seconds']:.0f} | {r['wall_seconds']:.0f} "
+            f"({load:.1f}) |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("trials", nargs="*", help="trial names (none: list them)")
+    parser.add_argument("--json", help="merge the records into this file")
+    parser.add_argument("--markdown", help="print the table of the records in this file")
+    args = parser.parse_args()
+    if args.markdown:
+        print(markdown(json.loads(Path(args.markdown).read_text())))
+        return
+    if not args.trials:
+        for name, (what, overrides) in TRIALS.items():
+            print(f"{name}: {what}  {overrides}")
+        return
+    for name in args.trials:
+        if name not in TRIALS:
+            sys.exit(f"unknown trial {name!r}; known: {', '.join(TRIALS)}")
+        record = run_trial(name)
+        print(json.dumps(record), flush=True)
+        if args.json:
+            _merge(Path(args.json), name, record)
+
+
+def _merge(path: Path, name: str, record: dict[str, Any]) -> None:
+    """Put ``record`` under ``name`` in the JSON file (locked: two trials may end together)."""
+    import fcntl
+    import tempfile
+
+    with open(Path(tempfile.gettempdir()) / f"{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        records = json.loads(path.read_text()) if path.exists() else {}
+        records[name] = record
+        path.write_text(json.dumps(records, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

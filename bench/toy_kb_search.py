@@ -1,0 +1,143 @@
+"""The search for the multi-hop toy's recipe (``toy:kb``): every trial run.
+
+Each trial trains one toy (architecture and recipe below) with ``lensdiv.models.toy.train_toy``,
+nothing cached, and records its training log: held-out loss and multi-hop accuracy per hop count
+at every evaluation point (beside each hop count's prior baseline: the accuracy of always giving
+the most common end of the query's relation chain), CPU and wall seconds, and the load average.
+
+    python bench/toy_kb_search.py                       # list the trials
+    python bench/toy_kb_search.py K1 --json bench/toy_kb_search.json
+    python bench/toy_kb_search.py --markdown bench/toy_kb_search.json
+
+``bench/README.md`` has the table and what was learnt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+#: name -> (what the trial tests, ToySpec fields, TrainRecipe fields). Append only.
+TRIALS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
+    "K1": (
+        "the zoo's default toy on knowledge-base documents only, 6x the steps",
+        {"depth": 4, "width": 64},
+        {"steps": 3000, "kb_fraction": 1.0, "eval_every": 500, "hop_queries": 100},
+    ),
+    "K2": (
+        "6 blocks, weight decay 0.1",
+        {"depth": 6, "width": 64},
+        {
+            "steps": 6000,
+            "kb_fraction": 1.0,
+            "weight_decay": 0.1,
+            "eval_every": 1000,
+            "hop_queries": 100,
+        },
+    ),
+    "K3": (
+        "4 blocks, weight decay 0.1, documents rich in 2-hop queries",
+        {"depth": 4, "width": 64},
+        {
+            "steps": 10000,
+            "kb_fraction": 1.0,
+            "weight_decay": 0.1,
+            "kb_hops": (1, 2, 2, 2, 3),
+            "eval_every": 1000,
+            "hop_queries": 100,
+        },
+    ),
+}
+
+
+def run_trial(name: str) -> dict[str, Any]:
+    """Train the trial's toy on one thread (nothing cached); return its record."""
+    import torch
+
+    from lensdiv.models.toy import ToySpec, TrainRecipe, train_toy
+
+    torch.set_num_threads(1)
+    what, spec_fields, recipe_fields = TRIALS[name]
+    spec, recipe = ToySpec(**spec_fields), TrainRecipe(**recipe_fields)
+    load_before = os.getloadavg()
+    wall, cpu = time.perf_counter(), time.process_time()
+    _, log = train_toy(spec, recipe, progress=False, save=False)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    return {
+        "trial": name,
+        "what": what,
+        "spec": dataclasses.asdict(spec),
+        "recipe": dataclasses.asdict(recipe),
+        "eval": log["eval"],
+        "multihop": log["multihop"],
+        "train_seconds": log["train_seconds"],
+        "wall_seconds": round(wall, 1),
+        "cpu_seconds": round(cpu, 1),
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+    }
+
+
+def markdown(records: dict[str, dict[str, Any]]) -> str:
+    """The exploration table of ``bench/README.md``: accuracy per hop at each evaluation."""
+    lines = [
+        "| trial | what changed | step | 1-hop | 2-hop | 3-hop | 4-hop | CPU s (load) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in sorted(records.items(), key=lambda kv: int(kv[0][1:])):
+        load = (r["load_average_before"][0] + r["load_average_after"][0]) / 2
+        for i, point in enumerate(r["eval"]):
+            hop = point["multihop"]
+            first = i == 0
+            lines.append(
+                f"| {name if first else ''} | {r['what'] if first else ''} | {point['step']} | "
+                + " | ".join(f"{hop[h]:.0%} ({hop['baseline'][h]:.0%})" for h in "1234")
+                + (f" | {r['cpu_seconds']:.0f} ({load:.1f}) |" if first else " | |")
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("trials", nargs="*", help="trial names (none: list them)")
+    parser.add_argument("--json", help="merge the records into this file")
+    parser.add_argument("--markdown", help="print the table of the records in this file")
+    args = parser.parse_args()
+    if args.markdown:
+        print(markdown(json.loads(Path(args.markdown).read_text())))
+        return
+    if not args.trials:
+        for name, (what, spec, recipe) in TRIALS.items():
+            print(f"{name}: {what}  {spec} {recipe}")
+        return
+    for name in args.trials:
+        if name not in TRIALS:
+            sys.exit(f"unknown trial {name!r}; known: {', '.join(TRIALS)}")
+        record = run_trial(name)
+        print(json.dumps(record), flush=True)
+        if args.json:
+            _merge(Path(args.json), name, record)
+
+
+def _merge(path: Path, name: str, record: dict[str, Any]) -> None:
+    """Put ``record`` under ``name`` in the JSON file (locked: two trials may end together)."""
+    import fcntl
+    import tempfile
+
+    with open(Path(tempfile.gettempdir()) / f"{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        records = json.loads(path.read_text()) if path.exists() else {}
+        records[name] = record
+        path.write_text(json.dumps(records, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

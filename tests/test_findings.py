@@ -1,0 +1,90 @@
+"""``docs/findings.py`` (``make findings``): its verdict rules, and its mechanics at tiny sizes —
+every finding gets a row, a section and a figure, and the numbers in the document are the
+measured ones it records in ``findings.json`` (the timing of a full run is not tested)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "docs" / "findings.py"
+
+
+@pytest.fixture(scope="module")
+def findings() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("lensdiv_findings", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_halves_rule(findings: ModuleType) -> None:
+    reproduced, partly, no = findings.REPRODUCED, findings.PARTLY, findings.NOT
+    assert findings.halves_verdict([1, 1, 1, 1, 0.2, 0.2, 0.2, 0.2])[0] == reproduced
+    # Only block 0 stands out: the second half is smaller, but not once block 0 is left out.
+    verdict, ratios = findings.halves_verdict([6.0, 0.5, 0.45, 0.4, 0.35, 0.3, 0.3, 0.3])
+    assert verdict == partly
+    assert ratios["ratio"] == pytest.approx(0.3125 / 1.8375)
+    assert ratios["ratio_without_block0"] == pytest.approx(0.3125 / 0.45)
+    assert findings.halves_verdict([1, 1, 2, 2])[0] == no
+    # skip_last drops the last block (it has no later layers) before halving.
+    assert findings.halves_verdict([1, 1, 0.1, 0.1, 99.0], skip_last=True)[0] == reproduced
+
+
+def test_slope_and_depth_score_rule(findings: ModuleType) -> None:
+    slope, low, high = findings.slope_with_interval([1, 2, 3, 4], [3, 5, 7, 9], [0.1] * 4)
+    assert slope == pytest.approx(2.0) and low < 2 < high
+    assert high - low == pytest.approx(2 * 1.96 * 0.1 / 5**0.5)
+    assert findings.depth_score_verdict(1, -1, 1).endswith("(not testable)")
+    assert findings.depth_score_verdict(3, 0.1, 0.5) == findings.NOT
+    assert findings.depth_score_verdict(3, -0.2, 0.3) == findings.REPRODUCED
+    assert findings.depth_score_verdict(3, -0.5, -0.1) == findings.REPRODUCED
+
+
+def test_other_rules(findings: ModuleType) -> None:
+    f = findings
+    assert f.linmap_verdict(0.95, 0.1) == f.REPRODUCED
+    assert f.linmap_verdict(0.95, 0.4) == f.PARTLY
+    assert f.linmap_verdict(0.3, 0.1) == f.NOT
+    assert f.submod_verdict(0.8, 0.95) == f.REPRODUCED
+    assert f.submod_verdict(0.6, 0.95) == f.PARTLY
+    assert f.submod_verdict(0.3, 0.99) == f.NOT
+    assert f.teacher_student_verdict((1.0, 0.9, 1.1), (1.5, 1.3, 1.7)) == f.REPRODUCED
+    assert f.teacher_student_verdict((0.85, 0.7, 0.95), (1.5, 1.3, 1.7)) == f.REPRODUCED
+    assert f.teacher_student_verdict((0.6, 0.5, 0.7), (1.4, 1.1, 1.7)) == f.PARTLY
+    assert f.teacher_student_verdict((1.0, 0.8, 1.2), (1.2, 1.1, 1.4)) == f.PARTLY  # overlap
+    assert f.teacher_student_verdict((0.6, 0.5, 0.7), (0.4, 0.2, 0.6)) == f.NOT
+
+
+def test_tiny_run_writes_every_finding(findings: ModuleType, tmp_path: Path) -> None:
+    written = findings.main(["--tiny", "--out", str(tmp_path)])
+    keys = list(findings.MEASUREMENTS)
+    assert [f.key for f in written] == keys
+    assert set(findings.RULES) == set(keys)
+    doc = (tmp_path / "findings.md").read_text()
+    record = json.loads((tmp_path / "findings.json").read_text())
+    rows = [line for line in doc.splitlines() if line.startswith("| [")]
+    assert len(rows) == len(keys)
+    for finding, row in zip(record["findings"], rows, strict=True):
+        assert f"**{finding['verdict']}**" in row
+        assert f"]({finding['figure']})" in doc
+        figure = tmp_path / finding["figure"]
+        assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", figure
+        assert f'<a id="{finding["key"].replace("_", "-")}"></a>' in doc
+    by_key = {f["key"]: f for f in record["findings"]}
+    # The document quotes the measured numbers it recorded.
+    r_block = by_key["contribution"]["values"]["r_block"]
+    assert ", ".join(f"{v:.2f}" for v in r_block) in doc
+    for fit in by_key["teacher_student"]["values"]["alpha"]:
+        assert f"α_ℓ = {fit['alpha']:.2f} (95 % {fit['ci_low']:.2f}–{fit['ci_high']:.2f})" in doc
+    accuracy = by_key["depth_score"]["values"]["accuracy"]
+    assert f"accuracy {accuracy[0]:.0%}" in doc
+    assert record["sizes"]["preset"] == "fast" and record["run"]["cpu_seconds"] > 0
+    assert f"took {record['run']['wall_seconds'] / 60:.0f} min of wall time" in doc
