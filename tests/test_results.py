@@ -62,7 +62,10 @@ def test_result_save_and_load(result: Result, tmp_path: Path) -> None:
     folder = tmp_path / "demo"
     expected = {f"{t}.csv" for t in result.tables} | {f"{p.name}.png" for p in result.plots}
     assert {p.name for p in written} == expected | {"result.json"}
-    assert written[-1].name == "result.json"  # written last: it marks the folder complete
+    # The numbers first: result.json and every CSV before any plot.
+    order = [p.suffix for p in written]
+    assert order.index(".json") < min((i for i, s in enumerate(order) if s == ".png"), default=99)
+    assert all(s != ".csv" for s in order[order.index(".json") :])
     assert {p.name for p in folder.iterdir()} == expected | {"result.json"}  # no temp files left
     for plot in result.plots:
         assert (folder / f"{plot.name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

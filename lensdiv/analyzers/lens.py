@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from lensdiv.core.analyzer import Analyzer, ModelInfo, Step
+from lensdiv.core.errors import OptionError
 from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
 
@@ -49,6 +51,14 @@ class LogitLens(Analyzer):
 
     def hooks(self, info: ModelInfo) -> list[str]:
         return [info.resid(layer) for layer in range(info.n_layers + 1)]
+
+    def setup(self, model: Any, info: ModelInfo) -> None:
+        if self.top_k >= info.d_vocab:  # every top-k set would be the whole vocabulary
+            raise OptionError(
+                f"lens.top_k={self.top_k} is not below the {info.d_vocab} tokens of "
+                f"{info.name}'s vocabulary, so every top-k overlap would be a perfect 1",
+                hint=f"use -O lens.top_k={min(5, info.d_vocab - 1)} (at most {info.d_vocab - 1})",
+            )
 
     def update(self, state: Stats, step: Step) -> None:
         from transformer_lens.tools.analysis.logit_lens import logit_readout

@@ -287,6 +287,11 @@ class LinearMaps(Analyzer):
         check_same_tokenizer(model, target, info.name, self.target)
         return target, target_info
 
+    def min_tokens(self, info: ModelInfo) -> int:
+        """Enough training positions for the ``d_model + 1`` parameters of each map (fewer fit
+        any target perfectly), plus the held-out share."""
+        return math.ceil((info.d_model + 1) / (1 - self.heldout))
+
     # -- streaming --------------------------------------------------------------------------------
     def hooks(self, info: ModelInfo) -> list[str]:
         return [info.resid(layer) for layer in range(info.n_layers + 1)]

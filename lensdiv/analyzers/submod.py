@@ -55,6 +55,7 @@ from torch import Tensor
 from lensdiv.core.analyzer import Analyzer, ModelInfo, Step
 from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
+from lensdiv.ops.members import final_readout, iter_member_logits, member_hooks, member_names
 from lensdiv.ops.resume import Resumer
 
 Mode = Literal["direct", "removal"]
@@ -271,7 +272,7 @@ def set_function_stats(F: SetFunction, plan: Plan, *, tol: float, greedy_steps: 
     full = (1 << n) - 1
     set_function = F
 
-    def F(mask: int) -> float:  # values as floats, whatever the callable returns
+    def F(mask: int) -> float:  # type: ignore[no-redef]  # F as floats, whatever it returns
         return float(set_function(mask))
 
     margins = violation_margins(F, plan.triples)
@@ -336,8 +337,6 @@ def direct_scores(
     Returns:
         ``[len(masks)]`` float64 sums.
     """
-    from lensdiv.ops.members import final_readout, iter_member_logits
-
     info = step.info
     n_members = 2 * info.n_layers + 1
     device = keep.device
@@ -539,17 +538,17 @@ class Submodularity(Analyzer):
     def unit_names(self, info: ModelInfo) -> list[str]:
         """Names of the units in depth order."""
         if self.mode == "direct":
-            from lensdiv.ops.members import member_names
-
             return member_names(info)
         return [f"block{layer}" for layer in range(info.n_layers)]
 
     def hooks(self, info: ModelInfo) -> list[str]:
         if self.mode == "direct":
-            from lensdiv.ops.members import member_hooks
-
             return member_hooks(info)
         return [info.resid(layer) for layer in range(info.n_layers + 1)]
+
+    def setup(self, model: Any, info: ModelInfo) -> None:
+        if self.mode == "direct":  # member sums cannot add up past a final logit soft-cap
+            final_readout(model)  # (Gemma 2): UnsupportedModelError, so the run skips submod
 
     def plan(self, info: ModelInfo) -> Plan:
         """The subsets of the first pass."""

@@ -17,6 +17,7 @@ from lensdiv.cli import plugins as _plugins
 from lensdiv.cli import scaling as _scaling
 from lensdiv.cli import teacher as _teacher
 from lensdiv.cli import toy as _toy
+from lensdiv.cli.common import Group
 
 app = typer.Typer(
     name="lensdiv",
@@ -26,6 +27,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
+    cls=Group,
 )
 app.command()(_analyze.analyze)
 app.command()(_analyze.compare)
@@ -57,9 +59,10 @@ def main() -> None:
     """Console-script entry point."""
     try:
         app()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:  # before a run could keep anything (SIGTERM: exit 143)
+        signum = int(getattr(err, "signum", 2))
         sys.stderr.write("interrupted\n")
-        sys.exit(130)
+        sys.exit(128 + signum)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -18,17 +20,28 @@ from lensdiv.cli.common import (
     SeqLen,
     Split,
     TrustRemoteCode,
+    check_out,
     console,
     default_out,
+    error_line,
     out_option,
     parse_options,
+    show_run,
     user_errors,
 )
-from lensdiv.core.errors import OptionError
+from lensdiv.core.errors import OptionError, SaveError
 
 # Options of `analyze` and `compare` alone.
 MaxTokens = Annotated[int, typer.Option(help="Stop after this many tokens.")]
 Seed = Annotated[int, typer.Option(help="Random seed (recorded in every result).")]
+Overwrite = Annotated[
+    bool,
+    typer.Option(
+        "--overwrite",
+        help="Replace an earlier run in --out (its manifest and analyzer folders are removed); "
+        "without it such an --out is refused.",
+    ),
+]
 
 
 def analyze(
@@ -53,12 +66,13 @@ def analyze(
         list[str] | None,
         typer.Option("--option", "-O", help="Analyzer option, ANALYZER.OPTION=VALUE (repeatable)."),
     ] = None,
-    out: Annotated[Path | None, out_option("MODEL-TIME")] = None,
+    out: Annotated[str | None, out_option("MODEL-TIME")] = None,
     device: Device = None,
     dtype: Dtype = None,
     seed: Seed = 0,
     trust_remote_code: TrustRemoteCode = False,
     progress: Progress = True,
+    overwrite: Overwrite = False,
     ref: Annotated[
         str | None,
         typer.Option(
@@ -74,6 +88,10 @@ def analyze(
 
     Example: lensdiv analyze gpt2-medium --plugins lens,contrib --data corpus.txt --max-tokens 20000
 
+    Exit codes: 0 done (an analyzer that cannot support the model is skipped with its reason);
+    1 an analyzer failed (the others finished); 2 a mistake in the input, found before any work;
+    130 / 143 stopped by Ctrl-C / SIGTERM (what was finished is kept).
+
     More: lensdiv analyze toy --plugins skip,depth-score -O skip.mode=current;
     lensdiv analyze toy:d4 --plugins linmap --ref toy:d8;
     lensdiv analyze toy:d8 --plugins lens,dynamics -O dynamics.final_state=post;
@@ -82,8 +100,8 @@ def analyze(
     # start-up: the runner imports torch; it loads only when the command runs.
     from lensdiv.run.runner import analyze as run_analyze
 
-    out = out or default_out(model)
-    with user_errors():
+    with user_errors(), _interrupted():
+        folder = default_out(model) if out is None else check_out(out)
         options = parse_options(option or [])
         if ref is not None:
             plugins = _add_ref(plugins, options, ref)
@@ -91,7 +109,7 @@ def analyze(
             model,
             data,
             plugins,
-            out=out,
+            out=folder,
             options=options,
             seq_len=seq_len,
             max_tokens=max_tokens,
@@ -104,14 +122,25 @@ def analyze(
             seed=seed,
             trust_remote_code=trust_remote_code,
             progress=progress,
+            overwrite=overwrite,
         )
-    term = console()
-    term.print(run)
-    term.print(f"results in [bold]{out}[/bold] (manifest.json, one folder per analyzer)")
+    show_run(run)
+    console().print(f"results in [bold]{folder}[/bold] (manifest.json, one folder per analyzer)")
     if run.manifest.get("status") == "interrupted":
-        raise typer.Exit(130)
-    if run.errors:
+        raise typer.Exit(143 if run.manifest.get("signal") == "SIGTERM" else 130)
+    if run.errors or run.problems:
         raise typer.Exit(1)
+
+
+@contextmanager
+def _interrupted() -> Iterator[None]:
+    """Ctrl-C or SIGTERM before the run could keep anything: one line, exit 130 or 143."""
+    try:
+        yield
+    except KeyboardInterrupt as err:
+        signum = int(getattr(err, "signum", 2))
+        error_line(f"interrupted ({'SIGTERM' if signum == 15 else 'Ctrl-C'}) before any result")
+        raise typer.Exit(128 + signum) from None
 
 
 def _add_ref(plugins: str, options: dict[str, dict[str, str]], ref: str) -> str:
@@ -145,11 +174,12 @@ def compare(
         list[str] | None,
         typer.Option("--option", "-O", help="linmap option, e.g. -O linmap.ridge=1e-3."),
     ] = None,
-    out: Annotated[Path | None, out_option("SHALLOW-TIME")] = None,
+    out: Annotated[str | None, out_option("SHALLOW-TIME")] = None,
     device: Device = None,
     dtype: Dtype = None,
     seed: Seed = 0,
     progress: Progress = True,
+    overwrite: Overwrite = False,
 ) -> None:
     """Map every layer of SHALLOW onto every layer of DEEP (cross-model linear maps, R²).
 
@@ -170,6 +200,7 @@ def compare(
         dtype=dtype,
         seed=seed,
         progress=progress,
+        overwrite=overwrite,
         ref=deep,
     )
 
@@ -187,9 +218,13 @@ def report(
 
     with user_errors():
         run = load_run(out)
+    not_drawn = []
     if plots:
         for name, result in run.results.items():
-            result.save_plots(out / name)
+            try:
+                result.redraw(out / name)
+            except SaveError as err:
+                not_drawn.append(str(err))
     term = console()
     meta = run.manifest.get("model", {})
     term.print(
@@ -197,11 +232,15 @@ def report(
         f"{run.manifest.get('timings', {}).get('tokens', '?')} tokens, "
         f"status {run.manifest.get('status', '?')}"
     )
-    term.print(run)
+    show_run(run)
     missing = [
         n
         for n, e in run.manifest.get("analyzers", {}).items()
-        if n not in run.results and n not in run.errors
+        if n not in run.results and n not in run.errors and n not in run.skipped
     ]
     if missing:
         term.print(f"[yellow]missing (not finished):[/yellow] {', '.join(missing)}")
+    for line in not_drawn:
+        error_line(line)
+    if not_drawn:
+        raise typer.Exit(2)

@@ -3,6 +3,9 @@ model families, teacher–student training)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 
@@ -34,3 +37,23 @@ def _has_ipywidgets() -> bool:
     from importlib.util import find_spec
 
     return find_spec("ipywidgets") is not None
+
+
+# Whether bars may show at all: `--no-progress` (``progress=False``) turns off every bar of the
+# run, also those of work an analyzer starts itself (loading a reference model, training a toy).
+_SHOWN: ContextVar[bool] = ContextVar("lensdiv_progress_shown", default=True)
+
+
+def progress_shown() -> bool:
+    """False inside :func:`progress_allowed` ``(False)``: callers then draw no bar."""
+    return _SHOWN.get()
+
+
+@contextmanager
+def progress_allowed(enabled: bool) -> Iterator[None]:
+    """Within this block, bars show only if ``enabled`` (and the surrounding block allows)."""
+    token = _SHOWN.set(_SHOWN.get() and enabled)
+    try:
+        yield
+    finally:
+        _SHOWN.reset(token)

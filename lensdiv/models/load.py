@@ -13,6 +13,7 @@ from typing import Any
 
 from lensdiv.core.devices import parse_device, parse_dtype, place_model
 from lensdiv.core.errors import ModelLoadError
+from lensdiv.core.progress import progress_shown
 from lensdiv.models.toy import load_toy
 
 DEFAULT_MODEL = "toy"
@@ -99,7 +100,8 @@ def load_model(
 
     Args:
         spec: A hub name (``gpt2-medium``, ``EleutherAI/pythia-70m``), a local Hugging Face
-            folder, a built-in toy model (``toy``, ``toy:d4``), or a ``TransformerBridge``.
+            folder (a string or a path), a built-in toy model (``toy``, ``toy:d4``), or a
+            ``TransformerBridge``.
         device: ``"cpu"``, ``"cuda"``, ... or ``None`` for the best available.
         dtype: ``"float32"``, ``"bf16"``, a ``torch.dtype`` or ``None`` (float32).
         trust_remote_code: Allow hub models that ship their own code.
@@ -113,6 +115,9 @@ def load_model(
         ModelLoadError: The spec names nothing loadable; the message says what was tried.
     """
     torch_dtype = parse_dtype(dtype)
+    progress = progress and progress_shown()  # --no-progress reaches loads an analyzer starts
+    if isinstance(spec, os.PathLike):  # a local folder given as a Path
+        spec = os.fspath(spec)
     if not isinstance(spec, str):
         model = spec
         if not hasattr(model, "hook_dict") or not hasattr(model, "cfg"):
