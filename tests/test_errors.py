@@ -334,6 +334,14 @@ def test_a_non_empty_out_needs_overwrite_which_clears_the_old_run(tmp_path: Path
     assert list(manifest(out)["analyzers"]) == ["lens"]
 
 
+def test_overwrite_never_removes_a_folder_lensdiv_did_not_write(tmp_path: Path) -> None:
+    (tmp_path / "lens").mkdir()
+    (tmp_path / "lens" / "thesis.tex").write_text("mine")
+    assert_mistake(invoke("analyze", "toy", "-p", "lens", "--out", str(tmp_path), "--overwrite",
+                          *FAST), "lens/ that is no lensdiv result")
+    assert (tmp_path / "lens" / "thesis.tex").read_text() == "mine"
+
+
 # == 3. a plugin failing outside update/finalize ==================================================
 
 

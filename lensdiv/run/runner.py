@@ -26,7 +26,7 @@ from lensdiv.data.sources import DataSpec, check_source, token_batches
 from lensdiv.models.load import load_model
 from lensdiv.run.engine import Engine, describe, input_device
 from lensdiv.run.interrupts import handle_signals, interruption, shielded, signals_received
-from lensdiv.run.outcome import check_manifest, finish, save_result, write_manifest
+from lensdiv.run.outcome import MANIFEST, check_manifest, finish, save_result, write_manifest
 from lensdiv.run.validate import (
     check_arguments,
     check_budget,
@@ -37,8 +37,6 @@ from lensdiv.run.validate import (
     prepare,
     short_data_warning,
 )
-
-MANIFEST = "manifest.json"
 
 
 @dataclass
@@ -140,6 +138,7 @@ def analyze(
     out_dir = check_arguments(
         out=out,
         device=device,
+        seed=seed,
         flags={
             "progress": progress,
             "trust_remote_code": trust_remote_code,
@@ -167,7 +166,7 @@ def analyze(
             out_dir,
             device=device,
             dtype=dtype,
-            seed=spec.seed,
+            seed=seed,
             trust_remote_code=trust_remote_code,
             progress=progress,
             overwrite=overwrite,

@@ -45,6 +45,7 @@ def check_arguments(
     *,
     out: Any,
     device: Any,
+    seed: Any,
     flags: dict[str, Any],
 ) -> Path | None:
     """Check the arguments of :func:`~lensdiv.run.runner.analyze` that are not data or options.
@@ -52,11 +53,17 @@ def check_arguments(
     Args:
         out: The output folder argument (``None``, a string or a path).
         device: The device argument (``None``/``"auto"``, a name, an index or a ``torch.device``).
+        seed: The seed (a whole number torch accepts).
         flags: ``{name: value}`` of arguments that must be ``True`` or ``False``.
 
     Returns:
         ``out`` as a ``Path`` (``None`` stays ``None``).
     """
+    if isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed < 2**63:
+        raise OptionError(
+            f"--seed must be a whole number between -2^63 and 2^63 - 1, not {seed!r}",
+            hint="e.g. --seed 0",
+        )
     for name, value in flags.items():
         if not isinstance(value, bool):
             raise OptionError(
@@ -80,7 +87,8 @@ def check_output(out: Path | None, analyzers: Sequence[Analyzer], *, overwrite: 
     """The results can be written to ``out``, and it holds no other run (unless ``overwrite``).
 
     Raises:
-        OptionError: ``out`` is (or lies under) a file, is not writable, or holds another run.
+        OptionError: ``out`` is (or lies under) a file, is not writable, holds another run, or
+            has a folder of the name an analyzer writes to that lensdiv did not write.
     """
     if out is None:
         return
@@ -90,7 +98,13 @@ def check_output(out: Path | None, analyzers: Sequence[Analyzer], *, overwrite: 
             f"cannot write results to --out {out}: {problem}",
             hint="choose a folder you can write to",
         )
-    old = previous_run(out, analyzers)
+    old, foreign = previous_run(out, analyzers)
+    if foreign:
+        raise OptionError(
+            f"--out {out} has a folder {foreign[0]} that is no lensdiv result, where "
+            f"analyzer {foreign[0].rstrip('/')!r} would write",
+            hint="move that folder, or choose another --out (--overwrite never removes it)",
+        )
     if old and not overwrite:
         shown = ", ".join(old[:4]) + (", ..." if len(old) > 4 else "")
         raise OptionError(
@@ -99,34 +113,40 @@ def check_output(out: Path | None, analyzers: Sequence[Analyzer], *, overwrite: 
         )
 
 
-def previous_run(out: Path, analyzers: Sequence[Analyzer]) -> list[str]:
-    """What of an earlier run sits in ``out``: its manifest and analyzer folders, plus folders
-    this run's analyzers would write into."""
+def previous_run(out: Path, analyzers: Sequence[Analyzer]) -> tuple[list[str], list[str]]:
+    """What of an earlier run sits in ``out`` — its manifest, the folders it names, and result
+    folders of this run's analyzers — and which folders this run would write into that are not
+    lensdiv's (no ``result.json``, named by no manifest)."""
     if not out.is_dir():
-        return []
-    names = [a.name for a in analyzers]
-    found = []
+        return [], []
+    ours, named = [], []
     manifest = out / MANIFEST
     if manifest.exists():
-        found.append(MANIFEST)
+        ours.append(MANIFEST)
         try:
             old = json.loads(manifest.read_text())
             entries = old.get("analyzers", {}) if isinstance(old, dict) else {}
-            names += [n for n in entries if isinstance(n, str)] if isinstance(entries, dict) else []
-        except (OSError, ValueError):  # a damaged manifest: its folders are still found below
+            named = [n for n in entries if isinstance(n, str)] if isinstance(entries, dict) else []
+        except (OSError, ValueError):  # a damaged manifest: the result folders still count
             pass
-    for name in dict.fromkeys(names):
-        if _plain_name(name) and (out / name).exists():
-            found.append(f"{name}/")
-    return found
+    foreign = []
+    for name in dict.fromkeys([*named, *(a.name for a in analyzers)]):
+        folder = out / name
+        if not _plain_name(name) or not folder.exists():
+            continue
+        if name in named or (folder / "result.json").is_file():
+            ours.append(f"{name}/")
+        else:
+            foreign.append(f"{name}/")
+    return ours, foreign
 
 
 def clear_output(out: Path | None, analyzers: Sequence[Analyzer]) -> None:
-    """Remove an earlier run from ``out``: its manifest and every analyzer folder it (or this
-    run) names. Nothing else in the folder is touched."""
+    """Remove an earlier run from ``out``: its manifest and the result folders it (or this run)
+    has there. Nothing else in the folder is touched."""
     if out is None:
         return
-    for name in previous_run(out, analyzers):
+    for name in previous_run(out, analyzers)[0]:
         path = out / name.rstrip("/")
         try:
             if path.is_dir() and not path.is_symlink():
