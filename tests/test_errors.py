@@ -491,6 +491,10 @@ API_MISUSE = {
     "data=float('nan')": "cannot read data from nan",
     "seed=None": "--seed must be a whole number",
     "trust_remote_code=1": "trust_remote_code must be True or False",
+    # Calls of their own (not analyze):
+    "lensdiv.get_analyzer(None)": "an analyzer name must be text, not None",
+    "lensdiv.load_run(42)": "a run folder is a path, not 42",
+    "lensdiv.load_model('toy', device=1.5)": "device must be a name",
 }
 API_WORKS = {
     "plugins=[LogitLens], options={'lens': {'top_k': 3}}": 3,
@@ -503,6 +507,9 @@ from lensdiv.analyzers.lens import LogitLens
 base = dict(plugins="lens", max_tokens=64, seq_len=16, batch_size=4, progress=False)
 for case in json.loads(sys.argv[1]):
     try:
+        if case.startswith("lensdiv."):
+            print(json.dumps([case, "ok", repr(eval(case))[:50]]), flush=True)
+            continue
         run = lensdiv.analyze("toy", **{**base, **eval(f"dict({case})")})
         print(json.dumps([case, "ok", run["lens"].meta["options"]["top_k"]]), flush=True)
     except lensdiv.LensdivError as err:

@@ -402,9 +402,10 @@ class _atomic:
         return self.tmp
 
     def __exit__(self, exc_type: Any, *rest: Any) -> None:
-        if exc_type is None:
-            os.replace(self.tmp, self.path)
-        else:
+        try:
+            if exc_type is None:
+                os.replace(self.tmp, self.path)
+        finally:  # written or not, no temporary file stays behind
             self.tmp.unlink(missing_ok=True)
 
 

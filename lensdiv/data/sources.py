@@ -305,6 +305,8 @@ def _read_text(path: Path) -> str:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
         raise DataError(f"{str(path)!r} is not UTF-8 text (byte {err.start})") from None
+    except OSError as err:  # removed or unreadable since the run began
+        raise DataError(f"cannot read {str(path)!r}: {err.strerror or err}") from None
 
 
 def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
@@ -313,6 +315,8 @@ def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
             yield from _jsonl_rows(fh, path.name, field)
     except UnicodeDecodeError as err:
         raise DataError(f"{path.name} is not UTF-8 text (byte {err.start})") from None
+    except OSError as err:  # removed or unreadable since the run began
+        raise DataError(f"cannot read {str(path)!r}: {err.strerror or err}") from None
 
 
 def _jsonl_rows(lines: Iterable[str], name: str, field: str) -> Iterator[str]:
