@@ -292,6 +292,23 @@ def test_a_full_disk_keeps_every_file_that_could_be_written(
     assert not (out / "contrib").exists() or not list((out / "contrib").iterdir())
 
 
+def test_a_manifest_that_cannot_be_written_is_said_and_the_results_stay(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import lensdiv.run.outcome as outcome
+
+    def full(path: Path, data: Any) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(outcome, "write_json_atomic", full)
+    out = tmp_path / "run"
+    result = invoke("analyze", "toy", "-p", "lens", "--out", str(out), *FAST)
+    assert "Traceback" not in result.output and result.exit_code == 1, result.output
+    assert f"error: {out / 'manifest.json'} could not be written: No space left on device" in (
+        result.output)
+    assert (out / "lens" / "result.json").is_file()
+
+
 def test_report_plots_into_an_unwritable_run_is_one_line(tmp_path: Path) -> None:
     out = tmp_path / "run"
     assert invoke("analyze", "toy", "-p", "lens", "--out", str(out), *FAST).exit_code == 0

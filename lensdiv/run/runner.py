@@ -72,7 +72,7 @@ class Run(JupyterMixin):
         analyzers, ``error`` lines about the run itself, ``interrupted``."""
         notes = [("skipped", f"analyzer {n!r} skipped: {why}") for n, why in self.skipped.items()]
         notes += [("failed", f"analyzer {n!r} failed: {err}") for n, err in self.errors.items()]
-        notes += [("error", problem) for problem in self.problems]
+        notes += [("error", f"error: {problem}") for problem in self.problems]
         if self.manifest.get("status") == "interrupted":
             notes.append(("interrupted", "interrupted: results are partial (see manifest.json)"))
         return notes
