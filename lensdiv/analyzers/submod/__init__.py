@@ -35,7 +35,13 @@ Reported, from per-subset sums over positions (so shards merge):
   (``greedy`` steps in all, at most ``K − 1`` passes: the last unit is forced and free).
 
 Every subset of the first pass is fixed up front from ``seed``; the greedy candidates of a later
-pass follow from the sums of the earlier ones, so a state is plain sums and merges.
+pass follow from the sums of the earlier ones, so a state is plain sums and merges. The state,
+pass by pass (a later pass writes only new names; earlier ones are frozen):
+
+- pass 0: ``n`` (sum: scored positions), ``F0`` (sum: ``F`` summed over positions, one entry
+  per subset of the plan), and in removal mode ``resume`` (set: the resume modes used);
+- pass ``p ≥ 1``: ``round{p+1}`` (sum: the new greedy candidates of step ``p + 1``) and in
+  removal mode ``resume{p+1}``; nothing when the step has no new candidate.
 """
 
 from __future__ import annotations
@@ -73,12 +79,10 @@ Mode = Literal["direct", "removal"]
 __all__ = [
     "Submodularity",
     "curve",
-    "direct_scores",
     "greedy_order",
     "greedy_round_masks",
     "log_fit",
     "make_plan",
-    "removal_scores",
     "sample_nested",
     "set_function_stats",
     "units_mask",
@@ -175,7 +179,8 @@ class Submodularity(Analyzer):
             sums = removal_scores(
                 step, masks, keep, targets, resumer, metric=self.metric, chunk=self.chunk
             )
-            state.include("resume" if index == 0 else f"resume{index + 1}", str(resumer.mode))
+            if resumer.mode is not None:  # undecided while no batch had a position to score
+                state.include(_resume_name(index), resumer.mode)
         if index == 0:
             state.add("n", keep.sum())
             state.add("F0", sums)
@@ -319,7 +324,8 @@ class Submodularity(Analyzer):
             "subset_F": np.asarray([table[m] for m in masks]),
         }
         label = self._metric_label()
-        modes = {m for name in state.names() if name.startswith("resume") for m in state[name]}
+        passes = range(self.n_passes(info))
+        modes = {m for index in passes for m in state.get(_resume_name(index), ())}
         return Result(
             analyzer=self.name,
             summary=self._summary(stats, blocks, names, alone_ge_last),
@@ -409,6 +415,12 @@ class Submodularity(Analyzer):
             first = ", ".join(names[u] for u in stats.greedy[:4])
             parts.append(f"Greedy adds {first}{', …' if len(stats.greedy) > 4 else ''} first.")
         return " ".join(parts)
+
+
+def _resume_name(index: int) -> str:
+    """The set of resume modes (:attr:`~lensdiv.ops.resume.Resumer.mode`) used in pass ``index``:
+    a name of its own per pass, as a later pass writes only new names."""
+    return "resume" if index == 0 else f"resume{index + 1}"
 
 
 def _describe(c: Curve) -> str:
