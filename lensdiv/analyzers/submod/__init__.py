@@ -135,9 +135,10 @@ class Submodularity(Analyzer):
             raise ValueError(f"chunk must be 0 (auto) or positive, got {self.chunk}")
 
     def n_passes(self, info: ModelInfo) -> int:
-        """One pass, plus one per greedy step after the first; only the steps that choose
-        (the last unit is forced)."""
-        return max(1, min(self.greedy, self.n_units(info) - 1))
+        """One pass, plus one per greedy step after the first that needs measuring: step 1
+        chooses among the singletons and step ``K - 1`` among the leave-one-out sets, both
+        measured in the first pass, and the last unit is forced."""
+        return max(1, min(self.greedy, self.n_units(info) - 2))
 
     def n_units(self, info: ModelInfo) -> int:
         """Members (direct) or blocks (removal)."""
