@@ -13,14 +13,12 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from rich.jupyter import JupyterMixin
-
 from lensdiv.core.analyzer import Analyzer, Batch, ModelInfo
 from lensdiv.core.errors import LensdivError, ResultError
 from lensdiv.core.progress import progress_bar
 from lensdiv.core.provenance import versions
 from lensdiv.core.registry import make_analyzers
-from lensdiv.core.results import Result, write_json_atomic
+from lensdiv.core.results import Rendered, Result, write_json_atomic
 from lensdiv.data.sources import DataSpec, check_source, token_batches
 from lensdiv.models.load import load_model
 from lensdiv.run.engine import Engine, check_hooks, input_device
@@ -29,7 +27,7 @@ MANIFEST = "manifest.json"
 
 
 @dataclass
-class Run(JupyterMixin):
+class Run(Rendered):
     """The outcome of :func:`analyze`.
 
     Args:
