@@ -755,8 +755,11 @@ class Submodularity(Analyzer):
                     "prefix",
                     x="k",
                     y=("gain",),
-                    xlabel="k",
-                    ylabel=f"Δ {label}",
+                    xlabel=f"k ({word} in depth order)",
+                    ylabel=f"gain Δ_k of {label}",
+                    signed=True,
+                    caption="Diminishing returns (submodularity): each gain at most the one "
+                    "before it.",
                 ),
                 Plot(
                     "line",
@@ -765,7 +768,7 @@ class Submodularity(Analyzer):
                     "greedy",
                     x="step",
                     y=("F",),
-                    xlabel="greedy step",
+                    xlabel=f"greedy step (number of {word} chosen)",
                     ylabel=label,
                 ),
             ),

@@ -305,6 +305,9 @@ class Plot:
         from matplotlib.ticker import MaxNLocator
 
         values = self.data(result)
+        if values.size == 0:
+            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+            return
         cmap = matplotlib.colormaps[DIVERGING_CMAP if self.signed else SEQUENTIAL_CMAP].copy()
         cmap.set_bad((0.0, 0.0, 0.0, 0.0))  # NaN cells transparent: the hatching shows through
         finite = values[np.isfinite(values)]
@@ -344,8 +347,13 @@ class Plot:
                 axis.set_ticklabels([labels[i] for i in index])
             else:
                 axis.set_major_locator(MaxNLocator(integer=True))
-        if self.xticklabels and max(map(len, self.xticklabels)) > 3:
-            ax.tick_params(axis="x", labelrotation=45)
+        if self.xticklabels:
+            widest = max(len(line) for label in self.xticklabels for line in label.split("\n"))
+            lines = max(label.count("\n") + 1 for label in self.xticklabels)
+            if lines == 1 and widest > 3:  # long single-line labels (tokens) slant to fit
+                ax.tick_params(axis="x", labelrotation=45)
+            elif widest * min(n_cols, _MAX_TICKS) > 60:
+                ax.tick_params(axis="x", labelsize=7)
 
 
 def _integers(values: Any) -> bool:
