@@ -233,15 +233,21 @@ class Plot:
             values[_MASKS[self.mask](rows, cols)] = np.nan
         return values
 
-    def figure(self, result: Result) -> tuple[Any, Any]:
-        """A ``(Figure, Axes)`` on a private Agg canvas with this plot drawn, caption included."""
+    def figure(self, result: Result, *, caption: bool = True) -> tuple[Any, Any]:
+        """A ``(Figure, Axes)`` on a private Agg canvas with this plot drawn.
+
+        Args:
+            result: The result whose table or array the plot draws.
+            caption: Write the caption under the axes (a PNG file carries its own; a page
+                shows it as text instead).
+        """
         fig, ax = agg_figure()
         self.draw(result, ax)
-        caption = self.full_caption(result)
-        if caption:
+        text = self.full_caption(result) if caption else ""
+        if text:
             import textwrap
 
-            lines = textwrap.wrap(caption, 110)
+            lines = textwrap.wrap(text, 110)
             fig.text(0.01, 0.01, "\n".join(lines), fontsize=7.5, ha="left", va="bottom")
             fig.tight_layout(rect=(0, 0.035 * len(lines) + 0.01, 1, 1))
         else:

@@ -22,6 +22,7 @@ from lensdiv.core.results import Rendered, Result, write_json_atomic
 from lensdiv.data.sources import DataSpec, check_source, token_batches
 from lensdiv.models.load import load_model
 from lensdiv.run.engine import Engine, check_hooks, input_device
+from lensdiv.run.report import write_report
 
 MANIFEST = "manifest.json"
 
@@ -208,6 +209,8 @@ def analyze(
         )
     run.manifest["timings"]["total_s"] = round(time.time() - started, 3)
     save_manifest()
+    if out_dir is not None:
+        write_report(run, bridge)  # report.html (and the example prompt views when lens ran)
     if isinstance(stopped, LensdivError):
         raise stopped  # after the partial results and the manifest are on disk
     return run
