@@ -421,7 +421,7 @@ def _plots(n_layers: int, bins: int, components: int) -> tuple[Plot, ...]:
             "theta_hist",
             xlabel="block l",
             ylabel="θ_l = ∠(h_l, h_{l+1}) (degrees)",
-            clabel=f"fraction of tokens per {180 / bins:.3g}° bin",
+            clabel=f"fraction of tokens (per {180 / bins:.3g}° bin)",
             extent=(-0.5, n_layers - 0.5, 0.0, 180.0),
         ),
         Plot(

@@ -731,6 +731,8 @@ class Submodularity(Analyzer):
             "subset_F": np.asarray([table[m] for m in masks]),
         }
         label = self._metric_label()
+        if "(" not in label:  # an axis says its unit
+            label += " (fraction)"
         resumer = getattr(state, "resumer", None)
         return Result(
             analyzer=self.name,

@@ -56,7 +56,7 @@ def lens(
         )
         view = prompt_view(
             bridge, text, top_k=top_k, lens=kind, skip=skip, part=part, prepend_bos=bos
-        )  # type: ignore[arg-type]  # lens and part are checked inside, with a one-line error
+        )
     term = console()
     term.print(view)
     if html is not None and png is None:

@@ -54,13 +54,13 @@ class _Task:
     """What a line reports about one task (``fields`` as in rich's ``Task.fields``)."""
 
     description: str
-    total: float | None
-    completed: float = 0.0
+    total: int | float | None
+    completed: int | float = 0.0
     fields: dict[str, Any] = field(default_factory=dict)
     started: float = 0.0
     shown_step: int = 0  # tenths of the work already reported
     shown_at: float = 0.0
-    shown_done: float = -1.0
+    shown_done: int | float = -1.0
 
 
 class LineProgress:
@@ -103,7 +103,7 @@ class LineProgress:
             if task.completed != task.shown_done:
                 self._line(index, self.clock())
 
-    def add_task(self, description: str, total: float | None = None, **fields: Any) -> int:
+    def add_task(self, description: str, total: int | float | None = None, **fields: Any) -> int:
         """Start a task; returns its id for :meth:`update`."""
         now = self.clock()
         self.tasks.append(_Task(description, total, fields=dict(fields), started=now, shown_at=now))
@@ -113,9 +113,9 @@ class LineProgress:
         self,
         task_id: int,
         *,
-        advance: float | None = None,
-        completed: float | None = None,
-        total: float | None = None,
+        advance: int | float | None = None,
+        completed: int | float | None = None,
+        total: int | float | None = None,
         **fields: Any,
     ) -> None:
         """Move a task on (as rich's ``Progress.update``) and write a line when one is due."""
@@ -132,7 +132,7 @@ class LineProgress:
         if tenths > task.shown_step or now - task.shown_at >= self.interval:
             self._line(task_id, now)
 
-    def advance(self, task_id: int, advance: float = 1) -> None:
+    def advance(self, task_id: int, advance: int | float = 1) -> None:
         """Move a task on by ``advance``."""
         self.update(task_id, advance=advance)
 
@@ -170,7 +170,7 @@ class LineProgress:
         return " ".join(Text.from_markup(text).plain.split())
 
 
-def _number(value: float) -> str:
+def _number(value: int | float) -> str:
     return f"{int(value):,}" if float(value).is_integer() else f"{value:,.1f}"
 
 

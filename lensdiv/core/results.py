@@ -222,8 +222,13 @@ class Plot:
             object.__setattr__(self, "extent", tuple(float(v) for v in self.extent))
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON data (tuples as lists); ``Plot(**data)`` inverts it."""
+        """Plain JSON data (tuples as lists); :meth:`from_dict` inverts it."""
         return {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Plot:
+        """A spec from :meth:`to_dict` output (or from a result of an earlier version)."""
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
 
     def data(self, result: Result) -> np.ndarray:
         """The heatmap's array as drawn: float, with masked cells set to NaN."""
@@ -314,8 +319,9 @@ class Plot:
         if values.size == 0:
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
             return
-        cmap = matplotlib.colormaps[DIVERGING_CMAP if self.signed else SEQUENTIAL_CMAP].copy()
-        cmap.set_bad((0.0, 0.0, 0.0, 0.0))  # NaN cells transparent: the hatching shows through
+        # NaN cells transparent: the hatching of the background shows through.
+        cmap = matplotlib.colormaps[DIVERGING_CMAP if self.signed else SEQUENTIAL_CMAP]
+        cmap = cmap.with_extremes(bad=(0.0, 0.0, 0.0, 0.0))
         finite = values[np.isfinite(values)]
         if self.signed:
             bound = float(np.abs(finite).max()) if finite.size else 1.0
@@ -445,7 +451,7 @@ class Result(Rendered):
                     for k, t in data.get("tables", {}).items()
                 },
                 arrays=data.get("arrays", {}),
-                plots=tuple(Plot(**p) for p in data.get("plots", [])),
+                plots=tuple(Plot.from_dict(p) for p in data.get("plots", [])),
                 meta=data.get("meta", {}),
                 warnings=tuple(data.get("warnings", ())),
             )

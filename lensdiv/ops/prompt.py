@@ -19,7 +19,7 @@ checked against the model's own output when it is built).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from jaxtyping import Float, Int
@@ -34,8 +34,6 @@ from lensdiv.ops.members import final_readout
 from lensdiv.ops.resume import Resumer
 from lensdiv.view.prompt import PromptView
 
-Lens = Literal["logit", "last-block"]
-Part = Literal["block", "attn", "mlp"]
 LENSES = ("logit", "last-block")
 PARTS = ("block", "attn", "mlp")
 
@@ -45,9 +43,9 @@ def prompt_view(
     text: str,
     *,
     top_k: int = 3,
-    lens: Lens = "logit",
+    lens: str = "logit",
     skip: int | None = None,
-    part: Part = "block",
+    part: str = "block",
     prepend_bos: bool = True,
     device: Any = None,
     dtype: Any = None,
@@ -138,7 +136,7 @@ def float32_readout(model: Any) -> tuple[Callable[[Tensor], Tensor], str]:
     return read, "final norm and unembedding in float32"
 
 
-def skip_hooks(skip: int, part: Part) -> list[tuple[str, Callable[..., Tensor]]]:
+def skip_hooks(skip: int, part: str) -> list[tuple[str, Callable[..., Tensor]]]:
     """Hooks that skip block ``skip`` (or zero its ``attn`` / ``mlp`` write) at positions ≥ 1."""
     if part != "block":
 
