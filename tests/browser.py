@@ -154,8 +154,11 @@ class Browser:
 
     # -- what tests use ------------------------------------------------------------------------
     def open(self, path: Path) -> None:
-        """Load a local file and wait until it (and everything it loads) is there."""
+        """Load a local file and wait until it (and everything it loads) is there; errors and
+        requests are counted afresh."""
         self._events.clear()
+        self.errors.clear()
+        self.requests.clear()
         self.call("Page.navigate", url=path.resolve().as_uri())
         self._wait_for("Page.loadEventFired")
         self.evaluate("new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))")

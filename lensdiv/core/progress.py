@@ -9,11 +9,12 @@ work and at least every 30 seconds.
 
 from __future__ import annotations
 
+import io
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import Any
 
 # A line at least every tenth of the work and every INTERVAL seconds (whichever comes first).
 STEP = 0.1
@@ -82,7 +83,7 @@ class LineProgress:
         title: str,
         unit: str,
         *,
-        stream: TextIO | None = None,
+        stream: io.TextIOBase | None = None,
         clock: Callable[[], float] = time.monotonic,
         step: float = STEP,
         interval: float = INTERVAL,
