@@ -344,6 +344,7 @@ class Dynamics(Analyzer):
 
 _KEYS = ("theta", "theta_update", "norm", "update", "rel_update", "to_final", "progress")
 
+
 def _plots(n_layers: int, bins: int, components: int) -> tuple[Plot, ...]:
     """The figures of a result (their axes depend on the depth, the bins and the components)."""
     state_axis = "residual state h_l (0 = embedding, L = final)"

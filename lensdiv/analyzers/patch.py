@@ -463,7 +463,7 @@ class Patching(Analyzer):
         xlabel = "position: offset from the answer position (0)" + (
             " and the clean token there" if shared else ""
         )
-        where = (
+        columns = (
             "Columns count back from the answer position (0); a token under an offset is the "
             "clean prompt's token there, shown where every pair has the same one."
         )
@@ -490,7 +490,7 @@ class Patching(Analyzer):
                 clabel="score (0 = corrupt, 1 = clean)",
                 signed=True,
                 caption=f"A clean activation patched into the corrupt run: score = (m − m_corrupt)"
-                f" / (m_clean − m_corrupt), m = {self.metric}; mean over pairs. {where}",
+                f" / (m_clean − m_corrupt), m = {self.metric}; mean over pairs. {columns}",
             )
             for site in self.sites
         ]
@@ -503,7 +503,7 @@ class Patching(Analyzer):
                     ylabel="residual state h_l",
                     clabel="‖p − p̃‖₂ (0 to √2)",
                     caption="Change of the output distribution at the answer position; mean over "
-                    f"pairs. {where}",
+                    f"pairs. {columns}",
                 )
             )
         if "ig" in maps:
@@ -516,7 +516,7 @@ class Patching(Analyzer):
                     clabel=f"attribution ({metric_unit})",
                     signed=True,
                     caption=f"Attribution of {self.metric} to h_l(t), baseline: the prompt's mean "
-                    f"of h_l; mean over pairs. {where}",
+                    f"of h_l; mean over pairs. {columns}",
                 )
             )
         modes = state.get("intervention", frozenset()) | state.get(

@@ -731,8 +731,6 @@ class Submodularity(Analyzer):
             "subset_F": np.asarray([table[m] for m in masks]),
         }
         label = self._metric_label()
-        if "(" not in label:  # an axis says its unit
-            label += " (fraction)"
         resumer = getattr(state, "resumer", None)
         return Result(
             analyzer=self.name,
@@ -757,11 +755,8 @@ class Submodularity(Analyzer):
                     "prefix",
                     x="k",
                     y=("gain",),
-                    xlabel=f"k ({word} in depth order)",
-                    ylabel=f"gain Δ_k of {label}",
-                    signed=True,
-                    caption="Diminishing returns (submodularity): each gain at most the one "
-                    "before it.",
+                    xlabel="k",
+                    ylabel=f"Δ {label}",
                 ),
                 Plot(
                     "line",
@@ -770,7 +765,7 @@ class Submodularity(Analyzer):
                     "greedy",
                     x="step",
                     y=("F",),
-                    xlabel=f"greedy step (number of {word} chosen)",
+                    xlabel="greedy step",
                     ylabel=label,
                 ),
             ),

@@ -27,9 +27,7 @@ def lens(
         int | None,
         typer.Option("--skip", metavar="BLOCK", help="Skip this block (positions ≥ 1) first."),
     ] = None,
-    part: Annotated[
-        str, typer.Option(help="What --skip removes: block, attn or mlp.")
-    ] = "block",
+    part: Annotated[str, typer.Option(help="What --skip removes: block, attn or mlp.")] = "block",
     bos: Annotated[bool, typer.Option(help="Prepend the BOS token.")] = True,
     device: Device = None,
     dtype: Dtype = None,
@@ -51,9 +49,7 @@ def lens(
     from lensdiv.ops.prompt import prompt_view
 
     with user_errors():
-        bridge = load_model(
-            model, device=device, dtype=dtype, trust_remote_code=trust_remote_code
-        )
+        bridge = load_model(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
         view = prompt_view(
             bridge, text, top_k=top_k, lens=kind, skip=skip, part=part, prepend_bos=bos
         )

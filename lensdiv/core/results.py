@@ -228,7 +228,10 @@ class Plot:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Plot:
         """A spec from :meth:`to_dict` output (or from a result of an earlier version)."""
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+        fields: dict[str, Any] = {
+            k: tuple(v) if isinstance(v, list) else v for k, v in data.items()
+        }
+        return cls(**fields)
 
     def data(self, result: Result) -> np.ndarray:
         """The heatmap's array as drawn: float, with masked cells set to NaN."""
@@ -262,9 +265,13 @@ class Plot:
     def full_caption(self, result: Result) -> str:
         """The caption, plus a note on blank cells when the heatmap has some and says nothing."""
         caption = self.caption
-        if self.kind == "heatmap" and self.source in result.arrays:
-            if np.isnan(self.data(result)).any() and "hatched" not in caption.lower():
-                caption = f"{caption} {BLANK_NOTE}".strip()
+        if (
+            self.kind == "heatmap"
+            and self.source in result.arrays
+            and "hatched" not in caption.lower()
+            and np.isnan(self.data(result)).any()
+        ):
+            caption = f"{caption} {BLANK_NOTE}".strip()
         return caption
 
     def draw(self, result: Result, ax: Any) -> None:

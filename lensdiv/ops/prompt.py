@@ -25,9 +25,9 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from lensdiv import __version__
 from lensdiv.core.analyzer import ModelInfo
 from lensdiv.core.errors import DataError, HookError, OptionError
+from lensdiv.core.provenance import versions
 from lensdiv.models.load import load_model
 from lensdiv.ops.capture import capture
 from lensdiv.ops.members import final_readout
@@ -98,7 +98,7 @@ def prompt_view(
     return PromptView(
         **fields,
         meta={
-            "lensdiv": __version__,
+            "lensdiv": versions()["lensdiv"],
             "lens": "skip" if skip is not None else lens,
             "top_k": top_k,
             "prepend_bos": prepend_bos,
@@ -269,7 +269,9 @@ def _check_options(top_k: int, lens: str, skip: int | None, part: str, n_layers:
 
 def _tokens(model: Any, text: str, prepend_bos: bool) -> Int[Tensor, "1 pos"]:
     if not text.strip():
-        raise DataError("the prompt is empty", hint='pass some text, e.g. "The capital of France is"')
+        raise DataError(
+            "the prompt is empty", hint='pass some text, e.g. "The capital of France is"'
+        )
     tokens = model.to_tokens(text, prepend_bos=prepend_bos)
     n_ctx = int(getattr(model.cfg, "n_ctx", 0) or 0)
     if n_ctx and tokens.shape[1] > n_ctx:

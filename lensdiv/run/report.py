@@ -12,25 +12,38 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from lensdiv.core.errors import ResultError
-from lensdiv.core.results import write_json_atomic
+from lensdiv.core.results import Result, write_json_atomic
 from lensdiv.data.sources import DataSpec, documents
 from lensdiv.ops.prompt import prompt_view
 from lensdiv.view.prompt import PromptView
 from lensdiv.view.report import report_html
-
-if TYPE_CHECKING:
-    from lensdiv.run.runner import Run
 
 REPORT = "report.html"
 VIEWS = "prompt_views.json"
 # Example prompts: the first EXAMPLES documents, cut to EXAMPLE_TOKENS tokens each.
 EXAMPLES = 3
 EXAMPLE_TOKENS = 20
+
+
+class Run(Protocol):
+    """What a report reads of a run (:class:`lensdiv.run.runner.Run`, finished or loaded)."""
+
+    @property
+    def results(self) -> Mapping[str, Result]: ...
+
+    @property
+    def errors(self) -> Mapping[str, str]: ...
+
+    @property
+    def manifest(self) -> Mapping[str, Any]: ...
+
+    @property
+    def out(self) -> Path | None: ...
 
 
 def write_report(
@@ -78,9 +91,7 @@ def write_report(
     return target
 
 
-def example_views(
-    run: Run, model: Any, prompts: Sequence[str] | None = None
-) -> list[PromptView]:
+def example_views(run: Run, model: Any, prompts: Sequence[str] | None = None) -> list[PromptView]:
     """Logit-lens views of the example prompts (plus the last-block lens of the first one when
     ``dynamics`` ran), with the ``lens`` analyzer's ``top_k`` (at most 5)."""
     texts = list(prompts) if prompts is not None else example_prompts(run, model)
@@ -89,9 +100,7 @@ def example_views(
     bos = run.manifest.get("data", {}).get("bos", "prepend") == "prepend"
     views = [prompt_view(model, text, top_k=top_k, prepend_bos=bos) for text in texts]
     if texts and "dynamics" in run.results:
-        views.append(
-            prompt_view(model, texts[0], top_k=top_k, lens="last-block", prepend_bos=bos)
-        )
+        views.append(prompt_view(model, texts[0], top_k=top_k, lens="last-block", prepend_bos=bos))
     return views
 
 

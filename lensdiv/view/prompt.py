@@ -173,7 +173,9 @@ class PromptView(Rendered):
         )
 
     # -- notebook and HTML ---------------------------------------------------------------------
-    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
+    def _repr_mimebundle_(
+        self, include: Sequence[str] = (), exclude: Sequence[str] = (), **kwargs: Any
+    ) -> dict[str, str]:
         return {"text/plain": str(self), "text/html": self.html()}
 
     def _repr_html_(self) -> str:
