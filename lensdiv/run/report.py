@@ -14,7 +14,7 @@ import itertools
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from lensdiv.core.errors import ResultError
 from lensdiv.core.results import Result, write_json_atomic
@@ -30,6 +30,7 @@ EXAMPLES = 3
 EXAMPLE_TOKENS = 20
 
 
+@runtime_checkable
 class Run(Protocol):
     """What a report reads of a run (:class:`lensdiv.run.runner.Run`, finished or loaded)."""
 
