@@ -221,7 +221,7 @@ class PromptView(Rendered):
 
         n_rows, n_pos = len(self.rows), len(self.tokens)
         fig, ax = agg_figure()
-        fig.set_size_inches(min(max(6.4, 1.6 + 0.75 * n_pos), 30.0), max(3.2, 1.6 + 0.42 * n_rows))
+        fig.set_size_inches(min(max(6.4, 2.4 + 0.62 * n_pos), 30.0), max(3.6, 2.2 + 0.5 * n_rows))
         probs = np.array([[cell[0] for cell in row] for row in self.top_probs], dtype=float)
         image = ax.imshow(
             probs,
@@ -244,16 +244,18 @@ class PromptView(Rendered):
                         visible(self.top_tokens[r][t][0], 8),
                         ha="center",
                         va="center",
-                        fontsize=8,
+                        fontsize=9,
                         color=ink,
                     )
         ax.set_xticks(range(n_pos))
-        ax.set_xticklabels([visible(tok, 10) for tok in self.tokens], rotation=45, ha="right")
+        labels = [visible(tok, 10) for tok in self.tokens]
+        slant = max(map(len, labels), default=0) > 2  # long tokens slant to fit
+        ax.set_xticklabels(labels, rotation=45 if slant else 0, ha="right" if slant else "center")
         ax.set_yticks(range(n_rows))
         ax.set_yticklabels(list(self.rows))
         ax.set_xlabel("position: input token")
         ax.set_ylabel("residual state")
-        ax.set_title(f"{self.title}: {self.model}")
+        ax.set_title(f"{self.title}: {self.model} · {visible(self.text, 60)}", fontsize=11)
         fig.text(
             0.01,
             0.01,
