@@ -325,6 +325,8 @@ class Submodularity(Analyzer):
             "subset_F": np.asarray([table[m] for m in masks]),
         }
         label = self._metric_label()
+        if "(" not in label:  # an axis says its unit
+            label += " (fraction)"
         passes = range(self.n_passes(info))
         modes = {m for index in passes for m in state.get(_resume_name(index), ())}
         return Result(
@@ -350,8 +352,11 @@ class Submodularity(Analyzer):
                     "prefix",
                     x="k",
                     y=("gain",),
-                    xlabel="k",
-                    ylabel=f"Δ {label}",
+                    xlabel=f"k ({word} in depth order)",
+                    ylabel=f"gain Δ_k of {label}",
+                    signed=True,
+                    caption="Diminishing returns (submodularity): each gain at most the one "
+                    "before it.",
                 ),
                 Plot(
                     "line",
@@ -360,7 +365,7 @@ class Submodularity(Analyzer):
                     "greedy",
                     x="step",
                     y=("F",),
-                    xlabel="greedy step",
+                    xlabel=f"greedy step (number of {word} chosen)",
                     ylabel=label,
                 ),
             ),
