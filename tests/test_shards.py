@@ -164,6 +164,19 @@ def test_merge_refuses_incomplete_sets(shards: list[Path], tmp_path: Path, case:
         merge_runs(folders)
 
 
+def test_an_analyzer_failed_in_a_shard_fails_the_merge_alone(shards: list[Path],
+                                                            tmp_path: Path) -> None:
+    bad = _copy_shard(shards[1], tmp_path / "bad", status="failed",
+                      analyzers__contrib__status="failed",
+                      analyzers__contrib__error="ValueError: boom (batch 1)")
+    run = merge_runs([shards[0], bad], tmp_path / "all")
+    assert run.errors == {"contrib": "shard 1: ValueError: boom (batch 1)"}
+    assert "lens" in run.results and "contrib" not in run.results
+    manifest = json.loads((tmp_path / "all" / "manifest.json").read_text())
+    assert manifest["status"] == "failed"
+    assert manifest["analyzers"]["contrib"]["status"] == "failed"
+
+
 def test_merge_refuses_a_folder_that_is_no_shard(shards: list[Path], tmp_path: Path) -> None:
     with pytest.raises(ResultError, match="is not a lensdiv run folder"):
         merge_runs([tmp_path])
