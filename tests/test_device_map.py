@@ -88,6 +88,7 @@ def test_the_model_is_really_split(split: Any) -> None:
     # Tokens go where the embedding computes, not where its (meta) weight sits.
     assert input_device(split) == torch.device("cpu")
     assert execution_device(split.blocks[1]) == torch.device("cpu")
+    assert load_model(split, device="cpu", dtype="float32") is split  # left where the map put it
 
 
 @pytest.mark.parametrize("name", ANALYZERS)

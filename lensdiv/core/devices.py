@@ -56,10 +56,13 @@ def parse_device(device: Any) -> str:
 def place_model(model: Any, device: Any = None, dtype: Any = None) -> Any:
     """Move a bridge to ``device``/``dtype`` unless it is already there.
 
-    TransformerLens prints a line on every ``.to``; a no-op move must not print.
+    TransformerLens prints a line on every ``.to``; a no-op move must not print. A model split
+    across devices by a device map stays where the map put it.
     """
     import torch
 
+    if device_map_of(model) is not None:
+        return model
     param = next(model.parameters())
     if device is not None:
         target = torch.device(parse_device(device))

@@ -414,6 +414,9 @@ class DataParallelFeed(Feed):
         self.device = device
         self.finalizes = world.main
         self.times = RankTimes()
+        if world.backend == "nccl" and device.startswith("cuda"):
+            # NCCL's collectives of Python objects run on the current device: the rank's own.
+            torch.cuda.set_device(torch.device(device))
 
     def feed(
         self,
