@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,9 @@ from typing import Any
 import pytest
 import torch
 
+from lensdiv.core.analyzer import Analyzer, ModelInfo, Step
 from lensdiv.core.errors import LensdivError, RankError, StateError
+from lensdiv.core.results import Result
 from lensdiv.core.stats import Stats
 from lensdiv.data.sources import DataSpec
 from lensdiv.run.distributed import World, current_world, plan_reduce, state_summary
@@ -51,6 +54,26 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_model("llama", tmp_path_factory.mktemp("dist") / "llama")
 
 
+@dataclass(frozen=True)
+class FailsOnRankOne(Analyzer):
+    """Fails on rank 1 only (its batch 1), so it must fail on every rank."""
+
+    name = "fails-on-one"
+
+    def hooks(self, info: ModelInfo) -> list[str]:
+        return []
+
+    def update(self, state: Stats, step: Step) -> None:
+        import torch.distributed as dist
+
+        state.add("n", step.batch.n_tokens)
+        if dist.is_initialized() and dist.get_rank() == 1:
+            raise ValueError("only rank 1 fails")
+
+    def finalize(self, state: Stats, info: ModelInfo) -> Result:
+        return Result(self.name, "")
+
+
 # -- what each rank runs (in a process of its own) -------------------------------------------------
 
 
@@ -69,6 +92,8 @@ def _rank_main(rank: int, world: int, store: str, scenario: str, model: str, out
                     progress=False)
             analyze(model, data=ONE_BATCH, plugins="lens,contrib", out=f"{out}/idle",
                     progress=False)
+            analyze(model, data=SPEC, plugins=[FailsOnRankOne(), "contrib"], out=f"{out}/fails",
+                    progress=False)
         else:
             from lensdiv.models.load import load_model
 
@@ -78,13 +103,17 @@ def _rank_main(rank: int, world: int, store: str, scenario: str, model: str, out
 
                 def fault(module: Any, args: Any) -> None:
                     calls.append(1)
-                    if len(calls) == 3:  # a few batches in: out of memory, or stuck
-                        if scenario == "hang":
-                            time.sleep(300)
+                    if scenario == "hang" and len(calls) == 3:  # a few batches in: stuck
+                        time.sleep(300)
+                    if scenario == "raise" and len(calls) == 2:  # its batch of the 2nd pass
                         raise RuntimeError("CUDA out of memory (simulated)")
 
                 bridge.blocks[1].register_forward_pre_hook(fault)
-            analyze(bridge, data=LONG, plugins="lens,contrib", progress=False)
+            if scenario == "hang":
+                analyze(bridge, data=LONG, plugins="lens,contrib", progress=False)
+            else:  # contrib is done after pass 1, linmap needs a second pass
+                analyze(bridge, data=SPEC, plugins="contrib,linmap", out=f"{out}/run",
+                        progress=False)
     except LensdivError as err:
         Path(out, f"rank{rank}.txt").write_text(str(err))
         code = err.exit_code
@@ -148,8 +177,12 @@ def test_two_ranks_give_the_results_of_one_process(llama_dir: Path, tmp_path: Pa
     idle_ranks = load_run(tmp_path / "idle").manifest["distributed"]["ranks"]
     assert [r["batches"] for r in idle_ranks] == [1, 0]
     assert idle_ranks[1]["tokens"] == 0
+    # An analyzer that failed on rank 1 failed everywhere; the others finished.
+    fails = load_run(tmp_path / "fails")
+    assert fails.errors == {"fails-on-one": "ValueError: only rank 1 fails (batch 1) (on rank 1)"}
+    assert_results_close(fails["contrib"], one["contrib"], rtol=1e-6, what="contrib beside")
     # Rank 1 wrote nothing: rank 0 alone writes.
-    assert {p.name for p in tmp_path.iterdir()} - {"store"} == {"every", "idle"}
+    assert {p.name for p in tmp_path.iterdir()} - {"store"} == {"every", "idle", "fails"}
 
 
 # -- faults ---------------------------------------------------------------------------------------
@@ -166,7 +199,14 @@ def test_a_failing_rank_stops_every_rank_with_one_line(llama_dir: Path, tmp_path
     for rank in range(2):
         line = (tmp_path / f"rank{rank}.txt").read_text()
         assert "\n" not in line
-        assert "rank 1 of 2 failed: RuntimeError: CUDA out of memory (simulated)" in line
+        assert line == "rank 1 of 2 failed: RuntimeError: CUDA out of memory (simulated)"
+    # What finished in an earlier pass is on disk; the rest failed with the rank's error.
+    run = load_run(tmp_path / "run")
+    assert run.manifest["status"] == "failed"
+    assert run.manifest["error"] == line
+    assert sorted(run.results) == ["contrib"]
+    assert run.results["contrib"].meta["tokens"] == 129  # every token of the run
+    assert run.errors == {"linmap": f"stopped: {line}"}
 
 
 def test_a_stuck_rank_times_out_instead_of_hanging(llama_dir: Path, tmp_path: Path) -> None:
