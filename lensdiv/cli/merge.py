@@ -18,8 +18,7 @@ def merge(
 ) -> None:
     """Merge the shards of one run (lensdiv analyze ... --shard I/N) and finalize the results.
 
-    The shards must agree on model, data, analyzers and options, seed and versions, and all of
-    0..N-1 must be there; no model is loaded.
+    Every shard 0..N-1, agreeing on model, data, options, seed and versions; loads no model.
 
     Example: lensdiv merge run/shard-* --out run/all
     """
