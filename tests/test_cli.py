@@ -201,7 +201,7 @@ def test_help_does_not_import_heavy_modules() -> None:
 
 
 def test_help_has_examples() -> None:
-    for args in (["--help"], ["analyze", "--help"], ["report", "--help"], ["lens", "--help"],
+    for args in (["--help"], ["analyze", "--help"], ["report", "--help"], ["merge", "--help"], ["lens", "--help"],
                  ["plugins", "list", "--help"]):
         result = invoke(*args)
         assert result.exit_code == 0

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -29,6 +29,44 @@ from lensdiv.core.errors import OptionError
 # Options of `analyze` and `compare` alone.
 MaxTokens = Annotated[int, typer.Option(help="Stop after this many tokens.")]
 Seed = Annotated[int, typer.Option(help="Random seed (recorded in every result).")]
+# Scaling out: models split across devices, shards, process groups.
+DeviceMap = Annotated[
+    str | None,
+    typer.Option(
+        help="Split a Hugging Face model across devices: auto, balanced, balanced_low_0, "
+        "sequential, or FILE.json of {module: device} (GPU index, cpu, disk).",
+        rich_help_panel="Scaling out",
+    ),
+]
+MaxMemory = Annotated[
+    str | None,
+    typer.Option(
+        help="Most each device may hold with --device-map, e.g. 0=70GiB,1=70GiB,cpu=200GiB.",
+        rich_help_panel="Scaling out",
+    ),
+]
+OffloadFolder = Annotated[
+    Path | None,
+    typer.Option(
+        help="Folder for weights a --device-map puts on disk.", rich_help_panel="Scaling out"
+    ),
+]
+Shard = Annotated[
+    str | None,
+    typer.Option(
+        metavar="I/N",
+        help="Run shard I of N (from 0) and save mergeable states; then `lensdiv merge`. "
+        "Single-pass analyzers only.",
+        rich_help_panel="Scaling out",
+    ),
+]
+DistTimeout = Annotated[
+    float,
+    typer.Option(
+        help="Under torchrun: seconds a rank waits for the others before giving up.",
+        rich_help_panel="Scaling out",
+    ),
+]
 
 
 def analyze(
@@ -69,6 +107,11 @@ def analyze(
             "Example: lensdiv analyze toy:d4 --plugins linmap --ref toy:d8",
         ),
     ] = None,
+    device_map: DeviceMap = None,
+    max_memory: MaxMemory = None,
+    offload_folder: OffloadFolder = None,
+    shard: Shard = None,
+    dist_timeout: DistTimeout = 1800.0,
 ) -> None:
     """Analyze MODEL with the chosen analyzers: one fused pass, a summary here, files in --out.
 
@@ -78,12 +121,18 @@ def analyze(
     lensdiv analyze toy:d4 --plugins linmap --ref toy:d8;
     lensdiv analyze toy:d8 --plugins lens,dynamics -O dynamics.final_state=post;
     lensdiv plugins show patch
+
+    Scaling out: torchrun --nproc-per-node 8 -m lensdiv analyze MODEL ... (every GPU of a node);
+    lensdiv analyze MODEL ... --shard 3/16 --out run/shard-3, then lensdiv merge run/shard-*;
+    lensdiv analyze MODEL --device-map auto --dtype bfloat16 (a model bigger than one GPU)
     """
-    # start-up: the runner imports torch; it loads only when the command runs.
+    # start-up: the runner (and the process group's code) import torch; they load only when
+    # the command runs.
+    from lensdiv.run.distributed import launched_world
     from lensdiv.run.runner import analyze as run_analyze
 
     out = out or default_out(model)
-    with user_errors():
+    with user_errors(), launched_world(dist_timeout) as world:
         options = parse_options(option or [])
         if ref is not None:
             plugins = _add_ref(plugins, options, ref)
@@ -104,16 +153,33 @@ def analyze(
             seed=seed,
             trust_remote_code=trust_remote_code,
             progress=progress,
+            device_map=device_map,
+            max_memory=max_memory,
+            offload_folder=offload_folder,
+            shard=shard,
         )
-    term = console()
-    term.print(run)
-    term.print(
-        f"results in [bold]{out}[/bold] (report.html, manifest.json, one folder per analyzer)"
-    )
+    if world.main:
+        _show(run, out)
     if run.manifest.get("status") == "interrupted":
         raise typer.Exit(130)
     if run.errors:
         raise typer.Exit(1)
+
+
+def _show(run: Any, out: Path) -> None:
+    """Print a run's results (a shard's: where its states are)."""
+    term = console()
+    term.print(run)
+    shard = run.manifest.get("shard")
+    if shard:
+        term.print(
+            f"shard {shard['index']}/{shard['count']}: states in [bold]{out}[/bold]; merge every "
+            "shard with `lensdiv merge`"
+        )
+    else:
+        term.print(
+            f"results in [bold]{out}[/bold] (report.html, manifest.json, one folder per analyzer)"
+        )
 
 
 def _add_ref(plugins: str, options: dict[str, dict[str, str]], ref: str) -> str:

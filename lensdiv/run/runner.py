@@ -14,15 +14,18 @@ from pathlib import Path
 from typing import Any
 
 from lensdiv.core.analyzer import Analyzer, Batch, ModelInfo
-from lensdiv.core.errors import LensdivError, ResultError
+from lensdiv.core.devices import device_map_of
+from lensdiv.core.errors import LensdivError, RankError, ResultError
 from lensdiv.core.progress import progress_bar
 from lensdiv.core.provenance import versions
 from lensdiv.core.registry import make_analyzers
 from lensdiv.core.results import Rendered, Result, write_json_atomic
 from lensdiv.data.sources import DataSpec, check_source, token_batches
 from lensdiv.models.load import load_model
+from lensdiv.run.distributed import DataParallelFeed, Feed, World, current_world
 from lensdiv.run.engine import Engine, check_hooks, input_device
 from lensdiv.run.report import write_report
+from lensdiv.run.shards import ShardFeed, check_shardable, parse_shard
 
 MANIFEST = "manifest.json"
 
@@ -77,6 +80,10 @@ def analyze(
     seed: int = 0,
     trust_remote_code: bool = False,
     progress: bool = True,
+    device_map: Any = None,
+    max_memory: Any = None,
+    offload_folder: str | Path | None = None,
+    shard: str | tuple[int, int] | None = None,
 ) -> Run:
     """Run analyzers over a model and data; one fused forward pass per batch.
 
@@ -93,6 +100,15 @@ def analyze(
         seed: Seeds torch and the built-in corpus; recorded in every result.
         trust_remote_code: Allow hub models with custom code.
         progress: Show a progress bar with tokens/s.
+        device_map, max_memory, offload_folder: Split the model across devices (see
+            :func:`~lensdiv.models.load.load_model`); the manifest records the placement.
+        shard: ``"I/N"`` or ``(I, N)``: run shard ``I`` of ``N`` (batch ``j`` when
+            ``j mod N == I``) and save the analyzers' states for ``lensdiv merge`` instead of
+            results (single-pass analyzers only).
+
+    Inside an initialised ``torch.distributed`` process group (``torchrun``) every rank runs
+    its share of the batches, the states are all-reduced after every pass, and rank 0 alone
+    finalizes, writes and returns the results (see :mod:`lensdiv.run.distributed`).
 
     Returns:
         A :class:`Run` with results, errors and the manifest.
@@ -104,6 +120,10 @@ def analyze(
 
     started = time.time()
     analyzers = make_analyzers(plugins, {k: dict(v) for k, v in (options or {}).items()})
+    world, part = _split(shard)
+    progress = progress and world.main
+    if device is None and world.parallel:
+        device = world.default_device()
     if isinstance(data, DataSpec):
         spec = data
     else:
@@ -127,12 +147,17 @@ def analyze(
         trust_remote_code=trust_remote_code,
         numerics="folded" if folded_only else "raw",
         progress=progress,
+        device_map=device_map,
+        max_memory=max_memory,
+        offload_folder=offload_folder,
     )
     parsed = bridge.lensdiv_spec
     info = ModelInfo.from_model(bridge, name=parsed.spec)
     hooks = check_hooks(analyzers, info)
+    if part is not None:
+        check_shardable(analyzers, info)
 
-    out_dir = Path(out) if out is not None else None
+    out_dir = Path(out) if out is not None and world.main else None
     run = Run(out=out_dir)
     run.manifest = {
         "lensdiv_manifest": 1,
@@ -159,6 +184,7 @@ def analyze(
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
         "timings": {},
     }
+    feed = _feed(world, part, bridge, info, out_dir, run.manifest)
 
     def save_manifest() -> None:
         if out_dir is not None:
@@ -199,9 +225,11 @@ def analyze(
             hooks={a.name: hooks[a.name] for a in group},
             resources={a.name: resources[a.name] for a in group},
         )
-        stopped = _stream(engine, batches, total, run, out_dir, progress, save_manifest)
+        stopped = _stream(engine, batches, total, run, out_dir, progress, save_manifest, feed)
+    if not isinstance(stopped, RankError):  # every rank is here: complete the manifest
+        feed.close(run.manifest)
     if isinstance(stopped, LensdivError):
-        run.manifest["status"] = "data_error"
+        run.manifest["status"] = "failed" if isinstance(stopped, RankError) else "data_error"
         run.manifest["error"] = str(stopped)
     else:
         run.manifest["status"] = (
@@ -209,7 +237,7 @@ def analyze(
         )
     run.manifest["timings"]["total_s"] = round(time.time() - started, 3)
     save_manifest()
-    if out_dir is not None:
+    if out_dir is not None and feed.finalizes:  # a shard's report comes with `lensdiv merge`
         write_report(run, bridge)  # report.html (and the example prompt views when lens ran)
     if isinstance(stopped, LensdivError):
         raise stopped  # after the partial results and the manifest are on disk
@@ -224,6 +252,7 @@ def _stream(
     out_dir: Path | None,
     progress: bool,
     save_manifest: Callable[[], None],
+    feed: Feed | None = None,
 ) -> BaseException | None:
     """Run a group through all its passes, then finalize and save each analyzer.
 
@@ -231,6 +260,7 @@ def _stream(
     analyzers are still finalized on the tokens seen so far and marked partial.
     """
     entries = run.manifest["analyzers"]
+    feed = feed or Feed()
     for a in engine.analyzers:
         entries[a.name]["status"] = "running"
     stopped: BaseException | None = None
@@ -252,7 +282,7 @@ def _stream(
                 def advance(batch: Batch, bar: Any = bar, task: Any = task) -> None:
                     bar.update(task, advance=batch.n_tokens)
 
-                engine.feed(index, batches(), states, on_batch=advance)
+                feed.feed(engine, index, batches(), states, advance)
     except (KeyboardInterrupt, LensdivError) as err:
         stopped = err
     interrupted = stopped is not None
@@ -263,12 +293,12 @@ def _stream(
         entries[engine.analyzers[0].name]["tokens"] = engine.tokens
     else:
         timings["tokens"] = engine.tokens
-    if engine.tokens == 0:
+    if engine.tokens == 0 and feed.finalizes:
         for a in list(engine.active):
             engine.fail(
                 a, RuntimeError("no batch was processed, so there is nothing to report"), "finalize"
             )
-    results = engine.finalize(states) if engine.tokens else {}
+    results = engine.finalize(states) if engine.tokens and feed.finalizes else {}
     for name, error in engine.failures.items():
         run.errors[name] = error
         entries[name].update(status="failed", error=error)
@@ -299,6 +329,40 @@ def _stream(
         save_manifest()
     save_manifest()
     return stopped
+
+
+def _split(shard: str | tuple[int, int] | None) -> tuple[World, tuple[int, int] | None]:
+    """The process group this run is part of (if any), and the shard to run (if any)."""
+    world, split = current_world(), parse_shard(shard)
+    if world.parallel and split is not None:
+        raise LensdivError(
+            "--shard and a process group (torchrun) are two ways to split one run",
+            hint="use one: torchrun for a coordinated run, --shard I/N for independent jobs",
+        )
+    return world, split
+
+
+def _feed(
+    world: World,
+    split: tuple[int, int] | None,
+    bridge: Any,
+    info: ModelInfo,
+    out_dir: Path | None,
+    manifest: dict[str, Any],
+) -> Feed:
+    """How the batches are split (between ranks, into a shard, or not at all); records in the
+    manifest the model facts a merge finalizes with, the device map and the split."""
+    manifest["model"]["device_map"] = device_map_of(bridge)
+    manifest["model_info"] = info.to_dict()
+    feed: Feed
+    if split is not None:
+        feed = ShardFeed(*split, out_dir, manifest)
+    elif world.parallel:
+        feed = DataParallelFeed(world, str(input_device(bridge)))
+    else:
+        feed = Feed()
+    manifest.update(feed.manifest())
+    return feed
 
 
 def _progress(enabled: bool, label: str) -> Any:
