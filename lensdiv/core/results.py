@@ -304,8 +304,10 @@ class Plot:
                 ax.legend(fontsize=8)
             if self.logy:
                 ax.set_yscale("log")
+                _plain_log_labels(ax.yaxis)
             if self.logx:
                 ax.set_xscale("log")
+                _plain_log_labels(ax.xaxis)
             elif _integers(xs):
                 # Layers, blocks, grades and steps: a half layer does not exist.
                 ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -533,6 +535,15 @@ class Result(Rendered):
             )
         if self.tables:
             yield self.table()
+
+
+def _plain_log_labels(axis: Any) -> None:
+    """Label a log axis with plain numbers (``2``, ``30``, ``0.5``) rather than matplotlib's
+    ``2×10⁰`` style; minor ticks are labelled only where the axis spans few decades."""
+    from matplotlib.ticker import LogFormatter
+
+    axis.set_major_formatter(LogFormatter(labelOnlyBase=False))
+    axis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(1, 0.4)))
 
 
 def agg_figure() -> tuple[Any, Any]:
