@@ -148,3 +148,14 @@ def test_next_tokens_excludes_last_real_token_and_pads() -> None:
     no_bos = batch.positions(exclude_bos=True)
     assert torch.equal(no_bos[:, 1:], mask[:, 1:]) and not no_bos[:, 0].any()
     assert torch.equal(Batch(tokens, mask, bos=False).positions(exclude_bos=True), mask)
+
+
+def test_model_info_round_trips_through_json(native_model) -> None:
+    import json
+
+    from lensdiv.core.analyzer import ModelInfo
+
+    info = ModelInfo.from_model(native_model, name="tiny")
+    data = json.loads(json.dumps(info.to_dict()))
+    assert data["hook_names"] == sorted(info.hook_names)
+    assert ModelInfo.from_dict(data) == info

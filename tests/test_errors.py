@@ -347,7 +347,9 @@ def test_a_non_empty_out_needs_overwrite_which_clears_the_old_run(tmp_path: Path
         lensdiv.analyze("toy", plugins="lens", out=out, **API_FAST)
     result = invoke("analyze", "toy", "-p", "lens", "--out", str(out), "--overwrite", *FAST)
     assert result.exit_code == 0, result.output
-    assert sorted(p.name for p in out.iterdir()) == ["lens", "manifest.json", "notes.txt"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "lens", "manifest.json", "notes.txt", "prompt_views.json", "report.html"]
+    assert not (out / "contrib").exists()
     assert list(manifest(out)["analyzers"]) == ["lens"]
 
 

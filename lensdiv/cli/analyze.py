@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -40,6 +40,44 @@ Overwrite = Annotated[
         "--overwrite",
         help="Replace an earlier run in --out (its manifest and analyzer folders are removed); "
         "without it such an --out is refused.",
+    ),
+]
+# Scaling out: models split across devices, shards, process groups.
+DeviceMap = Annotated[
+    str | None,
+    typer.Option(
+        help="Split a Hugging Face model across devices: auto, balanced, balanced_low_0, "
+        "sequential, or FILE.json of {module: device} (GPU index, cpu, disk).",
+        rich_help_panel="Scaling out",
+    ),
+]
+MaxMemory = Annotated[
+    str | None,
+    typer.Option(
+        help="Most each device may hold with --device-map, e.g. 0=70GiB,1=70GiB,cpu=200GiB.",
+        rich_help_panel="Scaling out",
+    ),
+]
+OffloadFolder = Annotated[
+    Path | None,
+    typer.Option(
+        help="Folder for weights a --device-map puts on disk.", rich_help_panel="Scaling out"
+    ),
+]
+Shard = Annotated[
+    str | None,
+    typer.Option(
+        metavar="I/N",
+        help="Run shard I of N (from 0) and save mergeable states; then `lensdiv merge`. "
+        "Single-pass analyzers only.",
+        rich_help_panel="Scaling out",
+    ),
+]
+DistTimeout = Annotated[
+    float,
+    typer.Option(
+        help="Under torchrun: seconds a rank waits for the others before giving up.",
+        rich_help_panel="Scaling out",
     ),
 ]
 
@@ -83,6 +121,11 @@ def analyze(
             "Example: lensdiv analyze toy:d4 --plugins linmap --ref toy:d8",
         ),
     ] = None,
+    device_map: DeviceMap = None,
+    max_memory: MaxMemory = None,
+    offload_folder: OffloadFolder = None,
+    shard: Shard = None,
+    dist_timeout: DistTimeout = 1800.0,
 ) -> None:
     """Analyze MODEL with the chosen analyzers: one fused pass, a summary here, files in --out.
 
@@ -96,11 +139,17 @@ def analyze(
     lensdiv analyze toy:d4 --plugins linmap --ref toy:d8;
     lensdiv analyze toy:d8 --plugins lens,dynamics -O dynamics.final_state=post;
     lensdiv plugins show patch
+
+    Scaling out: torchrun --nproc-per-node 8 -m lensdiv analyze MODEL ... (every GPU of a node);
+    lensdiv analyze MODEL ... --shard 3/16 --out run/shard-3, then lensdiv merge run/shard-*;
+    lensdiv analyze MODEL --device-map auto --dtype bfloat16 (a model bigger than one GPU)
     """
-    # start-up: the runner imports torch; it loads only when the command runs.
+    # start-up: the runner (and the process group's code) import torch; they load only when
+    # the command runs.
+    from lensdiv.run.distributed import launched_world
     from lensdiv.run.runner import analyze as run_analyze
 
-    with user_errors(), _interrupted():
+    with user_errors(), _interrupted(), launched_world(dist_timeout) as world:
         folder = default_out(model) if out is None else check_out(out)
         options = parse_options(option or [])
         if ref is not None:
@@ -123,9 +172,13 @@ def analyze(
             trust_remote_code=trust_remote_code,
             progress=progress,
             overwrite=overwrite,
+            device_map=device_map,
+            max_memory=max_memory,
+            offload_folder=offload_folder,
+            shard=shard,
         )
-    show_run(run)
-    console().print(f"results in [bold]{folder}[/bold] (manifest.json, one folder per analyzer)")
+    if world.main:
+        _show(run, folder)
     if run.manifest.get("status") == "interrupted":
         raise typer.Exit(143 if run.manifest.get("signal") == "SIGTERM" else 130)
     if run.errors or run.problems:
@@ -141,6 +194,22 @@ def _interrupted() -> Iterator[None]:
         signum = int(getattr(err, "signum", 2))
         error_line(f"interrupted ({'SIGTERM' if signum == 15 else 'Ctrl-C'}) before any result")
         raise typer.Exit(128 + signum) from None
+
+
+def _show(run: Any, out: Path) -> None:
+    """Print a run's results (a shard's: where its states are)."""
+    show_run(run)
+    term = console()
+    shard = run.manifest.get("shard")
+    if shard:
+        term.print(
+            f"shard {shard['index']}/{shard['count']}: states in [bold]{out}[/bold]; merge every "
+            "shard with `lensdiv merge`"
+        )
+    else:
+        term.print(
+            f"results in [bold]{out}[/bold] (report.html, manifest.json, one folder per analyzer)"
+        )
 
 
 def _add_ref(plugins: str, options: dict[str, dict[str, str]], ref: str) -> str:
@@ -208,12 +277,17 @@ def compare(
 def report(
     out: Annotated[Path, typer.Argument(help="A folder written by `lensdiv analyze`.")],
     plots: Annotated[bool, typer.Option(help="Redraw the PNG plots.")] = False,
+    html: Annotated[
+        bool, typer.Option(help="Rebuild DIR/report.html (summary, tables, plots, warnings).")
+    ] = False,
 ) -> None:
-    """Re-render a saved run: summaries and tables (and, with --plots, the PNGs).
+    """Re-render a saved run: summaries and tables (and, with --plots, the PNGs; with --html,
+    the self-contained report.html).
 
-    Example: lensdiv report lensdiv-out/toy-20261121-120000 --plots
+    Example: lensdiv report lensdiv-out/toy-20261121-120000 --html
     """
     # start-up: the runner imports torch; it loads only when the command runs.
+    from lensdiv.run.report import write_report
     from lensdiv.run.runner import load_run
 
     with user_errors():
@@ -225,6 +299,8 @@ def report(
                 result.redraw(out / name)
             except SaveError as err:
                 not_drawn.append(str(err))
+    if html:
+        written = write_report(run)
     term = console()
     meta = run.manifest.get("model", {})
     term.print(
@@ -240,6 +316,8 @@ def report(
     ]
     if missing:
         term.print(f"[yellow]missing (not finished):[/yellow] {', '.join(missing)}")
+    if html:
+        term.print(f"wrote [bold]{written}[/bold]")
     for line in not_drawn:
         error_line(line)
     if not_drawn:

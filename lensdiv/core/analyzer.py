@@ -85,6 +85,21 @@ class ModelInfo:
             n_ctx=int(getattr(cfg, "n_ctx", 0) or 0),
         )
 
+    def to_dict(self) -> dict[str, Any]:
+        """The facts as JSON data (hook names sorted): saved in every run's manifest, so merged
+        shards finalize without the model."""
+        data = dataclasses.asdict(self)
+        data["hook_names"] = sorted(self.hook_names)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ModelInfo:
+        """Inverse of :meth:`to_dict`."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in data.items() if k in fields}
+        values["hook_names"] = frozenset(values.get("hook_names", ()))
+        return cls(**values)
+
     def resid(self, layer: int) -> str:
         """Hook holding ``h_layer`` (``0 ≤ layer ≤ L``): block inputs, then the last output."""
         if not 0 <= layer <= self.n_layers:

@@ -84,6 +84,13 @@ class StateError(LensdivError):
     """Analyzer states that cannot be combined or read (different runs, passes or shapes)."""
 
 
+class RankError(LensdivError):
+    """A process of a data-parallel run failed or stopped answering: every process stops with
+    this one line naming the rank and its error. Exit code 1 (not a mistake in the input)."""
+
+    exit_code = 1
+
+
 def did_you_mean(word: str, choices: list[str] | tuple[str, ...]) -> str:
     """Return ``" (did you mean 'x'?)"`` for the closest choice, or ``""``."""
     import difflib

@@ -4,8 +4,8 @@ final state and lists the files that are there.
 Final states of a run: ``complete`` (every analyzer finished or was skipped with its reason),
 ``partial`` (some results, but an analyzer failed or the data stopped early), ``failed`` (no
 result at all) and ``interrupted`` (Ctrl-C or SIGTERM; what was finished is kept). Each analyzer
-ends ``complete``, ``partial`` (finished on part of the data), ``failed``, ``skipped`` or
-``interrupted`` (stopped before it had a result).
+ends ``complete``, ``partial`` (finished on part of the data), ``saved`` (a shard's state, for
+``lensdiv merge``), ``failed``, ``skipped`` or ``interrupted`` (stopped before it had a result).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from lensdiv.run.interrupts import shielded, signal_name, signum_of
 
 MANIFEST = "manifest.json"
 FINAL = ("complete", "partial", "failed", "interrupted")
-DONE = ("complete", "partial", "failed", "skipped", "interrupted")
+DONE = ("complete", "partial", "saved", "failed", "skipped", "interrupted")
+KEPT = ("complete", "partial", "saved")  # an analyzer whose work is on disk
 
 
 def save_result(result: Result, out: Path, entry: dict[str, Any]) -> str | None:
@@ -86,9 +87,9 @@ def finish(manifest: dict[str, Any], stopped: BaseException | None) -> str:
     if signalled:
         status = "interrupted"
         manifest["signal"] = signal_name(signum_of(stopped))  # type: ignore[arg-type]  # signalled: stopped is set
-    elif not any(s in ("complete", "partial") for s in statuses):
+    elif not any(s in KEPT for s in statuses):
         status = "failed"
-    elif stopped is None and all(s in ("complete", "skipped") for s in statuses):
+    elif stopped is None and all(s in ("complete", "saved", "skipped") for s in statuses):
         status = "complete"
     else:
         status = "partial"

@@ -14,19 +14,27 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from rich.jupyter import JupyterMixin
-
 from lensdiv.core.analyzer import Analyzer, Batch, ModelInfo
-from lensdiv.core.errors import LensdivError, OptionError, ResultError, UnsupportedModelError
+from lensdiv.core.devices import device_map_of
+from lensdiv.core.errors import (
+    LensdivError,
+    OptionError,
+    RankError,
+    ResultError,
+    UnsupportedModelError,
+)
 from lensdiv.core.progress import progress_allowed, progress_bar
 from lensdiv.core.provenance import versions
 from lensdiv.core.registry import make_analyzers
-from lensdiv.core.results import Result
+from lensdiv.core.results import Rendered, Result
 from lensdiv.data.sources import DataSpec, check_source, token_batches
 from lensdiv.models.load import load_model
+from lensdiv.run.distributed import DataParallelFeed, Feed, World, current_world
 from lensdiv.run.engine import Engine, describe, input_device
 from lensdiv.run.interrupts import handle_signals, interruption, shielded, signals_received
 from lensdiv.run.outcome import MANIFEST, check_manifest, finish, save_result, write_manifest
+from lensdiv.run.report import write_report
+from lensdiv.run.shards import ShardFeed, check_shardable, parse_shard
 from lensdiv.run.validate import (
     check_arguments,
     check_budget,
@@ -40,7 +48,7 @@ from lensdiv.run.validate import (
 
 
 @dataclass
-class Run(JupyterMixin):
+class Run(Rendered):
     """The outcome of :func:`analyze`.
 
     Args:
@@ -105,6 +113,10 @@ def analyze(
     trust_remote_code: bool = False,
     progress: bool = True,
     overwrite: bool = False,
+    device_map: Any = None,
+    max_memory: Any = None,
+    offload_folder: str | Path | None = None,
+    shard: str | tuple[int, int] | None = None,
 ) -> Run:
     """Run analyzers over a model and data; one fused forward pass per batch.
 
@@ -126,6 +138,15 @@ def analyze(
             included).
         overwrite: Replace an earlier run in ``out`` (its manifest and analyzer folders are
             removed first); without it, an ``out`` that holds a run is refused.
+        device_map, max_memory, offload_folder: Split the model across devices (see
+            :func:`~lensdiv.models.load.load_model`); the manifest records the placement.
+        shard: ``"I/N"`` or ``(I, N)``: run shard ``I`` of ``N`` (batch ``j`` when
+            ``j mod N == I``) and save the analyzers' states for ``lensdiv merge`` instead of
+            results (single-pass analyzers only).
+
+    Inside an initialised ``torch.distributed`` process group (``torchrun``) every rank runs
+    its share of the batches, the states are all-reduced after every pass, and rank 0 alone
+    finalizes, writes and returns the results (see :mod:`lensdiv.run.distributed`).
 
     Returns:
         A :class:`Run` with results, errors, skipped analyzers and the manifest, whose status
@@ -146,6 +167,9 @@ def analyze(
         },
     )
     analyzers = make_analyzers(plugins, options)
+    world, part = _split(shard)
+    if device is None and world.parallel:
+        device = world.default_device()
     spec = DataSpec.from_data(
         data,
         field=field,
@@ -168,8 +192,15 @@ def analyze(
             dtype=dtype,
             seed=seed,
             trust_remote_code=trust_remote_code,
-            progress=progress,
+            progress=progress and world.main,
             overwrite=overwrite,
+            placement={
+                "device_map": device_map,
+                "max_memory": max_memory,
+                "offload_folder": offload_folder,
+            },
+            world=world,
+            part=part,
         )
 
 
@@ -185,6 +216,9 @@ def _run(
     trust_remote_code: bool,
     progress: bool,
     overwrite: bool,
+    placement: dict[str, Any],
+    world: World,
+    part: tuple[int, int] | None,
 ) -> Run:
     import torch
 
@@ -198,6 +232,7 @@ def _run(
         trust_remote_code=trust_remote_code,
         numerics="folded" if folded_only else "raw",
         progress=progress,
+        **placement,
     )
     parsed = bridge.lensdiv_spec
     info = ModelInfo.from_model(bridge, name=parsed.spec)
@@ -218,6 +253,9 @@ def _run(
         )
     hooks, tasks, resources = prepared.hooks, prepared.tasks, prepared.resources
     check_budget([a for a in prepared.ready(analyzers) if tasks[a.name] is None], info, spec)
+    if part is not None:
+        check_shardable(prepared.ready(analyzers), info)
+    out_dir = out_dir if world.main else None
     if overwrite:
         clear_output(out_dir, analyzers)
 
@@ -247,6 +285,7 @@ def _run(
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
         "timings": {},
     }
+    feed = _feed(world, part, bridge, info, out_dir, run.manifest)
     entries = run.manifest["analyzers"]
     for name, reason in prepared.skipped.items():
         entries[name].update(status="skipped", reason=reason)
@@ -292,7 +331,7 @@ def _run(
                 hooks={a.name: hooks[a.name] for a in group},
                 resources={a.name: resources[a.name] for a in group},
             )
-            stopped = _stream(engine, batches, total, run, out_dir, progress, save_manifest)
+            stopped = _stream(engine, batches, total, run, out_dir, progress, save_manifest, feed)
             if stopped is not None:
                 break
     except KeyboardInterrupt as err:  # between two groups: what is saved stays saved
@@ -301,10 +340,25 @@ def _run(
         run.manifest["error"] = describe(err)
         _finish(run, err, started, save_manifest)
         raise
+    if not isinstance(stopped, RankError):  # every rank is here: complete the manifest
+        feed.close(run.manifest)
     _finish(run, stopped, started, save_manifest)
+    if out_dir is not None and feed.finalizes:  # a shard's report comes with `lensdiv merge`
+        interrupted = run.manifest["status"] == "interrupted"
+        _report(run, None if interrupted else bridge)  # stopped: no prompt views computed now
     if isinstance(stopped, LensdivError):
         raise stopped  # after the partial results and the manifest are on disk
     return run
+
+
+def _report(run: Run, model: Any) -> None:
+    """report.html (and the example prompt views when lens ran), after every result: a report
+    that cannot be written is one line, never the loss of a result."""
+    with shielded():
+        try:
+            write_report(run, model)
+        except Exception as err:  # a full disk, a view that cannot be drawn
+            run.problems.append(f"report.html could not be written: {describe(err)}")
 
 
 def _checked(batches: Callable[[], Iterable[Batch]], info: ModelInfo) -> Iterable[Batch]:
@@ -320,6 +374,8 @@ def _finish(
         if isinstance(stopped, LensdivError):
             run.manifest["error"] = str(stopped)
         finish(run.manifest, stopped)
+        if isinstance(stopped, RankError):  # another process failed: the run did
+            run.manifest["status"] = "failed"
         run.manifest["timings"]["total_s"] = round(time.time() - started, 3)
         save_manifest()
 
@@ -332,6 +388,7 @@ def _stream(
     out_dir: Path | None,
     progress: bool,
     save_manifest: Callable[[], None],
+    feed: Feed | None = None,
 ) -> BaseException | None:
     """Run a group through all its passes, then finalize and save each analyzer.
 
@@ -341,6 +398,7 @@ def _stream(
     import torch
 
     entries = run.manifest["analyzers"]
+    feed = feed or Feed()
     for a in engine.analyzers:
         entries[a.name]["status"] = "running"
     stopped: BaseException | None = None
@@ -362,15 +420,22 @@ def _stream(
                 task = bar.add_task("analyzing", total=total)
                 seen = len(signals_received())
 
+                # Ranks of a process group agree on when to stop (the feed's own exchange).
+                alone = not feed.coordinated
+
                 def advance(
-                    batch: Batch, bar: Any = bar, task: Any = task, seen: int = seen
+                    batch: Batch,
+                    bar: Any = bar,
+                    task: Any = task,
+                    seen: int = seen,
+                    alone: bool = alone,
                 ) -> None:
                     bar.update(task, advance=batch.n_tokens)
-                    if len(signals_received()) > seen:
+                    if alone and len(signals_received()) > seen:
                         raise interruption(signals_received()[seen])
 
-                engine.feed(index, batches(), states, on_batch=advance)
-                if len(signals_received()) > seen:  # arrived after the last batch
+                feed.feed(engine, index, batches(), states, advance)
+                if alone and len(signals_received()) > seen:  # arrived after the last batch
                     raise interruption(signals_received()[seen])
     except (KeyboardInterrupt, LensdivError) as err:
         stopped = err
@@ -380,7 +445,7 @@ def _stream(
             hint="lower --batch-size or --seq-len, or use a smaller --dtype",
         )
     with shielded():  # a second Ctrl-C waits until the results in hand are on disk
-        _wrap_up(engine, states, stopped, run, out_dir, save_manifest)
+        _wrap_up(engine, states, stopped, run, out_dir, save_manifest, feed.finalizes)
     return stopped
 
 
@@ -391,8 +456,10 @@ def _wrap_up(
     run: Run,
     out_dir: Path | None,
     save_manifest: Callable[[], None],
+    finalizes: bool = True,
 ) -> None:
-    """Finalize each analyzer of the group on what it saw, save each result on its own."""
+    """Finalize each analyzer of the group on what it saw, save each result on its own (a
+    shard, or a rank other than 0, only records what it counted)."""
     entries = run.manifest["analyzers"]
     interrupted = stopped is not None
     timings = run.manifest["timings"]
@@ -402,7 +469,7 @@ def _wrap_up(
         entries[engine.analyzers[0].name]["tokens"] = engine.tokens
     else:
         timings["tokens"] = engine.tokens
-    if engine.tokens == 0:
+    if engine.tokens == 0 and finalizes:
         for a in list(engine.active):
             if isinstance(stopped, KeyboardInterrupt):  # stopped before its first batch
                 entries[a.name]["status"] = "interrupted"
@@ -410,7 +477,7 @@ def _wrap_up(
             engine.fail(
                 a, RuntimeError("no batch was processed, so there is nothing to report"), "finalize"
             )
-    results = engine.finalize(states) if engine.tokens else {}
+    results = engine.finalize(states) if engine.tokens and finalizes else {}
     for name, error in engine.failures.items():
         run.errors[name] = error
         entries[name].update(status="failed", error=error)
@@ -445,6 +512,40 @@ def _wrap_up(
         run.manifest["timings"][a.name + "_s"] = round(engine.spent[a.name], 3)
         save_manifest()
     save_manifest()
+
+
+def _split(shard: str | tuple[int, int] | None) -> tuple[World, tuple[int, int] | None]:
+    """The process group this run is part of (if any), and the shard to run (if any)."""
+    world, split = current_world(), parse_shard(shard)
+    if world.parallel and split is not None:
+        raise LensdivError(
+            "--shard and a process group (torchrun) are two ways to split one run",
+            hint="use one: torchrun for a coordinated run, --shard I/N for independent jobs",
+        )
+    return world, split
+
+
+def _feed(
+    world: World,
+    split: tuple[int, int] | None,
+    bridge: Any,
+    info: ModelInfo,
+    out_dir: Path | None,
+    manifest: dict[str, Any],
+) -> Feed:
+    """How the batches are split (between ranks, into a shard, or not at all); records in the
+    manifest the model facts a merge finalizes with, the device map and the split."""
+    manifest["model"]["device_map"] = device_map_of(bridge)
+    manifest["model_info"] = info.to_dict()
+    feed: Feed
+    if split is not None:
+        feed = ShardFeed(*split, out_dir, manifest)
+    elif world.parallel:
+        feed = DataParallelFeed(world, str(input_device(bridge)))
+    else:
+        feed = Feed()
+    manifest.update(feed.manifest())
+    return feed
 
 
 def _progress(enabled: bool, label: str) -> Any:

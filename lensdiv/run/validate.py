@@ -35,6 +35,7 @@ from lensdiv.core.files import folder_problem
 from lensdiv.data.sources import DataSpec
 from lensdiv.run.engine import check_hooks, describe
 from lensdiv.run.outcome import MANIFEST
+from lensdiv.run.report import REPORT, VIEWS
 
 # A text any tokenizer worth the name turns into several tokens.
 _PROBE = "The quick brown fox jumps over the lazy dog."
@@ -122,7 +123,8 @@ def previous_run(out: Path, analyzers: Sequence[Analyzer]) -> tuple[list[str], l
     ours, named = [], []
     manifest = out / MANIFEST
     if manifest.exists():
-        ours.append(MANIFEST)
+        # The run's own files: its manifest, report and prompt views.
+        ours += [name for name in (MANIFEST, REPORT, VIEWS) if (out / name).is_file()]
         try:
             old = json.loads(manifest.read_text())
             entries = old.get("analyzers", {}) if isinstance(old, dict) else {}
