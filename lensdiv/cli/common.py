@@ -124,13 +124,12 @@ def show_run(run: Any) -> None:
         term.print(Text(line, style=styles[kind]), soft_wrap=True)
 
 
-def check_writable(out: Path) -> None:
-    """A study's ``--out`` can be written (checked before the work, not after)."""
+def check_writable(out: Path, flag: str = "--out") -> None:
+    """A folder ``flag`` names can be written (checked before the work, not after)."""
     problem = folder_problem(out)
     if problem is not None:
         raise OptionError(
-            f"cannot write results to --out {out}: {problem}",
-            hint="choose a folder you can write to",
+            f"cannot write to {flag} {out}: {problem}", hint="choose a folder you can write to"
         )
 
 
