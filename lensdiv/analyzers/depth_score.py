@@ -125,7 +125,11 @@ def read_examples(path: str) -> list[Example]:
     answer (always giving that answer scores this much).
     """
     rows = read_task_jsonl(
-        path, ("prompt", "answer", "grade"), what="depth-score examples", option="depth-score.tasks"
+        path,
+        ("prompt", "answer", "grade"),
+        what="depth-score examples",
+        option="depth-score.tasks",
+        numbers=("grade",),
     )
     parsed = [(str(r["prompt"]), str(r["answer"]), str(r["grade"])) for _, r in rows]
     answers: dict[str, list[str]] = {}

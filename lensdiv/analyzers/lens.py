@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from lensdiv.core.analyzer import Analyzer, ModelInfo, Step
+from lensdiv.core.errors import OptionError
 from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
 
@@ -49,6 +51,14 @@ class LogitLens(Analyzer):
 
     def hooks(self, info: ModelInfo) -> list[str]:
         return [info.resid(layer) for layer in range(info.n_layers + 1)]
+
+    def setup(self, model: Any, info: ModelInfo) -> None:
+        if self.top_k >= info.d_vocab:  # every top-k set would be the whole vocabulary
+            raise OptionError(
+                f"lens.top_k={self.top_k} is not below the {info.d_vocab} tokens of "
+                f"{info.name}'s vocabulary, so every top-k overlap would be a perfect 1",
+                hint=f"use -O lens.top_k={min(5, info.d_vocab - 1)} (at most {info.d_vocab - 1})",
+            )
 
     def update(self, state: Stats, step: Step) -> None:
         from transformer_lens.tools.analysis.logit_lens import logit_readout
@@ -142,8 +152,10 @@ class LogitLens(Analyzer):
                     "lens",
                     x="layer",
                     y=("kl",),
-                    xlabel="residual state h_l",
-                    ylabel="KL (nats)",
+                    xlabel="residual state h_l (0 = embedding, L = final)",
+                    ylabel="KL(p_l ‖ p_out) (nats)",
+                    caption="p_l: h_l read through the final norm and unembedding; mean over "
+                    "positions. 0 at h_L by definition.",
                 ),
                 Plot(
                     "line",
@@ -152,8 +164,11 @@ class LogitLens(Analyzer):
                     "lens",
                     x="layer",
                     y=(f"top{self.top_k}_overlap", "top1_acc", "target_prob"),
-                    xlabel="residual state h_l",
-                    ylabel="fraction",
+                    xlabel="residual state h_l (0 = embedding, L = final)",
+                    ylabel="fraction (0 to 1)",
+                    caption=f"top{self.top_k}_overlap: share of the output's top {self.top_k} "
+                    "tokens in p_l's; top1_acc: p_l's top token is the true next token; "
+                    "target_prob: p_l of the true next token.",
                 ),
                 Plot(
                     "line",
@@ -162,8 +177,9 @@ class LogitLens(Analyzer):
                     "lens",
                     x="layer",
                     y=("ce", "entropy"),
-                    xlabel="residual state h_l",
-                    ylabel="nats",
+                    xlabel="residual state h_l (0 = embedding, L = final)",
+                    ylabel="cross-entropy, entropy (nats)",
+                    caption="ce: −log p_l(next token); entropy: H(p_l). Means over positions.",
                 ),
             ),
             meta={"positions": int(n), "positions_with_target": int(nt)},

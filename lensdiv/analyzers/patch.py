@@ -59,6 +59,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from lensdiv.core.analyzer import Analyzer, Batch, ModelInfo, Step
+from lensdiv.core.devices import stack_on
 from lensdiv.core.errors import DataError
 from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
@@ -76,6 +77,32 @@ ALIGNMENT = (
 
 
 # -- measurements -------------------------------------------------------------------------------
+def position_labels(
+    records: Sequence[dict[str, Any]], offsets: Sequence[int]
+) -> tuple[tuple[str, ...], bool]:
+    """Labels of the end-aligned position axis: ``"offset"``, plus ``"\\ntoken"`` where every pair
+    long enough has the same clean token at that offset; and whether any token is shown."""
+    labels, shared = [], False
+    for offset in offsets:
+        seen = {
+            r["text"][len(r["text"]) - 1 + offset]
+            for r in records
+            if r.get("text") and len(r["text"]) - 1 + offset >= 0
+        }
+        if len(seen) == 1:
+            labels.append(f"{offset}\n{_visible(seen.pop())}")
+            shared = True
+        else:
+            labels.append(str(offset))
+    return tuple(labels), shared
+
+
+def _visible(token: str) -> str:
+    """A token as a tick label: spaces and line breaks made visible, long ones cut."""
+    text = token.replace(" ", "␣").replace("\n", "↵").replace("\t", "⇥")
+    return text if len(text) <= 8 else text[:7] + "…"
+
+
 def metric_values(
     logits: Float[Tensor, "row d_vocab"],
     target: Int[Tensor, " row"],
@@ -202,7 +229,7 @@ class Patching(Analyzer):
         foil = batch.extra["foil"].to(device)
         clean = {k: v.detach() for k, v in step.cache.items()}
         assert step.logits is not None
-        clean_last = step.logits[:, -1].detach()
+        clean_last = step.logits[:, -1].detach().to(device)  # split models: logits elsewhere
         keep = torch.ones(n_pos, dtype=torch.bool, device=device)
         if self.exclude_bos and batch.bos:
             keep[0] = False
@@ -210,10 +237,13 @@ class Patching(Analyzer):
         corrupt_logits, corrupt = capture(model, corrupt_tokens, self.hooks(info), need_logits=True)
         assert corrupt_logits is not None
         m_clean = metric_values(clean_last, target, foil, self.metric).double()
-        m_corrupt = metric_values(corrupt_logits[:, -1], target, foil, self.metric).double()
+        m_corrupt = metric_values(
+            corrupt_logits[:, -1].to(device), target, foil, self.metric
+        ).double()
         gap = m_clean - m_corrupt
         ok = gap.abs() >= EPS
         state.include("lengths", str(n_pos))
+        decode = getattr(getattr(model, "tokenizer", None), "decode", None)
         for i, line in enumerate(batch.extra["line"]):  # a pair's line is unique in the set
             row = {
                 "line": int(line),
@@ -222,12 +252,14 @@ class Patching(Analyzer):
                 "foil": int(foil[i]),
                 "clean": float(m_clean[i]),
                 "corrupt": float(m_corrupt[i]),
+                # The clean prompt's tokens, for the position axis of the plots.
+                "text": [decode([int(t)]) for t in batch.tokens[i]] if decode else [],
             }
             state.append("pairs", int(line), row)
 
         # Dataset-mean residual for the erasure pass.
         if self.erasure:
-            h_all = torch.stack([clean[info.resid(layer)] for layer in range(L + 1)]).double()
+            h_all = stack_on([clean[info.resid(layer)] for layer in range(L + 1)], device).double()
             state.add("resid_sum", h_all[:, :, keep].sum((1, 2)))
             state.add("resid_n", n_batch * int(keep.sum()))
 
@@ -240,7 +272,7 @@ class Patching(Analyzer):
             patches = [(site, eye, clean[site_hook(site, layer)]) for site in self.sites]
             outs = run_patches(resumer, corrupt_tokens, layer, corrupt[info.resid(layer)], patches)
             for i, logits in enumerate(outs):
-                flat = logits.reshape(n_pos * n_batch, -1)
+                flat = logits.reshape(n_pos * n_batch, -1).to(device)
                 values = metric_values(flat, target.repeat(n_pos), foil.repeat(n_pos), self.metric)
                 raw[i, layer] = values.reshape(n_pos, n_batch).double().cpu()
         for i, site in enumerate(self.sites):
@@ -256,7 +288,7 @@ class Patching(Analyzer):
             def fn(logits: Tensor) -> Tensor:
                 k = logits.shape[0]
                 flat = metric_values(
-                    logits.reshape(-1, logits.shape[-1]),
+                    logits.reshape(-1, logits.shape[-1]).to(device),
                     target.repeat(k),
                     foil.repeat(k),
                     self.metric,
@@ -268,7 +300,7 @@ class Patching(Analyzer):
             rel_error = torch.zeros(L + 1, dtype=torch.float64)
             for layer in range(L + 1):
                 x = clean[info.resid(layer)]
-                base = x[:, keep].mean(1, keepdim=True).expand_as(x)
+                base = x[:, keep.to(x.device)].mean(1, keepdim=True).expand_as(x)
                 attr, f_x, f_base = integrated_gradients(
                     model,
                     batch.tokens,
@@ -280,8 +312,9 @@ class Patching(Analyzer):
                     layer,
                     resumer=resumer,
                 )
+                attr = attr.to(device)
                 attr_all[layer] = attr.double()
-                delta = (f_x - f_base).double()
+                delta = (f_x - f_base).double().to(device)
                 error = (attr.double().sum(-1) - delta).abs()
                 abs_error[layer] = float(error.max())
                 rel_error[layer] = float((error / delta.abs().clamp_min(EPS)).max())
@@ -297,14 +330,14 @@ class Patching(Analyzer):
         n_batch, n_pos = tokens.shape
         L = info.n_layers
         assert step.logits is not None
-        p_clean = step.logits[:, -1].detach().float().softmax(-1)
+        p_clean = step.logits[:, -1].detach().float().softmax(-1).to(tokens.device)
         mean = state["erase/mean"]
         eye = torch.eye(n_pos, dtype=torch.bool, device=tokens.device)
         dist = torch.zeros(L + 1, n_pos, n_batch, dtype=torch.float64, device=tokens.device)
         for layer in range(L + 1):
             h = step.cache[info.resid(layer)].detach()
-            values = mean[layer].to(h.dtype).expand_as(h)
-            logits = run_variants(resumer, tokens, layer, h, eye, values)
+            values = mean[layer].to(h).expand_as(h)
+            logits = run_variants(resumer, tokens, layer, h, eye, values).to(tokens.device)
             dist[layer] = (logits.float().softmax(-1) - p_clean).norm(dim=-1)
         state.add(f"erase/{n_pos}/sum", dist.sum(-1))
         state.add(f"erase/{n_pos}/sq", (dist**2).sum(-1))
@@ -430,38 +463,64 @@ class Patching(Analyzer):
             tables["ig"] = Table("ig", long["ig"], "Integrated-gradients attribution of h_l(t)")
         tables["pairs"] = Table("pairs", pairs, "Clean and corrupt metric of every pair")
 
-        xlabel = f"position (end-aligned; {n_pos - 1} = answer)"
-        plots = [
-            Plot(
+        ticks, shared = position_labels(records, offsets)
+        xlabel = "position: offset from the answer position (0)" + (
+            " and the clean token there" if shared else ""
+        )
+        columns = (
+            "Columns count back from the answer position (0); a token under an offset is the "
+            "clean prompt's token there, shown where every pair has the same one."
+        )
+        metric_unit = "logits" if self.metric == "logit_diff" else "probability"
+
+        def heatmap(name: str, title: str, rows: int, **spec: Any) -> Plot:
+            return Plot(
                 "heatmap",
-                f"patch_{site}",
-                f"Patching {site} ({self.metric})",
-                f"patch_{site}",
+                name,
+                title,
+                name,
+                xticklabels=ticks,
+                extent=(-(n_pos - 1) - 0.5, 0.5, -0.5, rows - 0.5),
                 xlabel=xlabel,
-                ylabel="layer",
+                **spec,
+            )
+
+        plots = [
+            heatmap(
+                f"patch_{site}",
+                f"Activation patching of {site}",
+                L,
+                ylabel="layer l (block)" if site != "resid_pre" else "layer l (h_l = resid_pre)",
+                clabel="score (0 = corrupt, 1 = clean)",
+                signed=True,
+                caption=f"A clean activation patched into the corrupt run: score = (m − m_corrupt)"
+                f" / (m_clean − m_corrupt), m = {self.metric}; mean over pairs. {columns}",
             )
             for site in self.sites
         ]
         if "erasure" in maps:
             plots.append(
-                Plot(
-                    "heatmap",
+                heatmap(
                     "erasure",
-                    "Residual erasure ||p - p~||",
-                    "erasure",
-                    xlabel=xlabel,
-                    ylabel="residual h_l",
+                    "Residual erasure: h_l(t) replaced by its mean",
+                    L + 1,
+                    ylabel="residual state h_l",
+                    clabel="‖p − p̃‖₂ (0 to √2)",
+                    caption="Change of the output distribution at the answer position; mean over "
+                    f"pairs. {columns}",
                 )
             )
         if "ig" in maps:
             plots.append(
-                Plot(
-                    "heatmap",
+                heatmap(
                     "ig",
-                    f"Integrated gradients ({self.metric})",
-                    "ig",
-                    xlabel=xlabel,
-                    ylabel="layer output h_l",
+                    "Integrated gradients per residual state",
+                    L + 1,
+                    ylabel="residual state h_l",
+                    clabel=f"attribution ({metric_unit})",
+                    signed=True,
+                    caption=f"Attribution of {self.metric} to h_l(t), baseline: the prompt's mean "
+                    f"of h_l; mean over pairs. {columns}",
                 )
             )
         modes = state.get("intervention", frozenset()) | state.get(
