@@ -36,7 +36,8 @@ bench: setup
 	$(BIN)/python bench/bench_distributed.py --tokens 8192 --json bench/distributed_cpu.json
 
 # docs/findings.md and its figures, measured from scratch (trains the toy models it needs that are not
-# cached, runs every analysis and the teacher-student cpu preset; the run time is in the document).
+# cached and runs every analysis; the teacher-student row reads the cpu preset's run recorded in
+# bench/teacher_student_cpu.json, `python docs/findings.py --rerun-teacher-student` trains it again).
 findings: setup
 	HF_HUB_OFFLINE=1 MPLBACKEND=Agg $(BIN)/python docs/findings.py
 

@@ -63,7 +63,47 @@ def test_other_rules(findings: ModuleType) -> None:
     assert f.teacher_student_verdict((0.6, 0.5, 0.7), (0.4, 0.2, 0.6)) == f.NOT
 
 
-def test_tiny_run_writes_every_finding(findings: ModuleType, tmp_path: Path) -> None:
+def test_teacher_student_row_reads_the_recorded_trial(
+    findings: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The full document's teacher–student row reads the bench record whose settings are the
+    preset's and refits α_ℓ from its test losses (exact power laws here: α_ℓ = 1 and 2)."""
+    import dataclasses
+
+    from lensdiv.studies.teacher_student import TeacherStudentConfig
+
+    config = TeacherStudentConfig.preset("fast")
+    depths = config.depths
+    record = {
+        "trial": "T9",
+        "date": "2026-01-01 00:00",
+        "config": json.loads(json.dumps(dataclasses.asdict(config))),
+        "test_loss": {
+            "independent ρ=0, T=1": {str(d): 0.1 / d for d in depths},
+            "tied ρ=1, T=1": {str(d): 0.1 / d**2 for d in depths},
+        },
+        "cpu_seconds": 12.0,
+        "wall_seconds": 34.0,
+    }
+    other = dict(record, trial="T8", config=dict(record["config"], steps=1))
+    path = tmp_path / "trials.json"
+    path.write_text(json.dumps({"T8": other, "T9": record}))
+    monkeypatch.setattr(findings, "ROOT", tmp_path)
+    sizes = dataclasses.replace(findings.TINY, preset="fast", teacher_student={},
+                                teacher_student_record="trials.json")  # fmt: skip
+    row = findings.teacher_student(sizes, tmp_path)
+    alphas = [f["alpha"] for f in row.values["alpha"]]
+    assert alphas == pytest.approx([1.0, 2.0])
+    assert row.verdict == findings.REPRODUCED and "trial T9" in row.toy
+    assert (tmp_path / row.figure).is_file()
+    with pytest.raises(SystemExit, match="no trial with the settings of preset 'paper'"):
+        findings.teacher_student_record(path, "paper")
+
+
+def test_tiny_run_writes_every_finding(
+    findings: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LENSDIV_TOY_STEPS", "4")  # five toy models: the mechanics, not the science
     written = findings.main(["--tiny", "--out", str(tmp_path)])
     keys = list(findings.MEASUREMENTS)
     assert [f.key for f in written] == keys
@@ -87,4 +127,4 @@ def test_tiny_run_writes_every_finding(findings: ModuleType, tmp_path: Path) -> 
     accuracy = by_key["depth_score"]["values"]["accuracy"]
     assert f"accuracy {accuracy[0]:.0%}" in doc
     assert record["sizes"]["preset"] == "fast" and record["run"]["cpu_seconds"] > 0
-    assert f"took {record['run']['wall_seconds'] / 60:.0f} min of wall time" in doc
+    assert f"took {findings.duration(record['run']['wall_seconds'])} of wall time" in doc

@@ -204,6 +204,26 @@ def test_paper_preset_is_the_source_recipe() -> None:
     assert mse.depth_scaled_lr and mse.decay == 0.2
 
 
+def test_cpu_preset_is_a_recorded_trial() -> None:
+    """``--preset cpu`` is the trial of ``bench/teacher_student_cpu.json`` that docs/findings.md
+    quotes: the same settings, with α_ℓ and its interval refitted from its recorded losses."""
+    import dataclasses
+    import json
+
+    bench = Path(__file__).resolve().parents[1] / "bench" / "teacher_student_cpu.json"
+    config = TeacherStudentConfig.preset("cpu")
+    wanted = json.loads(json.dumps(dataclasses.asdict(config)))
+    (record,) = [r for r in json.loads(bench.read_text()).values() if r["config"] == wanted]
+    for label, fit in record["alpha"].items():
+        losses = {int(d): v for d, v in record["test_loss"][label].items()}
+        refit = fit_depth_exponent(sorted(losses), [losses[d] for d in sorted(losses)])
+        assert (refit.alpha, refit.ci_low, refit.ci_high) == pytest.approx(
+            (fit["alpha"], fit["ci_low"], fit["ci_high"]), abs=1e-4
+        )
+    # Its own depths (cheaper per input than the source's); the other settings' defaults.
+    assert config.depths == (2, 4, 6, 8, 12, 16) and config.teacher_depth == 128
+
+
 def test_cli_writes_result(tmp_path: Path) -> None:
     out = tmp_path / "ts"
     result = invoke(

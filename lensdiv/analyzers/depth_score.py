@@ -396,6 +396,13 @@ class DepthScore(Analyzer):
                 f" From {grades[0]} to {grades[-1]} it moves by {change:+.2f} blocks "
                 f"({100 * change / max(L - 1, 1):+.0f}% of the depth; slope {slope:+.2f} per grade)."
             )
+        if state.get("tasks") == "kb":
+            summary += (
+                " Queries: 2–4-hop chains of the training split (in-distribution: what the model "
+                "knows, not compositional generalisation)."
+                if self.chains == "seen"
+                else " Queries: held-out 2–4-hop chains (compositional generalisation)."
+            )
         return Result(
             analyzer=self.name,
             summary=summary,

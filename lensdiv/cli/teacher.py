@@ -27,8 +27,10 @@ def teacher_student(
     preset: Annotated[
         str,
         typer.Option(
-            help="fast (4 minutes on one CPU core; deep students not yet converged) or paper "
-            "(the source's 40k steps of 1024: hours, a GPU)."
+            help="fast (4 minutes on one CPU core: a smoke run, students not converged), cpu "
+            "(about 15 minutes on 2 busy cores; students of depth 2-16, the best found at that "
+            "budget, see bench/README.md) or paper (the source's 40k steps of 1024: hours, a "
+            "GPU)."
         ),
     ] = "fast",
     rho: Annotated[
@@ -64,7 +66,7 @@ def teacher_student(
 
     An independent teacher (rho 0) should give α_ℓ ≈ 1, a tied one (rho 1) a steeper slope.
 
-    Example: lensdiv teacher-student --preset fast --rho 0,1 --temperature 1 --out ts-out
+    Example: lensdiv teacher-student --preset cpu --rho 0,1 --temperature 1 --out ts-out
     """
     # start-up: torch and the study (which imports torch) load only when the command runs.
     import torch

@@ -17,6 +17,20 @@ PRESETS: dict[str, dict[str, Any]] = {
     # source's inputs, so the students are still improving (most of all the deep ones). A full
     # linear decay and a lower rate than 3e-3 gave the largest α_ℓ at this budget.
     "fast": {"steps": 1800, "batch_size": 128, "lr": 2e-3, "decay": 1.0, "test_size": 4096},
+    # The best of the trials of bench/teacher_student_cpu.py within about 300 CPU seconds
+    # (15 minutes of wall time on 2 busy cores; trial T2): 1.28 M inputs to students of depth
+    # 2-16, about a third of the cost per input of depths 6-48. The tied teacher's α_ℓ comes out
+    # steeper than the independent one's with non-overlapping intervals, but the independent
+    # teacher's stays well below 1 (0.58); with the source's depths 6-48 no trial at this budget
+    # gave a steeper tied teacher (its deep students stall). bench/README.md has every trial.
+    "cpu": {
+        "steps": 5000,
+        "batch_size": 256,
+        "lr": 2e-3,
+        "decay": 1.0,
+        "test_size": 4096,
+        "depths": (2, 4, 6, 8, 12, 16),
+    },
 }
 # The source's MSE runs (exp-9-2): learning rate 6e-4 · 2/√ℓ, linear decay over the last 20 %.
 _PAPER_MSE = {"depth_scaled_lr": True, "decay": 0.2}
@@ -70,7 +84,7 @@ class TeacherStudentConfig:
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> TeacherStudentConfig:
-        """The ``fast`` or ``paper`` settings, with ``overrides`` applied on top.
+        """The ``fast``, ``cpu`` or ``paper`` settings, with ``overrides`` applied on top.
 
         ``paper`` is the source's KL run (exp-9-1), or with ``objective="mse"`` its MSE run
         (exp-9-2: depth-scaled learning rate, decayed over the last 20 % of the steps).
