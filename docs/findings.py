@@ -4,8 +4,10 @@
     python docs/findings.py --tiny --out /tmp/f   # the mechanics at tiny sizes (what the test runs)
 
 Every number in the document is measured by this script through lensdiv's public API (toy models
-are trained on first use and cached like any other use), every figure is drawn by it, and every
-verdict follows from a rule stated beside it (``RULES``). The papers' own results, in the column
+are trained on first use and cached like any other use) — except the teacher–student test losses,
+which it reads from the run of the ``cpu`` preset recorded by ``bench/teacher_student_cpu.py``
+(about 15 minutes of training; ``--rerun-teacher-student`` trains it here) and fits α_ℓ to —
+every figure is drawn by it, and every verdict follows from a rule stated beside it (``RULES``). The papers' own results, in the column
 "paper", are quoted from the papers (or from their authors' code where it names the figure) and
 are the only text here that is not measured. ``findings.json`` beside the document holds the
 measured values, settings and seeds.
@@ -899,8 +901,9 @@ def render(findings: list[Finding], run: dict[str, Any]) -> str:
         "([SCIENCE.md](../../shared/SCIENCE.md)): what the paper reports, what lensdiv measures "
         "on its toy zoo and on the scaling data, the command that measures it, and whether the "
         "finding is reproduced. Every number and figure below was measured by "
-        "[`docs/findings.py`](findings.py) through lensdiv's public API; every verdict follows "
-        "from the rule given in its section. The papers: A — Csordás, Manning, Potts, *Do "
+        "[`docs/findings.py`](findings.py) through lensdiv's public API (the teacher–student "
+        "row's test losses as said below); every verdict follows from the rule given in its "
+        "section. The papers: A — Csordás, Manning, Potts, *Do "
         "Language Models Use Their Depth Efficiently?* (NeurIPS 2025); B — Kamigaito et al., "
         "*Diversity of Transformer Layers: One Aspect of Parameter Scaling Laws* (2025); C — "
         "Liu, Kangaslahti, Liu, Gore, *Inverse Depth Scaling From Most Layers Being Similar* "
