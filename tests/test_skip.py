@@ -80,14 +80,17 @@ def test_resumer_reproduces_the_clean_pass_from_every_layer(model: Any) -> None:
         logits = resumer.run(step.batch.tokens, start, step.resid(start))
         torch.testing.assert_close(logits, step.logits, atol=1e-5, rtol=1e-5)
     assert resumer.mode == "resume"
-    # The direct readout (final norm + unembedding) is the model's own output head.
+    # The readout (decomposed final norm + unembedding, float32) is the model's own output head,
+    # as TransformerLens' chunked readout is.
+    from transformer_lens.tools.analysis.logit_lens import logit_readout
+
     L = step.info.n_layers
-    assert resumer._direct_readout
-    torch.testing.assert_close(resumer.readout(step.resid(L)[0]), step.logits[0])
-    resumer._direct_readout = False  # TransformerLens' chunked readout agrees too
-    torch.testing.assert_close(
-        resumer.readout(step.resid(L)[0]), step.logits[0], atol=1e-5, rtol=1e-5
-    )
+    assert resumer.readout_error is not None and resumer.readout_error < 1e-5
+    ours = resumer.readout(step.resid(L)[0])
+    assert ours.dtype == torch.float32
+    torch.testing.assert_close(ours, step.logits[0], atol=1e-5, rtol=1e-5)
+    theirs = logit_readout(model, step.resid(L)[0][None], return_type="logits").values[0]
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
 
 
 def test_rerun_fallback_is_exact(model: Any) -> None:

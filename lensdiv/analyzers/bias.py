@@ -47,6 +47,7 @@ from lensdiv.core.errors import DataError
 from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
 from lensdiv.data.sources import read_task_jsonl
+from lensdiv.ops.readout import log_partition
 from lensdiv.ops.members import (
     final_readout,
     keep_chunks,
@@ -152,8 +153,8 @@ def ce_terms(f: Float[Tensor, "member n vocab"], y: Int[Tensor, " n"]) -> dict[s
     :func:`direct_decomposition`'s ``ce``, ``kl``, ``ce_ens``, ``correct``, ``correct_ens``.
     """
     z = f.mean(0)
-    lse_f = torch.logsumexp(f, -1).double()
-    lse_z = torch.logsumexp(z, -1).double()
+    lse_f = log_partition(f)
+    lse_z = log_partition(z)
     p = torch.softmax(z, -1)
     pf = torch.einsum("mnv,nv->mn", f, p).double()
     pz = (p * z).sum(-1).double()

@@ -28,6 +28,10 @@ from lensdiv.core.errors import OptionError
 
 # Options of `analyze` and `compare` alone.
 MaxTokens = Annotated[int, typer.Option(help="Stop after this many tokens.")]
+Threads = Annotated[
+    int | None,
+    typer.Option(help="Torch threads for this run (recorded in the manifest). Default: torch's."),
+]
 Seed = Annotated[int, typer.Option(help="Random seed (recorded in every result).")]
 
 
@@ -56,6 +60,7 @@ def analyze(
     out: Annotated[Path | None, out_option("MODEL-TIME")] = None,
     device: Device = None,
     dtype: Dtype = None,
+    threads: Threads = None,
     seed: Seed = 0,
     trust_remote_code: TrustRemoteCode = False,
     progress: Progress = True,
@@ -101,6 +106,7 @@ def analyze(
             bos=bos,
             device=device,
             dtype=dtype,
+            threads=threads,
             seed=seed,
             trust_remote_code=trust_remote_code,
             progress=progress,

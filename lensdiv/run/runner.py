@@ -16,13 +16,14 @@ from typing import Any
 from rich.jupyter import JupyterMixin
 
 from lensdiv.core.analyzer import Analyzer, Batch, ModelInfo
-from lensdiv.core.errors import LensdivError, ResultError
+from lensdiv.core.errors import LensdivError, OptionError, ResultError
 from lensdiv.core.progress import progress_bar
 from lensdiv.core.provenance import versions
 from lensdiv.core.registry import make_analyzers
 from lensdiv.core.results import Result, write_json_atomic
 from lensdiv.data.sources import DataSpec, check_source, token_batches
 from lensdiv.models.load import load_model
+from lensdiv.ops.readout import readout_dtype
 from lensdiv.run.engine import Engine, check_hooks, input_device
 
 MANIFEST = "manifest.json"
@@ -75,6 +76,7 @@ def analyze(
     bos: str = "prepend",
     device: Any = None,
     dtype: Any = None,
+    threads: int | None = None,
     seed: int = 0,
     trust_remote_code: bool = False,
     progress: bool = True,
@@ -90,7 +92,11 @@ def analyze(
         options: ``{analyzer: {option: value}}``.
         seq_len, max_tokens, batch_size, field, split, bos: How data is read and packed
             (see :class:`DataSpec`); ignored when ``data`` is a ``DataSpec``.
-        device, dtype: Where and in which precision the model runs.
+        device, dtype: Where and in which precision the model runs (residual states are read
+            out in float32 whatever the dtype, float64 for a float64 model: see the README's
+            precision policy).
+        threads: Set torch's intra-op threads (``torch.set_num_threads``, for this process)
+            before the run; ``None`` keeps torch's setting. Recorded in the manifest.
         seed: Seeds torch and the built-in corpus; recorded in every result.
         trust_remote_code: Allow hub models with custom code.
         progress: Show a progress bar with tokens/s.
@@ -104,6 +110,10 @@ def analyze(
     import torch
 
     started = time.time()
+    if threads is not None:
+        if threads < 1:
+            raise OptionError(f"threads must be at least 1, got {threads}")
+        torch.set_num_threads(threads)
     analyzers = make_analyzers(plugins, {k: dict(v) for k, v in (options or {}).items()})
     if isinstance(data, DataSpec):
         spec = data
@@ -149,7 +159,11 @@ def analyze(
             "parallel_residual": info.parallel_residual,
             "device": str(input_device(bridge)),
             "dtype": str(next(bridge.parameters()).dtype).replace("torch.", ""),
+            "readout_dtype": str(readout_dtype(next(bridge.parameters()).dtype)).replace(
+                "torch.", ""
+            ),
         },
+        "threads": torch.get_num_threads(),
         "data": dataclasses.asdict(spec),
         "seed": seed,
         "analyzers": {

@@ -1,0 +1,120 @@
+"""Benchmark: what does the logit lens cost against the arithmetic it cannot avoid (its floor)?
+
+The random 24-layer, d_model=1024 TL-native model of ``bench_fused.py`` (GPT-2 medium shape,
+50257-token vocabulary). On the same tokens, in one process, interleaved, best of ``--repeats``
+after a warm-up:
+
+- ``forward``: a plain forward pass (``model(tokens)``);
+- ``floor``: the floor of a full-vocabulary logit lens as issue 15 defines it: one forward pass
+  that caches the ``L + 1`` residual states, then for each state the model's final norm, the
+  unembedding matmul and one log-softmax (nothing else: no statistic is computed);
+- ``lens``: ``lensdiv``'s ``lens`` analyzer through ``analyze()`` (every statistic it reports);
+- ``fused``: ``lens,contrib,dynamics,bias`` in one run (their defaults).
+
+Targets (issue 15): lens ≤ 1.2 × floor and fused ≤ 1.5 × floor. ``--dtype bfloat16 --device
+cuda`` runs the same on a GPU (the floor then reads out in the model's dtype, as the issue's
+floor does; lensdiv reads out in float32) and reports tokens/s.
+
+    python bench/bench_floor.py [--tokens 1024 --repeats 2 --json bench/floor_cpu.json]
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from common import describe, model_parser, report
+
+from lensdiv import DataSpec, analyze
+from lensdiv.core.analyzer import ModelInfo
+from lensdiv.data.sources import token_batches
+from lensdiv.ops.capture import capture
+
+
+def build(args: Any) -> Any:
+    """The random model of ``common.build``, moved to ``--device`` and ``--dtype``."""
+    from common import build as build_cpu
+
+    model = build_cpu(args.layers, args.d_model, args.vocab)
+    return model.to(device=args.device, dtype=getattr(torch, args.dtype)).eval()
+
+
+def floor(model: Any, batches: list[Any]) -> Callable[[], None]:
+    """One caching forward, then per state: final norm, unembedding, one log-softmax."""
+    info = ModelInfo.from_model(model)
+    names = [info.resid(layer) for layer in range(info.n_layers + 1)]
+
+    def run() -> None:
+        for batch in batches:
+            _, cache = capture(model, batch.tokens, names, need_logits=False)
+            for name in names:
+                logits = model.ln_final(cache[name]) @ model.W_U + model.b_U
+                torch.log_softmax(logits, dim=-1)
+
+    return run
+
+
+def main() -> None:
+    parser = model_parser(__doc__, tokens=1024, batch_size=8, repeats=2)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.set_grad_enabled(False)
+    model = build(args)
+    spec = DataSpec(max_tokens=args.tokens, seq_len=args.seq_len, batch_size=args.batch_size)
+    batches = list(token_batches(spec, model.tokenizer))
+    for batch in batches:
+        batch.tokens, batch.mask = batch.tokens.to(args.device), batch.mask.to(args.device)
+    tokens = sum(b.n_tokens for b in batches)
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    timings: dict[str, dict[str, float]] = {}
+
+    def forward() -> None:
+        for batch in batches:
+            model(batch.tokens)
+
+    def run(plugins: str) -> Callable[[], None]:
+        def go() -> None:
+            result = analyze(model, data=spec, plugins=plugins, progress=False)
+            assert result.ok, result.errors
+            timings[plugins] = dict(result.manifest["timings"])
+
+        return go
+
+    fused = "lens,contrib,dynamics,bias"
+    cases = {"forward": forward, "floor": floor(model, batches), "lens": run("lens"), "fused": run(fused)}
+    for fn in cases.values():  # warm-up: lazy imports, first-call allocations, per-model checks
+        fn()
+    best = {name: float("inf") for name in cases}
+    for _ in range(args.repeats):
+        for name, fn in cases.items():
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    report(
+        {
+            **describe(args),
+            "device": device,
+            "dtype": args.dtype,
+            "batch_size": args.batch_size,
+            "seconds": {k: round(v, 3) for k, v in best.items()},
+            "tokens_per_s": {k: round(tokens / v, 1) for k, v in best.items()},
+            "floor_over_forward": round(best["floor"] / best["forward"], 3),
+            "lens_over_floor": round(best["lens"] / best["floor"], 3),
+            "fused_over_floor": round(best["fused"] / best["floor"], 3),
+            "last_run_timings": timings,
+        },
+        args.json,
+    )
+
+
+if __name__ == "__main__":
+    main()
