@@ -24,9 +24,11 @@ if TYPE_CHECKING:
     from lensdiv.core.stats import Stats as Stats
     from lensdiv.data.sources import DataSpec as DataSpec
     from lensdiv.models.load import load_model as load_model
+    from lensdiv.ops.prompt import prompt_view as prompt_view
     from lensdiv.run.runner import Run as Run
     from lensdiv.run.runner import analyze as analyze
     from lensdiv.run.runner import load_run as load_run
+    from lensdiv.view.prompt import PromptView as PromptView
 
 _EXPORTS = {
     "Analyzer": "lensdiv.core.analyzer",
@@ -45,6 +47,8 @@ _EXPORTS = {
     "analyze": "lensdiv.run.runner",
     "load_run": "lensdiv.run.runner",
     "Stats": "lensdiv.core.stats",
+    "prompt_view": "lensdiv.ops.prompt",
+    "PromptView": "lensdiv.view.prompt",
 }
 __all__ = sorted(_EXPORTS) + ["__version__"]
 

@@ -82,3 +82,24 @@ def model(arch: str, request: pytest.FixtureRequest) -> Any:
     if arch not in bridges:
         bridges[arch] = boot_tiny(arch, request.getfixturevalue("tiny_dirs")[arch])
     return bridges[arch].eval()
+
+
+# Every built-in analyzer, in the order the report shows them.
+ALL_ANALYZERS = ("lens", "contrib", "skip", "patch", "dynamics", "depth-score", "bias", "submod",
+                 "linmap")
+
+
+@pytest.fixture(scope="session")
+def full_run(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """One run of every built-in analyzer on the toy model, written to disk with its report.
+
+    Shared by the plot, report and browser tests: the figures, the page and the screenshots all
+    come from real results.
+    """
+    from lensdiv.run.runner import analyze
+
+    out = tmp_path_factory.mktemp("full_run")
+    return analyze("toy", plugins=",".join(ALL_ANALYZERS), out=out, max_tokens=512, seq_len=64,
+                   batch_size=4, progress=False,
+                   options={"patch": {"ig_steps": 8}, "depth-score": {"per_grade": 4},
+                            "submod": {"samples": 8}})

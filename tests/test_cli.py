@@ -201,7 +201,8 @@ def test_help_does_not_import_heavy_modules() -> None:
 
 
 def test_help_has_examples() -> None:
-    for args in (["--help"], ["analyze", "--help"], ["report", "--help"], ["plugins", "list", "--help"]):
+    for args in (["--help"], ["analyze", "--help"], ["report", "--help"], ["lens", "--help"],
+                 ["plugins", "list", "--help"]):
         result = invoke(*args)
         assert result.exit_code == 0
         assert "Example" in result.output

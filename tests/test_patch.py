@@ -31,7 +31,7 @@ from lensdiv.ops.resume import Resumer
 from lensdiv.run.engine import Engine
 from lensdiv.run.runner import analyze
 from tests.test_cli import assert_user_error, invoke
-from tests.test_core import assert_results_equal
+from tests.helpers import assert_results_equal
 
 SITES = ("resid_pre", "attn_out", "mlp_out")
 

@@ -10,6 +10,7 @@ removal, a full re-run per subset with plain TransformerLens hooks.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 from typing import Any
@@ -17,26 +18,27 @@ from typing import Any
 import pytest
 import torch
 
-from lensdiv.analyzers.submod import (
-    Submodularity,
+from lensdiv.analyzers.submod import Submodularity
+from lensdiv.analyzers.submod.setfunction import (
     curve,
-    direct_scores,
     greedy_order,
     greedy_round_masks,
     log_fit,
     make_plan,
-    removal_scores,
     sample_nested,
     set_function_stats,
     units_mask,
 )
 from lensdiv.core.analyzer import Batch, ModelInfo, Step
-from lensdiv.core.stats import Stats
 from lensdiv.data.sources import DataSpec, token_batches
 from lensdiv.ops.capture import capture
 from lensdiv.ops.members import member_hooks
 from lensdiv.ops.resume import Resumer
+from lensdiv.ops.subsets import direct_scores, removal_scores
+from lensdiv.run.engine import Engine
 from lensdiv.run.runner import analyze
+from lensdiv.testing.contract import assert_results_close, assert_states_close
+from lensdiv.testing.models import boot_native_tiny
 from tests.helpers import assert_results_equal
 
 ARCHS = ["gpt2", "llama", "neox", "native"]
@@ -325,37 +327,92 @@ def test_removal_scores_match_a_naive_full_rerun(model: Any, metric: str) -> Non
 SPEC = DataSpec(max_tokens=160, seq_len=20, batch_size=4)
 
 
-def run_state(analyzer: Submodularity, model: Any, batches: list[Batch], passes: int) -> Stats:
-    info = ModelInfo.from_model(model)
-    state = analyzer.init(info)
-    for index in range(passes):
-        if index:
-            analyzer.start_pass(state, info, index)
-        for batch in batches:
-            logits, cache = capture(model, batch.tokens, analyzer.hooks(info), need_logits=False)
-            step = Step(batch, cache, logits, model, info, pass_index=index)
-            analyzer.update(state, step)
-    return state
+@pytest.fixture(scope="module")
+def deep_model() -> Any:
+    """A TL-native tiny model with 5 blocks: in removal mode greedy step 2 (pass 1) and 3
+    (pass 2) have candidates the first pass did not measure (with 3 blocks every later
+    candidate is a leave-one-out set, measured in pass 0)."""
+    return boot_native_tiny(n_layers=5)
+
+
+def copies(batches: list[Batch]) -> list[Batch]:
+    """The engine moves a batch's tensors in place: give it shallow copies."""
+    return [dataclasses.replace(b, extra=dict(b.extra)) for b in batches]
 
 
 @pytest.mark.parametrize("mode", ["direct", "removal"])
-def test_shards_merge_into_one_pass(native_model: Any, mode: str) -> None:
-    analyzer = Submodularity(mode=mode, samples=16, greedy=1)
-    batches = list(token_batches(SPEC, native_model.tokenizer))
+def test_shards_merge_into_one_pass(deep_model: Any, mode: str) -> None:
+    """Two shards, pass by pass as a sharded run goes (the Engine freezes what earlier passes
+    wrote and calls start_pass on the merged state; each shard of a later pass starts from a copy
+    of it), finalize to the result of one run over all batches: counts exact, floats 1e-6."""
+    info = ModelInfo.from_model(deep_model)
+    analyzer = Submodularity(mode=mode, samples=2, greedy=4)
+    batches = list(token_batches(SPEC, deep_model.tokenizer))
     assert len(batches) == 2
-    info = ModelInfo.from_model(native_model)
-    whole = run_state(analyzer, native_model, batches, 1)
-    merged = run_state(analyzer, native_model, batches[:1], 1).merge(
-        run_state(analyzer, native_model, batches[1:], 1)
-    )
-    torch.testing.assert_close(merged["F0"], whole["F0"], rtol=1e-12, atol=1e-9)
-    assert float(merged["n"]) == float(whole["n"])
+    engine = Engine(deep_model, info, [analyzer])
+    # Greedy steps 2..4 need a pass each, except a step among the leave-one-out sets (step K-1,
+    # measured in pass 0): removal mode's 5 blocks make step 4 that one.
+    assert engine.n_passes == (4 if mode == "direct" else 3)
+    name = analyzer.name
+    whole, merged = analyzer.init(info), analyzer.init(info)
+    for index in range(engine.n_passes):
+        engine.begin_pass(index, {name: whole})
+        if index:
+            engine.begin_pass(index, {name: merged})
+            assert whole.frozen == set(whole.names()) == set(merged.names()) == merged.frozen
+        before = set(whole.names())
+        engine.feed(index, copies(batches), {name: whole})
+        halves = []
+        for part in (batches[:1], batches[1:]):
+            shard = merged.copy()
+            engine.feed(index, copies(part), {name: shard})
+            halves.append(shard)
+        # A write to an entry of a finished pass raises StateError: the engine drops the analyzer.
+        assert not engine.failures, engine.failures
+        merged = halves[0].merge(halves[1])
+        assert_states_close(merged, whole, rtol=1e-6, what=f"{mode}, pass {index}")
+        assert torch.equal(merged["n"], whole["n"])  # positions: exact
+        new = set(whole.names()) - before
+        if index == 0:
+            assert new == {"n", "F0"} | ({"resume"} if mode == "removal" else set())
+            torch.testing.assert_close(merged["F0"], whole["F0"], rtol=1e-12, atol=1e-9)
+            assert {k: whole.kind(k) for k in new} == {k: "sum" for k in ("n", "F0")} | (
+                {"resume": "set"} if mode == "removal" else {}
+            )
+        elif f"round{index + 1}" in new:  # the step had candidates pass 0 did not measure
+            assert new == {f"round{index + 1}"} | (
+                {f"resume{index + 1}"} if mode == "removal" else set()
+            )
+            assert whole.kind(f"round{index + 1}") == "sum"
+        else:
+            assert new == set()
+    assert {f"round{i}" for i in (2, 3)} <= set(whole.names())  # later passes really measured
     a, b = analyzer.finalize(merged, info), analyzer.finalize(whole, info)
-    for name in ("prefix", "greedy", "units"):
+    assert_results_close(a, b, rtol=1e-6, what=f"{mode}: merged halves")
+    for table in ("prefix", "greedy", "units"):
+        column = "F" if table != "units" else "alone"
         torch.testing.assert_close(
-            torch.tensor(a.tables[name]["F" if name != "units" else "alone"]),
-            torch.tensor(b.tables[name]["F" if name != "units" else "alone"]),
+            torch.tensor(a.tables[table][column]), torch.tensor(b.tables[table][column])
         )
+    assert a.meta["greedy_order"] == b.meta["greedy_order"]
+    assert a.meta["positions"] == b.meta["positions"] == int(float(whole["n"]))
+    assert a.meta["resume"] == b.meta["resume"] == ("resume" if mode == "removal" else None)
+
+
+def test_resume_mode_is_recorded_once_decided(native_model: Any) -> None:
+    """A batch with no position to score decides nothing; it must not record a mode."""
+    info = ModelInfo.from_model(native_model)
+    analyzer = Submodularity(mode="removal", samples=4, greedy=1)
+    batches = list(token_batches(SPEC, native_model.tokenizer))
+    empty = dataclasses.replace(batches[0], mask=torch.zeros_like(batches[0].mask))
+    engine = Engine(native_model, info, [analyzer])
+    state = analyzer.init(info)
+    engine.feed(0, [empty], {analyzer.name: state})
+    assert "resume" not in state and float(state["n"]) == 0
+    engine.feed(0, copies(batches), {analyzer.name: state})
+    assert not engine.failures, engine.failures
+    assert state["resume"] == {"resume"}
+    assert analyzer.finalize(state, info).meta["resume"] == "resume"
 
 
 def test_greedy_over_passes_equals_greedy_on_every_subset(native_model: Any) -> None:
@@ -404,13 +461,14 @@ def test_end_to_end_both_modes(native_model: Any, tmp_path: Any) -> None:
     assert len(direct.tables["greedy"]) == 3  # F(∅) and two greedy steps
     assert (tmp_path / "submod" / "submod_prefix.png").is_file()
     analyzer = Submodularity(mode="removal", samples=8, greedy=5)
-    assert analyzer.n_passes(info) == min(5, info.n_layers - 1)  # no idle passes
+    assert analyzer.n_passes(info) == max(1, min(5, info.n_layers - 2))  # no idle passes
     removal = analyze(native_model, data=SPEC, plugins=[analyzer], progress=False)["submod"]
     assert removal.meta["resume"] == "resume"
     assert len(removal.tables["greedy"]) == info.n_layers + 1  # complete: the last is forced
     assert removal.table()["F"][-1] == pytest.approx(-model_ce, abs=1e-5)
     assert removal.meta["options"]["mode"] == "removal"
-    stats = dict(zip(removal.tables["fit"]["statistic"], removal.tables["fit"]["value"],
-                     strict=True))
+    stats = dict(
+        zip(removal.tables["fit"]["statistic"], removal.tables["fit"]["value"], strict=True)
+    )
     assert 0 <= stats["violation_rate"] <= 1
     assert_results_equal(type(removal).from_json(removal.to_json()), removal)

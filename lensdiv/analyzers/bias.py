@@ -500,8 +500,10 @@ class BiasDiversity(Analyzer):
                 "depth",
                 x="layer",
                 y=("bias", "diversity", "ensemble_loss"),
-                xlabel="prefix ensemble up to h_l",
-                ylabel="squared error",
+                xlabel="residual state h_l (prefix ensemble of the members before it)",
+                ylabel="squared error (logits²)",
+                caption="Ensemble loss = bias − diversity (Krogh–Vedelsby), for the members "
+                "written before h_l.",
             ),
             Plot(
                 "line",
@@ -510,8 +512,8 @@ class BiasDiversity(Analyzer):
                 "members",
                 x="member",
                 y=("sq_bias", "sq_diversity"),
-                xlabel="member (0 = embed, then attn/mlp per block)",
-                ylabel="contribution",
+                xlabel="member i (0 = embedding, then attention and MLP of each block)",
+                ylabel="squared error (logits²)",
             ),
             Plot(
                 "line",
@@ -520,8 +522,8 @@ class BiasDiversity(Analyzer):
                 "members",
                 x="member",
                 y=("ce_bias", "ce_diversity"),
-                xlabel="member (0 = embed, then attn/mlp per block)",
-                ylabel="nats",
+                xlabel="member i (0 = embedding, then attention and MLP of each block)",
+                ylabel="cross-entropy, KL (nats)",
             ),
         ]
         if ce_depth:
@@ -533,8 +535,8 @@ class BiasDiversity(Analyzer):
                     "depth",
                     x="layer",
                     y=("ce_bias", "ce_diversity", "ce_loss"),
-                    xlabel="prefix ensemble up to h_l",
-                    ylabel="nats",
+                    xlabel="residual state h_l (prefix ensemble of the members before it)",
+                    ylabel="cross-entropy, KL (nats)",
                 )
             )
         return Result(

@@ -121,8 +121,10 @@ class Contribution(Analyzer):
                     "contrib",
                     x="layer",
                     y=RATIOS,
-                    xlabel="layer",
-                    ylabel="||write|| / ||residual||",
+                    xlabel="block l",
+                    ylabel="‖write‖ / ‖residual‖ (ratio)",
+                    caption="r_attn = ‖a_l‖/‖h_l‖, r_mlp = ‖m_l‖/‖h_l + a_l‖, "
+                    "r_block = ‖a_l + m_l‖/‖h_l‖; means over positions.",
                 ),
                 Plot(
                     "line",
@@ -131,8 +133,11 @@ class Contribution(Analyzer):
                     "contrib",
                     x="layer",
                     y=COSINES,
-                    xlabel="layer",
-                    ylabel="cosine",
+                    xlabel="block l",
+                    ylabel="cosine (−1 to 1)",
+                    signed=True,
+                    caption="Cosine of each write with the residual it is added to "
+                    "(< 0: the write erases part of the residual).",
                 ),
                 Plot(
                     "line",
@@ -141,8 +146,8 @@ class Contribution(Analyzer):
                     "contrib",
                     x="layer",
                     y=tuple(f"norm_{k}_mean" for k in NORMS),
-                    xlabel="layer",
-                    ylabel="L2 norm",
+                    xlabel="block l",
+                    ylabel="mean L2 norm (log scale)",
                     logy=True,
                 ),
             ),

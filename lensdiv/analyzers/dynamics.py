@@ -346,75 +346,108 @@ class Dynamics(Analyzer):
                 "theta_update_hist": (state["theta_update_hist"] / max(n, 1.0)).T.tolist(),
                 "pca_components": components,
             },
-            plots=_PLOTS,
+            plots=_plots(L, self.bins, len(ratios)),
             meta=meta,
         )
 
 
 _KEYS = ("theta", "theta_update", "norm", "update", "rel_update", "to_final", "progress")
 
-_PLOTS = (
-    Plot(
-        "line",
-        "dynamics_angles",
-        "Rotation per block and angle between neighbouring updates",
-        "updates",
-        x="block",
-        y=("theta", "theta_update"),
-        xlabel="block l",
-        ylabel="radians",
-    ),
-    Plot(
-        "line",
-        "dynamics_updates",
-        "Relative update size per block",
-        "updates",
-        x="block",
-        y=("rel_update",),
-        xlabel="block l",
-        ylabel="|Δ_l| / |h_l|",
-    ),
-    Plot(
-        "line",
-        "dynamics_progress",
-        "Chord progress and angle to the final state",
-        "states",
-        x="layer",
-        y=("progress", "to_final"),
-        xlabel="residual state h_l",
-        ylabel="s_l / radians",
-    ),
-    Plot(
-        "line",
-        "dynamics_norm",
-        "Residual norm",
-        "states",
-        x="layer",
-        y=("norm",),
-        xlabel="residual state h_l",
-        ylabel="|h_l|",
-        logy=True,
-    ),
-    Plot(
-        "line",
-        "dynamics_last_block_lens",
-        "Last-block lens: loss of h_l through the final block",
-        "updates",
-        x="block",
-        y=("last_block_lens_ce",),
-        xlabel="input state h_l",
-        ylabel="next-token CE (nats)",
-    ),
-    Plot(
-        "heatmap",
-        "dynamics_theta_hist",
-        "θ_l by block (row k: angles in [k, k+1)·π/bins; 90 bins = 2° each)",
-        "theta_hist",
-    ),
-    Plot(
-        "heatmap", "dynamics_pca", "Angle-profile PCA loadings (rows: components)", "pca_components"
-    ),
-)
+
+def _plots(n_layers: int, bins: int, components: int) -> tuple[Plot, ...]:
+    """The figures of a result (their axes depend on the depth, the bins and the components)."""
+    state_axis = "residual state h_l (0 = embedding, L = final)"
+    return (
+        Plot(
+            "line",
+            "dynamics_angles",
+            "Rotation per block and angle between neighbouring updates",
+            "updates",
+            x="block",
+            y=("theta", "theta_update"),
+            xlabel="block l",
+            ylabel="angle (rad; π/2 = orthogonal)",
+            caption="theta: θ_l = ∠(h_l, h_{l+1}); theta_update: ∠(Δ_l, Δ_{l+1}) (π/2 = "
+            "uncorrelated updates). Means over tokens.",
+        ),
+        Plot(
+            "line",
+            "dynamics_updates",
+            "Relative update size per block",
+            "updates",
+            x="block",
+            y=("rel_update",),
+            xlabel="block l",
+            ylabel="‖Δ_l‖ / ‖h_l‖ (ratio)",
+        ),
+        Plot(
+            "line",
+            "dynamics_progress",
+            "Chord progress along depth",
+            "states",
+            x="layer",
+            y=("progress",),
+            xlabel=state_axis,
+            ylabel="chord progress s_l (0 = h_0, 1 = h_L)",
+            caption="s_l = ⟨h_l − h_0, h_L − h_0⟩ / ‖h_L − h_0‖²; mean over tokens.",
+        ),
+        Plot(
+            "line",
+            "dynamics_to_final",
+            "Angle to the final state",
+            "states",
+            x="layer",
+            y=("to_final",),
+            xlabel=state_axis,
+            ylabel="∠(h_l, h_L) (rad)",
+        ),
+        Plot(
+            "line",
+            "dynamics_norm",
+            "Residual norm",
+            "states",
+            x="layer",
+            y=("norm",),
+            xlabel=state_axis,
+            ylabel="‖h_l‖ (L2 norm, log scale)",
+            logy=True,
+        ),
+        Plot(
+            "line",
+            "dynamics_last_block_lens",
+            "Last-block lens: loss of h_l through the final block",
+            "updates",
+            x="block",
+            y=("last_block_lens_ce",),
+            xlabel="input state h_l",
+            ylabel="next-token cross-entropy (nats)",
+            caption="h_l pushed through the final block, the final norm and the unembedding; "
+            "at l = L − 1 this is the model's own loss.",
+        ),
+        Plot(
+            "heatmap",
+            "dynamics_theta_hist",
+            "Distribution of the rotation θ_l per block",
+            "theta_hist",
+            xlabel="block l",
+            ylabel="θ_l = ∠(h_l, h_{l+1}) (degrees)",
+            clabel=f"fraction of tokens (per {180 / bins:.3g}° bin)",
+            extent=(-0.5, n_layers - 0.5, 0.0, 180.0),
+        ),
+        Plot(
+            "heatmap",
+            "dynamics_pca",
+            "Angle-profile PCA loadings",
+            "pca_components",
+            xlabel="block l",
+            ylabel="principal component",
+            clabel="loading on θ_l (unit-vector component)",
+            signed=True,
+            yticklabels=tuple(f"PC{i + 1}" for i in range(components)),
+            caption="Rows: the leading principal components of the token × block angle "
+            "profiles θ_l (largest loading positive).",
+        ),
+    )
 
 
 def _histogram(values: Float[Tensor, "n k"], bins: int) -> Int[Tensor, "k bins"]:

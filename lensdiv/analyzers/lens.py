@@ -125,8 +125,10 @@ class LogitLens(Analyzer):
                     "lens",
                     x="layer",
                     y=("kl",),
-                    xlabel="residual state h_l",
-                    ylabel="KL (nats)",
+                    xlabel="residual state h_l (0 = embedding, L = final)",
+                    ylabel="KL(p_l ‖ p_out) (nats)",
+                    caption="p_l: h_l read through the final norm and unembedding; mean over "
+                    "positions. 0 at h_L by definition.",
                 ),
                 Plot(
                     "line",
@@ -135,8 +137,11 @@ class LogitLens(Analyzer):
                     "lens",
                     x="layer",
                     y=(f"top{self.top_k}_overlap", "top1_acc", "target_prob"),
-                    xlabel="residual state h_l",
-                    ylabel="fraction",
+                    xlabel="residual state h_l (0 = embedding, L = final)",
+                    ylabel="fraction (0 to 1)",
+                    caption=f"top{self.top_k}_overlap: share of the output's top {self.top_k} "
+                    "tokens in p_l's; top1_acc: p_l's top token is the true next token; "
+                    "target_prob: p_l of the true next token.",
                 ),
                 Plot(
                     "line",
@@ -145,8 +150,9 @@ class LogitLens(Analyzer):
                     "lens",
                     x="layer",
                     y=("ce", "entropy"),
-                    xlabel="residual state h_l",
-                    ylabel="nats",
+                    xlabel="residual state h_l (0 = embedding, L = final)",
+                    ylabel="cross-entropy, entropy (nats)",
+                    caption="ce: −log p_l(next token); entropy: H(p_l). Means over positions.",
                 ),
             ),
             meta={

@@ -457,18 +457,26 @@ class LinearMaps(Analyzer):
                 Plot(
                     "heatmap",
                     "linmap_r2",
-                    "R² of the affine map h_s (source) -> h_j (target)",
+                    "R² of the affine map h_s (source) → h_j (target)",
                     "r2",
-                    xlabel="target state j",
-                    ylabel="source state s",
+                    xlabel="target residual state j",
+                    ylabel="source residual state s",
+                    clabel="R² on held-out tokens (1 = exact)",
+                    caption="Hatched columns: target states not fitted (target_stride)."
+                    if len(cols) < n_tgt + 1
+                    else "",
                 ),
                 Plot(
                     "heatmap",
                     "linmap_rel_error",
-                    "Relative error ||ŷ - y|| / ||y||",
+                    "Relative error of the affine map h_s → h_j",
                     "rel_error",
-                    xlabel="target state j",
-                    ylabel="source state s",
+                    xlabel="target residual state j",
+                    ylabel="source residual state s",
+                    clabel="‖ŷ − y‖ / ‖y‖ (relative, 0 = exact)",
+                    caption="Hatched columns: target states not fitted (target_stride)."
+                    if len(cols) < n_tgt + 1
+                    else "",
                 ),
                 Plot(
                     "line",
@@ -477,8 +485,10 @@ class LinearMaps(Analyzer):
                     "linmap",
                     x="rel_depth",
                     y=("best_rel_depth", "rel_depth"),
-                    xlabel="relative source depth s / L_src",
-                    ylabel="relative target depth j / L_tgt",
+                    xlabel="relative source depth s / L_src (fraction)",
+                    ylabel="relative target depth j / L_tgt (fraction)",
+                    caption="best_rel_depth: the target state with the highest R² for each "
+                    "source state; rel_depth: the diagonal (same relative depth).",
                 ),
             ),
             meta=meta,

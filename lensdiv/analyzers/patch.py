@@ -77,6 +77,32 @@ ALIGNMENT = (
 
 
 # -- measurements -------------------------------------------------------------------------------
+def position_labels(
+    records: Sequence[dict[str, Any]], offsets: Sequence[int]
+) -> tuple[tuple[str, ...], bool]:
+    """Labels of the end-aligned position axis: ``"offset"``, plus ``"\\ntoken"`` where every pair
+    long enough has the same clean token at that offset; and whether any token is shown."""
+    labels, shared = [], False
+    for offset in offsets:
+        seen = {
+            r["text"][len(r["text"]) - 1 + offset]
+            for r in records
+            if r.get("text") and len(r["text"]) - 1 + offset >= 0
+        }
+        if len(seen) == 1:
+            labels.append(f"{offset}\n{_visible(seen.pop())}")
+            shared = True
+        else:
+            labels.append(str(offset))
+    return tuple(labels), shared
+
+
+def _visible(token: str) -> str:
+    """A token as a tick label: spaces and line breaks made visible, long ones cut."""
+    text = token.replace(" ", "␣").replace("\n", "↵").replace("\t", "⇥")
+    return text if len(text) <= 8 else text[:7] + "…"
+
+
 def metric_values(
     logits: Float[Tensor, "row d_vocab"],
     target: Int[Tensor, " row"],
@@ -216,6 +242,7 @@ class Patching(Analyzer):
         gap = m_clean - m_corrupt
         ok = gap.abs() >= EPS
         state.include("lengths", str(n_pos))
+        decode = getattr(getattr(model, "tokenizer", None), "decode", None)
         for i, line in enumerate(batch.extra["line"]):  # a pair's line is unique in the set
             row = {
                 "line": int(line),
@@ -224,6 +251,8 @@ class Patching(Analyzer):
                 "foil": int(foil[i]),
                 "clean": float(m_clean[i]),
                 "corrupt": float(m_corrupt[i]),
+                # The clean prompt's tokens, for the position axis of the plots.
+                "text": [decode([int(t)]) for t in batch.tokens[i]] if decode else [],
             }
             state.append("pairs", int(line), row)
 
@@ -432,38 +461,64 @@ class Patching(Analyzer):
             tables["ig"] = Table("ig", long["ig"], "Integrated-gradients attribution of h_l(t)")
         tables["pairs"] = Table("pairs", pairs, "Clean and corrupt metric of every pair")
 
-        xlabel = f"position (end-aligned; {n_pos - 1} = answer)"
-        plots = [
-            Plot(
+        ticks, shared = position_labels(records, offsets)
+        xlabel = "position: offset from the answer position (0)" + (
+            " and the clean token there" if shared else ""
+        )
+        columns = (
+            "Columns count back from the answer position (0); a token under an offset is the "
+            "clean prompt's token there, shown where every pair has the same one."
+        )
+        metric_unit = "logits" if self.metric == "logit_diff" else "probability"
+
+        def heatmap(name: str, title: str, rows: int, **spec: Any) -> Plot:
+            return Plot(
                 "heatmap",
-                f"patch_{site}",
-                f"Patching {site} ({self.metric})",
-                f"patch_{site}",
+                name,
+                title,
+                name,
+                xticklabels=ticks,
+                extent=(-(n_pos - 1) - 0.5, 0.5, -0.5, rows - 0.5),
                 xlabel=xlabel,
-                ylabel="layer",
+                **spec,
+            )
+
+        plots = [
+            heatmap(
+                f"patch_{site}",
+                f"Activation patching of {site}",
+                L,
+                ylabel="layer l (block)" if site != "resid_pre" else "layer l (h_l = resid_pre)",
+                clabel="score (0 = corrupt, 1 = clean)",
+                signed=True,
+                caption=f"A clean activation patched into the corrupt run: score = (m − m_corrupt)"
+                f" / (m_clean − m_corrupt), m = {self.metric}; mean over pairs. {columns}",
             )
             for site in self.sites
         ]
         if "erasure" in maps:
             plots.append(
-                Plot(
-                    "heatmap",
+                heatmap(
                     "erasure",
-                    "Residual erasure ||p - p~||",
-                    "erasure",
-                    xlabel=xlabel,
-                    ylabel="residual h_l",
+                    "Residual erasure: h_l(t) replaced by its mean",
+                    L + 1,
+                    ylabel="residual state h_l",
+                    clabel="‖p − p̃‖₂ (0 to √2)",
+                    caption="Change of the output distribution at the answer position; mean over "
+                    f"pairs. {columns}",
                 )
             )
         if "ig" in maps:
             plots.append(
-                Plot(
-                    "heatmap",
+                heatmap(
                     "ig",
-                    f"Integrated gradients ({self.metric})",
-                    "ig",
-                    xlabel=xlabel,
-                    ylabel="layer output h_l",
+                    "Integrated gradients per residual state",
+                    L + 1,
+                    ylabel="residual state h_l",
+                    clabel=f"attribution ({metric_unit})",
+                    signed=True,
+                    caption=f"Attribution of {self.metric} to h_l(t), baseline: the prompt's mean "
+                    f"of h_l; mean over pairs. {columns}",
                 )
             )
         modes = state.get("intervention", frozenset()) | state.get(

@@ -166,10 +166,15 @@ class LayerSkip(Analyzer):
                 Plot(
                     "heatmap",
                     "skip_effect",
-                    f"Effect of skipping block s (rows) on layer l (columns), {self.aggregate}",
+                    f"Effect of skipping block s on layer l ({self.aggregate} over prompts)",
                     f"effect_{self.aggregate}",
-                    xlabel="layer l",
+                    xlabel="layer l (whose update Δ_l is measured)",
                     ylabel="skipped block s",
+                    clabel="E[s, l] (relative change of Δ_l)",
+                    mask="col<=row",
+                    caption="E[s, l] = ‖Δ_l − Δ̃_l‖ / ‖Δ_l‖. Hatched cells (l ≤ s) are undefined: "
+                    "skipping block s cannot change the updates of blocks before it, and its own "
+                    "is the one removed.",
                 ),
                 Plot(
                     "line",
@@ -178,8 +183,10 @@ class LayerSkip(Analyzer):
                     "skip",
                     x="skipped",
                     y=("output_max", "output_mean"),
-                    xlabel="skipped block",
-                    ylabel="L2 distance of output distributions",
+                    xlabel="skipped block s",
+                    ylabel="O[s] = ‖p − p̃‖₂ (0 to √2)",
+                    caption="L2 distance between the output distributions with and without "
+                    "block s; max and mean over prompts.",
                 ),
                 Plot(
                     "line",
@@ -188,8 +195,10 @@ class LayerSkip(Analyzer):
                     "skip",
                     x="skipped",
                     y=("later_max", "later_mean"),
-                    xlabel="skipped block",
-                    ylabel="mean_{l>s} E[s, l]",
+                    xlabel="skipped block s",
+                    ylabel="mean over l > s of E[s, l] (relative)",
+                    caption="How much skipping block s changes the updates of the blocks after "
+                    "it; the last block has none.",
                 ),
             ),
             meta={

@@ -13,6 +13,7 @@ import typer
 
 from lensdiv import __version__
 from lensdiv.cli import analyze as _analyze
+from lensdiv.cli import lens as _lens
 from lensdiv.cli import plugins as _plugins
 from lensdiv.cli import scaling as _scaling
 from lensdiv.cli import teacher as _teacher
@@ -30,6 +31,7 @@ app = typer.Typer(
 app.command()(_analyze.analyze)
 app.command()(_analyze.compare)
 app.command()(_analyze.report)
+app.command()(_lens.lens)
 app.add_typer(_plugins.app, name="plugins")
 app.add_typer(_toy.app, name="toy")
 # Whole studies rather than analyzers of one model: fits over many runs, toy experiments.

@@ -113,7 +113,9 @@ def analyze(
         )
     term = console()
     term.print(run)
-    term.print(f"results in [bold]{out}[/bold] (manifest.json, one folder per analyzer)")
+    term.print(
+        f"results in [bold]{out}[/bold] (report.html, manifest.json, one folder per analyzer)"
+    )
     if run.manifest.get("status") == "interrupted":
         raise typer.Exit(130)
     if run.errors:
@@ -183,12 +185,17 @@ def compare(
 def report(
     out: Annotated[Path, typer.Argument(help="A folder written by `lensdiv analyze`.")],
     plots: Annotated[bool, typer.Option(help="Redraw the PNG plots.")] = False,
+    html: Annotated[
+        bool, typer.Option(help="Rebuild DIR/report.html (summary, tables, plots, warnings).")
+    ] = False,
 ) -> None:
-    """Re-render a saved run: summaries and tables (and, with --plots, the PNGs).
+    """Re-render a saved run: summaries and tables (and, with --plots, the PNGs; with --html,
+    the self-contained report.html).
 
-    Example: lensdiv report lensdiv-out/toy-20261121-120000 --plots
+    Example: lensdiv report lensdiv-out/toy-20261121-120000 --html
     """
     # start-up: the runner imports torch; it loads only when the command runs.
+    from lensdiv.run.report import write_report
     from lensdiv.run.runner import load_run
 
     with user_errors():
@@ -196,6 +203,8 @@ def report(
     if plots:
         for name, result in run.results.items():
             result.save_plots(out / name)
+    if html:
+        written = write_report(run)
     term = console()
     meta = run.manifest.get("model", {})
     term.print(
@@ -211,3 +220,5 @@ def report(
     ]
     if missing:
         term.print(f"[yellow]missing (not finished):[/yellow] {', '.join(missing)}")
+    if html:
+        term.print(f"wrote [bold]{written}[/bold]")

@@ -1,2 +1,2 @@
 """Operations on a model shared by analyzers: capture, resume, readout, ensemble members,
-skipping and patching."""
+skipping, patching and scoring subsets of units."""

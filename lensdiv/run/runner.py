@@ -13,24 +13,23 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from rich.jupyter import JupyterMixin
-
 from lensdiv.core.analyzer import Analyzer, Batch, ModelInfo
 from lensdiv.core.errors import LensdivError, OptionError, ResultError
 from lensdiv.core.progress import progress_bar
 from lensdiv.core.provenance import versions
 from lensdiv.core.registry import make_analyzers
-from lensdiv.core.results import Result, write_json_atomic
+from lensdiv.core.results import Rendered, Result, write_json_atomic
 from lensdiv.data.sources import DataSpec, check_source, token_batches
 from lensdiv.models.load import load_model
 from lensdiv.ops.readout import readout_dtype
 from lensdiv.run.engine import Engine, check_hooks, input_device
+from lensdiv.run.report import write_report
 
 MANIFEST = "manifest.json"
 
 
 @dataclass
-class Run(JupyterMixin):
+class Run(Rendered):
     """The outcome of :func:`analyze`.
 
     Args:
@@ -224,6 +223,8 @@ def analyze(
         )
     run.manifest["timings"]["total_s"] = round(time.time() - started, 3)
     save_manifest()
+    if out_dir is not None:
+        write_report(run, bridge)  # report.html (and the example prompt views when lens ran)
     if isinstance(stopped, LensdivError):
         raise stopped  # after the partial results and the manifest are on disk
     return run

@@ -122,6 +122,7 @@ _PLOTS = (
         "curve",
         x="step",
         y=("train_loss",),
+        xlabel="training step",
         ylabel="training loss (window mean)",
         logy=True,
         group="student",

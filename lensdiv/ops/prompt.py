@@ -1,0 +1,295 @@
+"""The prompt view of one prompt: what every residual state predicts at every position.
+
+Three readings of the same grid (:class:`~lensdiv.view.prompt.PromptView`):
+
+- ``lens="logit"`` (SCIENCE.md A2): each block input ``h_l`` (and the final residual ``h_L``)
+  through the final norm and the unembedding; the top row is the model's output.
+- ``lens="last-block"`` (SCIENCE.md C1): each ``h_l`` through the final block first, then the
+  final norm and the unembedding; at ``l = L − 1`` this is the model's output.
+- ``skip=s``: the logit lens of the model with block ``s`` skipped (``h_{s+1} := h_s``, or only
+  its ``attn`` / ``mlp`` write zeroed) at every position but the first (SCIENCE.md A3's
+  current mode); the KL compares each cell with the *unskipped* model's output, so the top row
+  shows what skipping the block changed.
+
+Readouts are float32 whatever the model's dtype: the final norm and unembedding are applied to
+float32 copies of the residual states with float32 weights (:func:`lensdiv.ops.members.final_readout`,
+checked against the model's own output when it is built).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from lensdiv.core.analyzer import ModelInfo
+from lensdiv.core.errors import DataError, HookError, OptionError
+from lensdiv.core.provenance import versions
+from lensdiv.models.load import load_model
+from lensdiv.ops.capture import capture
+from lensdiv.ops.members import final_readout
+from lensdiv.ops.resume import Resumer
+from lensdiv.view.prompt import PromptView
+
+LENSES = ("logit", "last-block")
+PARTS = ("block", "attn", "mlp")
+
+
+def prompt_view(
+    model: Any,
+    text: str,
+    *,
+    top_k: int = 3,
+    lens: str = "logit",
+    skip: int | None = None,
+    part: str = "block",
+    prepend_bos: bool = True,
+    device: Any = None,
+    dtype: Any = None,
+) -> PromptView:
+    """What every residual state of ``model`` predicts at every position of ``text``.
+
+    Args:
+        model: A ``TransformerBridge`` or a model spec (``"toy"``, ``"gpt2"``, a folder).
+        text: The prompt.
+        top_k: Tokens kept per cell (shown on hover).
+        lens: ``"logit"`` or ``"last-block"`` (see the module docstring).
+        skip: Skip this block (0-based) at every position but the first; logit lens only.
+        part: What the skip removes: the whole ``block``, or only its ``attn`` or ``mlp`` write.
+        prepend_bos: Put the tokenizer's BOS token first (as the model was trained).
+        device, dtype: Where and in which precision to load ``model`` when it is a spec.
+
+    Returns:
+        A :class:`~lensdiv.view.prompt.PromptView`: ``print`` it, display it in a notebook,
+        ``save("view.html")`` / ``save("view.png")``.
+
+    Raises:
+        OptionError: A bad ``top_k``, ``lens``, ``skip`` or ``part``.
+        DataError: An empty prompt, or one longer than the model's context.
+    """
+    if isinstance(model, str):
+        model = load_model(model, device=device, dtype=dtype)
+    info = ModelInfo.from_model(model)
+    L = info.n_layers
+    _check_options(top_k, lens, skip, part, L)
+    tokens = _tokens(model, text, prepend_bos)
+    names = [info.resid(layer) for layer in range(L + 1)]
+    with torch.no_grad():
+        _, clean = capture(model, tokens, names, need_logits=False)
+        readout, how = float32_readout(model)
+        out_logp = readout(clean[names[-1]][0]).log_softmax(-1)
+        if skip is not None:
+            with model.hooks(fwd_hooks=skip_hooks(skip, part)):
+                _, states = capture(model, tokens, names, need_logits=False)
+            rows = [states[name][0] for name in names]
+            labels = [f"h{layer}" for layer in range(L + 1)]
+        elif lens == "last-block":
+            rows = _through_last_block(model, tokens, [clean[name] for name in names[:-1]])
+            labels = [f"h{layer}" for layer in range(L)]
+        else:
+            rows = [clean[name][0] for name in names]
+            labels = [f"h{layer}" for layer in range(L + 1)]
+        logp = torch.stack([readout(h) for h in rows]).log_softmax(-1)
+    title, note = _describe(lens, skip, part, L)
+    fields = _view(model, info, tokens[0], logp, out_logp, labels, top_k, title, note, lens, skip)
+    return PromptView(
+        **fields,
+        meta={
+            "lensdiv": versions()["lensdiv"],
+            "lens": "skip" if skip is not None else lens,
+            "top_k": top_k,
+            "prepend_bos": prepend_bos,
+            "readout_dtype": "float32",
+            "readout": how,
+            "model_dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+            **({"skip": skip, "part": part} if skip is not None else {}),
+        },
+    )
+
+
+def float32_readout(model: Any) -> tuple[Callable[[Tensor], Tensor], str]:
+    """A function from residual vectors ``[n, d_model]`` to float32 logits ``[n, d_vocab]``.
+
+    Uses the model's final norm and unembedding decomposed into float32 weights (exact for
+    LayerNorm and RMSNorm models, checked against the model's output); models whose final norm
+    cannot be decomposed fall back to TransformerLens' ``logit_readout`` in the model's dtype,
+    cast to float32 (the returned description says which).
+    """
+    try:
+        weights = final_readout(model)
+    except HookError:
+        from transformer_lens.tools.analysis.logit_lens import logit_readout
+
+        def fallback(h: Tensor) -> Tensor:
+            return logit_readout(model, h[None], return_type="logits").values[0].float()
+
+        return fallback, "TransformerLens logit_readout (model dtype), cast to float32"
+
+    def read(h: Float[Tensor, "n d_model"]) -> Float[Tensor, "n d_vocab"]:
+        h = h.float()
+        u = weights.normalise(h[None], weights.scale(h), inplace=True)[0]
+        return u @ weights.W_U + weights.const
+
+    return read, "final norm and unembedding in float32"
+
+
+def skip_hooks(skip: int, part: str) -> list[tuple[str, Callable[..., Tensor]]]:
+    """Hooks that skip block ``skip`` (or zero its ``attn`` / ``mlp`` write) at positions ≥ 1."""
+    if part != "block":
+
+        def zero(tensor: Tensor, *, hook: Any) -> Tensor:
+            tensor = tensor.clone()
+            tensor[:, 1:] = 0
+            return tensor
+
+        return [(f"blocks.{skip}.hook_{part}_out", zero)]
+    kept: dict[str, Tensor] = {}
+
+    def keep(tensor: Tensor, *, hook: Any) -> Tensor:
+        kept["h"] = tensor.detach().clone()
+        return tensor
+
+    def replace(tensor: Tensor, *, hook: Any) -> Tensor:
+        tensor = tensor.clone()
+        tensor[:, 1:] = kept["h"][:, 1:].to(tensor.dtype)
+        return tensor
+
+    return [(f"blocks.{skip}.hook_resid_pre", keep), (f"blocks.{skip}.hook_resid_post", replace)]
+
+
+def _through_last_block(
+    model: Any, tokens: Int[Tensor, "1 pos"], states: Sequence[Float[Tensor, "1 pos d_model"]]
+) -> list[Float[Tensor, "pos d_model"]]:
+    """``f_{L-1}(h_l)`` for ``l = 0..L-2`` (resumed at the final block), then ``h_L`` itself."""
+    L = len(states)
+    out: dict[str, Tensor] = {}
+
+    def keep(tensor: Tensor, *, hook: Any) -> Tensor:
+        out["h"] = tensor.detach()
+        return tensor
+
+    rows: list[Tensor] = []
+    if L > 1:
+        resumer = Resumer(model)
+        stacked = torch.cat(list(states[:-1]))
+        resumer.run(
+            tokens.repeat(L - 1, 1),
+            L - 1,
+            stacked,
+            [(f"blocks.{L - 1}.hook_resid_post", keep)],
+            logits=False,
+        )
+        rows = list(out["h"])
+    final = f"blocks.{L - 1}.hook_resid_post"
+    _, last = capture(model, tokens, [final], need_logits=False)
+    return [*rows, last[final][0]]
+
+
+def _view(
+    model: Any,
+    info: ModelInfo,
+    tokens: Int[Tensor, " pos"],
+    logp: Float[Tensor, "row pos d_vocab"],
+    out_logp: Float[Tensor, "pos d_vocab"],
+    labels: list[str],
+    top_k: int,
+    title: str,
+    note: str,
+    lens: str,
+    skip: int | None,
+) -> dict[str, Any]:
+    """The view's fields from float32 log-probabilities (``out_logp``: the reference output)."""
+    probs = logp.exp()
+    kl = (probs * (logp - out_logp[None])).sum(-1).clamp_min(0.0)
+    entropy = -(probs * logp).sum(-1)
+    top = logp.topk(min(top_k, logp.shape[-1]), dim=-1)
+    n_pos = tokens.shape[0]
+    following = torch.cat([tokens[1:], tokens[:1]]).to(logp.device)  # last one unused
+    next_logp = logp.gather(-1, following.view(1, -1, 1).expand(logp.shape[0], -1, 1))[..., 0]
+    next_rank = (logp > next_logp[..., None]).sum(-1)
+    last = torch.arange(n_pos, device=logp.device) == n_pos - 1
+    decode = _decoder(model)
+    name = str(getattr(getattr(model, "lensdiv_spec", None), "spec", "") or info.name)
+    return {
+        "model": name,
+        "lens": "skip" if skip is not None else lens,
+        "title": title,
+        "note": note,
+        "tokens": [decode(int(t)) for t in tokens],
+        "rows": labels,
+        "top_tokens": [[[decode(int(i)) for i in cell] for cell in row] for row in top.indices],
+        "top_probs": top.values.exp().tolist(),
+        "kl": kl.tolist(),
+        "entropy": entropy.tolist(),
+        "next_prob": next_logp.exp().masked_fill(last, float("nan")).tolist(),
+        "next_rank": next_rank.masked_fill(last, -1).tolist(),
+    }
+
+
+def _describe(lens: str, skip: int | None, part: str, n_layers: int) -> tuple[str, str]:
+    if skip is not None:
+        what = f"block {skip}" if part == "block" else f"the {part} write of block {skip}"
+        return (
+            f"Logit lens with {what} skipped",
+            f"Row h_l: the residual stream before block l with {what} skipped at every position "
+            f"but the first, through the final norm and unembedding; KL is to the unskipped "
+            f"model's output.",
+        )
+    if lens == "last-block":
+        return (
+            "Last-block lens",
+            f"Row h_l: the residual stream before block l pushed through the final block "
+            f"({n_layers - 1}), the final norm and the unembedding; the top row is the output.",
+        )
+    return (
+        "Logit lens",
+        "Row h_l: the residual stream before block l through the final norm and unembedding; "
+        f"h{n_layers} (top) is the model's output.",
+    )
+
+
+def _check_options(top_k: int, lens: str, skip: int | None, part: str, n_layers: int) -> None:
+    if top_k < 1:
+        raise OptionError(f"--top-k must be at least 1, got {top_k}")
+    if lens not in LENSES:
+        raise OptionError(f"unknown lens {lens!r}", hint=f"use one of {', '.join(LENSES)}")
+    if part not in PARTS:
+        raise OptionError(f"unknown part {part!r}", hint=f"use one of {', '.join(PARTS)}")
+    if skip is not None:
+        if not 0 <= skip < n_layers:
+            raise OptionError(
+                f"cannot skip block {skip}: the model has {n_layers} blocks (0-{n_layers - 1})"
+            )
+        if lens != "logit":
+            raise OptionError("--skip works with the logit lens only", hint="drop --lens")
+
+
+def _tokens(model: Any, text: str, prepend_bos: bool) -> Int[Tensor, "1 pos"]:
+    if not text.strip():
+        raise DataError(
+            "the prompt is empty", hint='pass some text, e.g. "The capital of France is"'
+        )
+    tokens = model.to_tokens(text, prepend_bos=prepend_bos)
+    n_ctx = int(getattr(model.cfg, "n_ctx", 0) or 0)
+    if n_ctx and tokens.shape[1] > n_ctx:
+        raise DataError(
+            f"the prompt is {tokens.shape[1]} tokens long but the model reads at most {n_ctx}",
+            hint="shorten it",
+        )
+    return tokens
+
+
+def _decoder(model: Any) -> Callable[[int], str]:
+    """Token id → its text, cached (one decode per distinct id)."""
+    tokenizer = model.tokenizer
+    seen: dict[int, str] = {}
+
+    def decode(token: int) -> str:
+        if token not in seen:
+            seen[token] = tokenizer.decode([token])
+        return seen[token]
+
+    return decode
