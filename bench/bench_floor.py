@@ -87,7 +87,12 @@ def main() -> None:
         return go
 
     fused = "lens,contrib,dynamics,bias"
-    cases = {"forward": forward, "floor": floor(model, batches), "lens": run("lens"), "fused": run(fused)}
+    cases = {
+        "forward": forward,
+        "floor": floor(model, batches),
+        "lens": run("lens"),
+        "fused": run(fused),
+    }
     for fn in cases.values():  # warm-up: lazy imports, first-call allocations, per-model checks
         fn()
     best = {name: float("inf") for name in cases}

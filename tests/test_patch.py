@@ -30,8 +30,8 @@ from lensdiv.ops.patching import integrated_gradients, run_patches, run_variants
 from lensdiv.ops.resume import Resumer
 from lensdiv.run.engine import Engine
 from lensdiv.run.runner import analyze
-from tests.test_cli import assert_user_error, invoke
 from tests.helpers import assert_results_equal
+from tests.test_cli import assert_user_error, invoke
 
 SITES = ("resid_pre", "attn_out", "mlp_out")
 

@@ -18,13 +18,13 @@ mean is exactly the model's logits ``z``. Two exact identities are accumulated p
       CE(y, softmax z) = (1/M) Σ_i CE(y, q_i) − (1/M) Σ_i KL(softmax z ‖ q_i)
 
   This needs every member's full-vocabulary softmax (``M × d_vocab`` per position), so on the
-  corpus it is computed at positions ``t`` with ``t mod ce_every = 0`` only.
+  corpus it is computed at positions ``t`` with ``t mod every = 0`` only.
 
 Depth: for every block boundary ``h_l`` the same decomposition is taken for the prefix ensemble
 of the ``2l + 1`` members written so far (embedding and blocks ``< l``), read on the final norm's
 scale like the full ensemble (the direct path: its last row is the model itself). The squared form
 gets it at every position for a few dot products; the cross-entropy form only with ``ce_depth``
-(at the ``ce_every`` positions) or in label mode.
+(at the ``every`` positions) or in label mode.
 
 Targets: the next token over the full vocabulary (default), or a label set: ``tasks`` is a JSONL
 file of ``{"prompt": ..., "label": ...}`` rows; the target is the label at the last prompt position
@@ -47,7 +47,6 @@ from lensdiv.core.errors import DataError
 from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
 from lensdiv.data.sources import read_task_jsonl
-from lensdiv.ops.readout import log_partition
 from lensdiv.ops.members import (
     final_readout,
     keep_chunks,
@@ -56,6 +55,7 @@ from lensdiv.ops.members import (
     member_layers,
     member_names,
 )
+from lensdiv.ops.readout import log_partition
 
 Weighting = Literal["mean", "sum"]
 
@@ -185,8 +185,8 @@ class BiasDiversity(Analyzer):
             every row), else the file's distinct labels in order of first appearance.
         weighting: ``mean`` (bias and diversity are averages over members, the ensemble loss is
             the model's) or ``sum`` (sums over members; everything scales by ``M``).
-        ce_every: Next-token mode: the cross-entropy form (full-vocabulary member softmaxes,
-            ``M × d_vocab`` per position) runs at positions ``t`` with ``t mod ce_every = 0``;
+        every: Next-token mode: the cross-entropy form (full-vocabulary member softmaxes,
+            ``M × d_vocab`` per position) runs at positions ``t`` with ``t mod every = 0``;
             1 = every position. Label mode always uses every example.
         ce_depth: Next-token mode: also take the cross-entropy form for every prefix ensemble
             ``h_0 .. h_L`` at those positions (about ``(L + 1) / 2`` times the cost of the
@@ -204,14 +204,14 @@ class BiasDiversity(Analyzer):
     tasks: str = ""
     labels: tuple[str, ...] = ()
     weighting: Weighting = "mean"
-    ce_every: int = 16
+    every: int = 16
     ce_depth: bool = False
     exclude_bos: bool = False
     batch_size: int = 16
 
     def __post_init__(self) -> None:
-        if self.ce_every < 1:
-            raise ValueError(f"ce_every must be at least 1, got {self.ce_every}")
+        if self.every < 1:
+            raise ValueError(f"every must be at least 1, got {self.every}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {self.batch_size}")
         if self.weighting not in ("mean", "sum"):
@@ -355,7 +355,7 @@ class BiasDiversity(Analyzer):
         w_c = readout.W_U @ const
         c_sq = float(const.double().pow(2).sum())
         state.add("n", int(keep.sum()))
-        state.add("n_ce", int((keep & (pos % self.ce_every == 0)).sum()))
+        state.add("n_ce", int((keep & (pos % self.every == 0)).sum()))
         # Chunks of kept positions bound the [member, rows, d_model] float64 Gram terms.
         for mask in keep_chunks(keep, max(1, _GRAM_ELEMENTS // (n_members * info.d_model))):
             u, _ = member_inputs(step.model, step.cache, info, mask)
@@ -368,7 +368,7 @@ class BiasDiversity(Analyzer):
             state.add("depth/sq_ens", ens.sum(-1))
             state.add("sq_bias", bias[-1].sum(-1))
             state.add("sq_div", div[-1].sum(-1))
-            sub = (pos % self.ce_every == 0)[mask]
+            sub = (pos % self.every == 0)[mask]
             u_sub, y_sub = u[:, sub], y[sub]
             per_chunk = max(1, _LOGIT_ELEMENTS // (n_members * d_vocab))
             for start in range(0, y_sub.shape[0], per_chunk):
@@ -558,9 +558,9 @@ class BiasDiversity(Analyzer):
                 "member_scale": "final residual's norm scale sigma(h_L) for every member",
                 "weighting": self.weighting,
                 "target": target,
-                "ce_every": 1 if labelled else self.ce_every,
+                "every": 1 if labelled else self.every,
                 "ce_depth": labelled or self.ce_depth,
-                "ce_positions": "every example" if labelled else "t mod ce_every = 0",
+                "ce_positions": "every example" if labelled else "t mod every = 0",
                 "exclude_bos": self.exclude_bos,
                 "positions": int(n),
                 "positions_ce": int(n_ce),

@@ -244,7 +244,9 @@ class Dynamics(Analyzer):
             )
             final = out["h"].reshape(len(layers), n_seq * n_pos, -1)
             for i, layer in enumerate(layers):
-                ce[layer] = cross_entropy(readout, final[i, rows], wanted, workspace=ws).sum().to(ce.device)
+                ce[layer] = (
+                    cross_entropy(readout, final[i, rows], wanted, workspace=ws).sum().to(ce.device)
+                )
         last = step.resid(L).reshape(n_seq * n_pos, -1)[rows]
         ce[L - 1] = cross_entropy(readout, last, wanted, workspace=ws).sum().to(ce.device)
         state.add("lens_ce", ce)

@@ -171,7 +171,10 @@ def member_inputs(
     c = torch.empty(len(hooks) - 1, rows.shape[0], d_model, dtype=W_U.dtype, device=W_U.device)
     for i, hook in enumerate(hooks[:-1]):
         act = cache[hook].reshape(-1, d_model)
-        c[i].copy_(act.index_select(0, rows.to(act.device)))
+        if act.device == c.device and act.dtype == c.dtype:
+            torch.index_select(act, 0, rows.to(act.device), out=c[i])
+        else:
+            c[i].copy_(act.index_select(0, rows.to(act.device)))
     sigma = readout.scale(h_last.reshape(-1, d_model).index_select(0, rows.to(h_last.device)))
     return readout.normalise(c, sigma, inplace=True), readout.const
 

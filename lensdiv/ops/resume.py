@@ -113,9 +113,7 @@ class Resumer:
             HookError: The first-use check found that this readout does not reproduce the
                 model's own logits.
         """
-        if self.readout_error is not None and self.readout_error > _readout_tolerance(
-            resid.dtype
-        ):
+        if self.readout_error is not None and self.readout_error > _readout_tolerance(resid.dtype):
             raise HookError(
                 f"reading the final residual through the final norm and unembedding does not "
                 f"give {getattr(self.model.cfg, 'model_name', 'the model')}'s logits "
