@@ -33,6 +33,7 @@ bench: setup
 	$(BIN)/python bench/bench_linmap.py --json bench/linmap_cpu.json
 	$(BIN)/python bench/bench_bias.py --json bench/bias_cpu.json
 	$(BIN)/python bench/bench_dynamics.py --json bench/dynamics_cpu.json
+	$(BIN)/python bench/bench_distributed.py --tokens 8192 --json bench/distributed_cpu.json
 
 lint: setup
 	$(BIN)/ruff check lensdiv tests bench plugins

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from lensdiv.data.sources import DataSpec as DataSpec
     from lensdiv.models.load import load_model as load_model
     from lensdiv.ops.prompt import prompt_view as prompt_view
+    from lensdiv.run.merge import merge_runs as merge_runs
     from lensdiv.run.runner import Run as Run
     from lensdiv.run.runner import analyze as analyze
     from lensdiv.run.runner import load_run as load_run
@@ -38,6 +39,7 @@ _EXPORTS = {
     "DataSpec": "lensdiv.data.sources",
     "LensdivError": "lensdiv.core.errors",
     "load_model": "lensdiv.models.load",
+    "merge_runs": "lensdiv.run.merge",
     "get_analyzer": "lensdiv.core.registry",
     "list_plugins": "lensdiv.core.registry",
     "Plot": "lensdiv.core.results",

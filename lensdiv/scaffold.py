@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 from lensdiv.core.errors import PluginError
+from lensdiv.core.files import folder_problem
 from lensdiv.core.registry import default_registry
 
 _NAME = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$")
@@ -39,7 +40,8 @@ def new_plugin(name: str, directory: str | Path | None = None) -> Path:
         The package folder.
 
     Raises:
-        PluginError: A bad name, a name an installed analyzer already has, or an existing folder.
+        PluginError: A bad name, a name an installed analyzer already has, an existing folder,
+            or a ``directory`` that cannot be written.
     """
     plugin, module, cls = plugin_names(name)
     registry = default_registry()
@@ -55,6 +57,9 @@ def new_plugin(name: str, directory: str | Path | None = None) -> Path:
     root = Path(directory or ".") / f"lensdiv-{plugin}"
     if root.exists():
         raise PluginError(f"{root} already exists", hint="choose another name or folder")
+    problem = folder_problem(root)
+    if problem is not None:
+        raise PluginError(f"cannot create {root}: {problem}", hint="choose another --dir")
     files = {
         "pyproject.toml": _PYPROJECT,
         "README.md": _README,

@@ -74,6 +74,50 @@ def test_from_options_validation_error_becomes_option_error() -> None:
         LogitLens.from_options({"top_k": "0"})
 
 
+@pytest.mark.parametrize(
+    "key,value,needle",
+    [
+        ("count", True, "expects int, got True (bool)"),
+        ("count", 2.5, "expects int, got 2.5"),
+        ("count", "1.5", "expects int, got '1.5'"),
+        ("scale", True, "expects float, got True"),
+        ("scale", float("nan"), "finite"),
+        ("scale", "inf", "finite"),
+        ("scale", "-inf", "finite"),
+        ("flag", 1, "expects bool, got 1"),
+        ("mode", 3, "must be one of fast, slow"),
+        ("layers", 5, "expects comma-separated int"),
+        ("layers", [1, True], "expects int, got True"),
+        ("limit", "x", "expects int"),
+        ("label", 5, "expects str, got 5"),
+    ],
+)
+def test_from_options_checks_values_that_are_not_text(key: str, value: object, needle: str) -> None:
+    """A value given as a Python object is checked like one given as text (never passed on)."""
+    with pytest.raises(OptionError) as err:
+        Alpha.from_options({key: value})
+    assert needle in str(err.value) and f"alpha.{key}" in str(err.value)
+
+
+def test_from_options_converts_values_that_are_not_text() -> None:
+    from pathlib import Path
+
+    got = Alpha.from_options({"count": 2.0, "scale": 3, "layers": [1, 2], "limit": None,
+                              "label": Path("/tmp/x")})
+    assert got == Alpha(count=2, scale=3.0, layers=(1, 2), limit=None, label="/tmp/x")
+    assert type(got.count) is int and type(got.scale) is float and type(got.layers) is tuple
+
+
+def test_checked_options_converts_or_refuses_an_instance() -> None:
+    from lensdiv.core.analyzer import checked_options
+
+    same = Alpha(count=3)
+    assert checked_options(same) is same  # nothing to convert: the very instance
+    assert checked_options(Alpha(count=2.0)).count == 2  # type: ignore[arg-type]  # converted
+    with pytest.raises(OptionError, match="alpha.count expects int, got True"):
+        checked_options(Alpha(count=True))
+
+
 def test_option_docs_come_from_fields_types_and_docstring() -> None:
     from lensdiv.analyzers.skip import LayerSkip
 
@@ -104,3 +148,14 @@ def test_next_tokens_excludes_last_real_token_and_pads() -> None:
     no_bos = batch.positions(exclude_bos=True)
     assert torch.equal(no_bos[:, 1:], mask[:, 1:]) and not no_bos[:, 0].any()
     assert torch.equal(Batch(tokens, mask, bos=False).positions(exclude_bos=True), mask)
+
+
+def test_model_info_round_trips_through_json(native_model) -> None:
+    import json
+
+    from lensdiv.core.analyzer import ModelInfo
+
+    info = ModelInfo.from_model(native_model, name="tiny")
+    data = json.loads(json.dumps(info.to_dict()))
+    assert data["hook_names"] == sorted(info.hook_names)
+    assert ModelInfo.from_dict(data) == info

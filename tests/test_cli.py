@@ -201,7 +201,7 @@ def test_help_does_not_import_heavy_modules() -> None:
 
 
 def test_help_has_examples() -> None:
-    for args in (["--help"], ["analyze", "--help"], ["report", "--help"], ["lens", "--help"],
+    for args in (["--help"], ["analyze", "--help"], ["report", "--help"], ["merge", "--help"], ["lens", "--help"],
                  ["plugins", "list", "--help"]):
         result = invoke(*args)
         assert result.exit_code == 0
@@ -220,7 +220,10 @@ def test_analyze_local_hf_folder_every_architecture(tiny_dirs: dict[str, Path], 
         assert lens["tables"]["lens"]["columns"]["kl"][-1] == pytest.approx(0.0, abs=1e-6), arch
 
 
-def test_bad_data_mid_stream_keeps_partial_results(tmp_path: Path) -> None:
+def test_bad_data_mid_stream_keeps_partial_results(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lensdiv.data import sources
+
+    monkeypatch.setattr(sources, "_SNIFF_BYTES", 256)  # only the head is checked before the run
     data = tmp_path / "rows.jsonl"
     good = "".join(json.dumps({"text": f"document number {i} " * 20}) + "\n" for i in range(40))
     data.write_text(good + '{"body": "no text field here"}\n')
@@ -229,6 +232,6 @@ def test_bad_data_mid_stream_keeps_partial_results(tmp_path: Path) -> None:
                     "--max-tokens", "100000", "--seq-len", "32", "--batch-size", "4", "--no-progress")
     assert_user_error(result, "line 41", "'text'")
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["status"] == "data_error" and "line 41" in manifest["error"]
+    assert manifest["status"] == "partial" and "line 41" in manifest["error"]
     lens = json.loads((out / "lens" / "result.json").read_text())
     assert lens["meta"]["partial"] is True and lens["meta"]["tokens"] > 0

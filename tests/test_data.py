@@ -17,7 +17,13 @@ import torch
 from lensdiv.core.analyzer import Batch
 from lensdiv.core.errors import DataError
 from lensdiv.data.corpus import builtin_documents
-from lensdiv.data.sources import DataSpec, documents, token_batches
+from lensdiv.data.sources import (
+    DataSpec,
+    check_source,
+    documents,
+    read_task_jsonl,
+    token_batches,
+)
 from lensdiv.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, byte_tokenizer
 
 DOCS = [
@@ -118,12 +124,12 @@ def test_packing_records_the_document_of_every_position(jsonl: Path, tokenizer: 
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 17, 40, 100])
 def test_packing_respects_token_budget(jsonl: Path, tokenizer: Any, max_tokens: int) -> None:
+    if max_tokens < 2:  # a row that would hold only BOS predicts nothing: refused up front
+        with pytest.raises(DataError, match="--max-tokens 1 is too few"):
+            DataSpec(source=str(jsonl), seq_len=16, batch_size=2, max_tokens=max_tokens)
+        return
     spec = DataSpec(source=str(jsonl), seq_len=16, batch_size=2, max_tokens=max_tokens)
     stream = _stream(tokenizer, DOCS)
-    if max_tokens < 2:  # a row that would hold only BOS is no row at all
-        with pytest.raises(DataError, match="no tokens"):
-            list(token_batches(spec, tokenizer))
-        return
     _check_packing(list(token_batches(spec, tokenizer)), spec, stream)
 
 
@@ -248,3 +254,99 @@ def test_hub_source_from_local_folder(tmp_path: Path, tokenizer: Any) -> None:
     _check_packing(list(token_batches(spec, tokenizer)), spec, _stream(tokenizer, DOCS))
     with pytest.raises(DataError, match="no field 'body'"):
         list(documents(DataSpec(source=f"hf:{folder}", field="body")))
+
+
+# -- data in memory, and values that are not text -------------------------------------------------
+
+
+def test_documents_in_memory_pack_like_the_same_text_on_disk(tmp_path: Path, tokenizer: Any) -> None:
+    spec = DataSpec.from_data(DOCS, seq_len=16, batch_size=3)
+    assert spec.source == f"memory:{len(DOCS)} documents" and spec.texts == tuple(DOCS)
+    for i, doc in enumerate(DOCS):
+        (tmp_path / f"{i}.txt").write_text(doc, encoding="utf-8")
+    on_disk = DataSpec(source=str(tmp_path), seq_len=16, batch_size=3)
+    assert _rows(list(token_batches(spec, tokenizer))) == _rows(list(token_batches(on_disk, tokenizer)))
+    inline = DataSpec.from_data("text:" + DOCS[1], seq_len=16, batch_size=3)
+    assert list(documents(inline)) == [DOCS[1]]
+    described = DataSpec.from_data(DOCS).describe()
+    assert "texts" not in described and len(described["sha256"]) == 64
+    assert described != DataSpec.from_data(DOCS[::-1]).describe()
+
+
+def test_token_tensors_are_used_row_by_row(tokenizer: Any) -> None:
+    tokens = torch.arange(4, 4 + 5 * 12).reshape(5, 12)
+    spec = DataSpec.from_data(tokens, batch_size=2, max_tokens=50)
+    batches = list(token_batches(spec, tokenizer))
+    assert [b.tokens.shape[0] for b in batches] == [2, 2, 1]
+    assert sum(b.n_tokens for b in batches) == 50  # the budget cuts the last row short
+    real = torch.cat([b.tokens[b.mask] for b in batches])
+    assert torch.equal(real, tokens.reshape(-1)[:50])
+    assert all(not b.bos for b in batches)
+    assert torch.equal(batches[0].doc[:, 0], torch.tensor([0, 1]))
+    one_row = DataSpec.from_data(torch.tensor([BOS_ID, 5, 6, 7]))
+    (batch,) = token_batches(one_row, tokenizer)
+    assert batch.tokens.tolist() == [[BOS_ID, 5, 6, 7]] and batch.bos
+
+
+@pytest.mark.parametrize(
+    "data,needle",
+    [
+        (42, "cannot read data from 42"),
+        (b"bytes", "cannot read data from b'bytes'"),
+        (["ok", 3], "data[1] is 3"),
+        ([" ", ""], "holds no text"),
+        (torch.rand(2, 4), "integer ids"),
+        (torch.zeros(2, 1, dtype=torch.long), "at least 2 positions"),
+        (torch.full((1, 3), -1), "negative id"),
+        ("text:   ", "holds no text"),
+    ],
+)
+def test_data_that_cannot_be_read(data: Any, needle: str) -> None:
+    with pytest.raises(DataError, match=None) as err:
+        check_source(DataSpec.from_data(data))
+    assert needle in str(err.value)
+
+
+def test_a_plain_string_is_never_taken_for_text() -> None:
+    with pytest.raises(DataError, match="text:") as err:
+        check_source(DataSpec.from_data("the cat sat on the mat"))
+    assert "does not exist" in str(err.value)
+
+
+@pytest.mark.parametrize("value,kind", [(None, "null"), (7, "a number (7)"), ([1], "a list"),
+                                        ({"a": 1}, "an object"), (True, "a boolean (true)")])
+def test_jsonl_values_must_be_text(tmp_path: Path, tokenizer: Any, value: Any, kind: str) -> None:
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"text": value}) + "\n")
+    with pytest.raises(DataError) as err:  # found by the cheap check, before any model loads
+        check_source(DataSpec(source=str(path)))
+    assert f"d.jsonl line 2: field 'text' holds {kind}, not text" in str(err.value)
+
+
+def test_task_files_check_value_kinds(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps({"prompt": "p", "grade": 2}) + "\n")
+    assert read_task_jsonl(path, ("prompt", "grade"), what="t", option="x.tasks",
+                           numbers=("grade",))[0][1]["grade"] == 2
+    with pytest.raises(DataError, match="'grade' holds a number \\(2\\), not text"):
+        read_task_jsonl(path, ("prompt", "grade"), what="t", option="x.tasks")
+    path.write_text(json.dumps({"prompt": "p", "grade": None}) + "\n")
+    with pytest.raises(DataError, match="'grade' holds null, not text or a number"):
+        read_task_jsonl(path, ("prompt", "grade"), what="t", option="x.tasks", numbers=("grade",))
+
+
+@pytest.mark.parametrize(
+    "bad,needle",
+    [
+        ({"seq_len": 1}, "--seq-len 1 is too short"),
+        ({"max_tokens": 1}, "--max-tokens 1 is too few"),
+        ({"batch_size": True}, "--batch-size must be a whole number, not True"),
+        ({"seed": 2**64}, "--seed"),
+        ({"field": " "}, "--field is empty"),
+    ],
+)
+def test_spec_values_name_the_flag(bad: dict[str, Any], needle: str) -> None:
+    # Values of the wrong type (8.5, None) are in tests/test_errors.py, outside the type checker.
+    with pytest.raises(DataError) as err:
+        DataSpec(**bad)
+    assert needle in str(err.value)

@@ -123,3 +123,32 @@ def test_installed_registry_holds_the_builtins() -> None:
     entries = {e.name: e for e in list_plugins()}
     assert entries["lens"].cls is LogitLens and entries["lens"].provider.startswith("lensdiv ")
     assert get_analyzer("logit-lens") is LogitLens
+
+
+@dataclass(frozen=True)
+class FakeLens(Alpha):
+    """A third-party analyzer that claims the built-in name ``lens`` and the alias ``al``."""
+
+    name = "lens"
+    aliases = ("al",)
+
+
+@dataclass(frozen=True)
+class LogitLensTwin(Alpha):
+    """A third-party analyzer named like an alias of the built-in ``lens``."""
+
+    name = "logit-lens"
+    aliases = ("lens",)
+
+
+def test_a_plugin_claiming_a_builtin_name_is_refused_and_the_builtin_kept() -> None:
+    builtin = EntryPoint(name="lens", value="lensdiv.analyzers.lens:LogitLens", group=GROUP)
+    # Listed first and alphabetically earlier than the built-in: built-ins are still read first.
+    registry = collect([_ep("lens", "FakeLens"), _ep("logit-lens", "LogitLensTwin"), builtin])
+    assert registry.resolve("lens") is LogitLens and registry.resolve("logit-lens") is LogitLens
+    problems = "\n".join(registry.problems)
+    assert "tests.test_registry:FakeLens" in problems and "lensdiv.analyzers.lens:LogitLens" in problems
+    assert "is a built-in analyzer" in problems and "refused" in problems
+    assert "'logit-lens'" in problems and "is an alias of 'lens'" in problems
+    assert registry.entries["lens"].cls is LogitLens and "logit-lens" not in registry.entries
+

@@ -7,6 +7,7 @@ expected number is hard-coded.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 import math
@@ -62,7 +63,10 @@ def test_result_save_and_load(result: Result, tmp_path: Path) -> None:
     folder = tmp_path / "demo"
     expected = {f"{t}.csv" for t in result.tables} | {f"{p.name}.png" for p in result.plots}
     assert {p.name for p in written} == expected | {"result.json"}
-    assert written[-1].name == "result.json"  # written last: it marks the folder complete
+    # The numbers first: result.json and every CSV before any plot.
+    order = [p.suffix for p in written]
+    assert order.index(".json") < min((i for i, s in enumerate(order) if s == ".png"), default=99)
+    assert all(s != ".csv" for s in order[order.index(".json") :])
     assert {p.name for p in folder.iterdir()} == expected | {"result.json"}  # no temp files left
     for plot in result.plots:
         assert (folder / f"{plot.name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -122,3 +126,36 @@ def test_saving_plots_leaves_the_matplotlib_backend_alone(tmp_path: Path) -> Non
         assert matplotlib.get_backend() == "svg"
     finally:
         matplotlib.use(previous)
+
+
+def test_a_plot_that_cannot_be_drawn_costs_only_its_png(result: Result, tmp_path: Path) -> None:
+    from lensdiv.core.errors import SaveError
+
+    broken = Plot("line", "broken", "names a missing table", "nowhere", x="a", y=("b",))
+    bad = dataclasses.replace(result, plots=(broken, *result.plots))
+    with pytest.raises(SaveError) as err:
+        bad.save(tmp_path / "demo")
+    assert "broken.png (cannot draw: KeyError: 'nowhere')" in str(err.value)
+    assert list(err.value.failed) == [tmp_path / "demo" / "broken.png"]
+    names = {p.name for p in err.value.written}
+    assert names == {"main.csv", "extra.csv", "result.json"} | {f"{p.name}.png" for p in result.plots}
+    assert {p.name for p in (tmp_path / "demo").iterdir()} == names  # no temporary files
+    with pytest.raises(SaveError, match="broken.png"):  # `lensdiv report --plots` alike
+        bad.redraw(tmp_path / "demo")
+
+
+def test_files_that_cannot_be_written_are_named(result: Result, tmp_path: Path) -> None:
+    from lensdiv.core.errors import SaveError
+
+    folder = tmp_path / "demo"
+    (folder / "main.csv").mkdir(parents=True)  # a folder where a file goes: that write fails
+    with pytest.raises(SaveError) as err:
+        result.save(folder)
+    assert str(err.value).startswith("demo: could not write 1 file(s) in")
+    assert "main.csv (" in str(err.value)
+    assert (folder / "result.json").is_file() and (folder / "extra.csv").is_file()
+    assert not list(folder.glob(".*tmp*"))
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    with pytest.raises(SaveError, match="could not write"):
+        result.save(afile / "sub")

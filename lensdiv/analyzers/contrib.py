@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from jaxtyping import Float
 from torch import Tensor
 
 from lensdiv.core.analyzer import Analyzer, ModelInfo, Step
+from lensdiv.core.devices import masked_stack
 from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
 
@@ -59,9 +59,10 @@ class Contribution(Analyzer):
         if not keep.any():
             return
         L = info.n_layers
-        h = torch.stack([step.resid(layer)[keep] for layer in range(L + 1)]).float()
-        a = torch.stack([step.cache[f"blocks.{i}.hook_attn_out"][keep] for i in range(L)]).float()
-        m = torch.stack([step.cache[f"blocks.{i}.hook_mlp_out"][keep] for i in range(L)]).float()
+        # Layers of a model split across devices: rows gathered on the batch's device.
+        h = masked_stack([step.resid(layer) for layer in range(L + 1)], keep).float()
+        a = masked_stack([step.cache[f"blocks.{i}.hook_attn_out"] for i in range(L)], keep).float()
+        m = masked_stack([step.cache[f"blocks.{i}.hook_mlp_out"] for i in range(L)], keep).float()
         h_in, h_next = h[:-1], h[1:]
         mlp_in = h_in if info.parallel_residual else h_in + a
         norms = {"resid": _norm(h_in), "attn": _norm(a), "mlp": _norm(m)}

@@ -78,7 +78,11 @@ def read_examples(path: str) -> list[tuple[str, str, str]]:
     """``{"prompt", "answer", "grade"}`` rows of a JSONL file; one clear error per bad line."""
 
     rows = read_task_jsonl(
-        path, ("prompt", "answer", "grade"), what="depth-score examples", option="depth-score.tasks"
+        path,
+        ("prompt", "answer", "grade"),
+        what="depth-score examples",
+        option="depth-score.tasks",
+        numbers=("grade",),
     )
     return [(str(r["prompt"]), str(r["answer"]), str(r["grade"])) for _, r in rows]
 

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from lensdiv.core.analyzer import Analyzer, ModelInfo, Step
+from lensdiv.core.errors import OptionError
 from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
 from lensdiv.ops.readout import final_readout, lens_statistics, workspace
@@ -51,6 +53,14 @@ class LogitLens(Analyzer):
 
     def hooks(self, info: ModelInfo) -> list[str]:
         return [info.resid(layer) for layer in range(info.n_layers + 1)]
+
+    def setup(self, model: Any, info: ModelInfo) -> None:
+        if self.top_k >= info.d_vocab:  # every top-k set would be the whole vocabulary
+            raise OptionError(
+                f"lens.top_k={self.top_k} is not below the {info.d_vocab} tokens of "
+                f"{info.name}'s vocabulary, so every top-k overlap would be a perfect 1",
+                hint=f"use -O lens.top_k={min(5, info.d_vocab - 1)} (at most {info.d_vocab - 1})",
+            )
 
     def update(self, state: Stats, step: Step) -> None:
         info = step.info

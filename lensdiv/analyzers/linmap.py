@@ -47,6 +47,7 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from lensdiv.core.analyzer import Analyzer, Batch, ModelInfo, Step
+from lensdiv.core.devices import input_device, masked_stack
 from lensdiv.core.errors import LensdivError, OptionError
 from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
@@ -278,14 +279,19 @@ class LinearMaps(Analyzer):
         return target_info.n_layers
 
     def _load_target(self, model: Any, info: ModelInfo) -> tuple[Any, ModelInfo]:
-        param = next(model.parameters())
+        param = next(model.parameters())  # its dtype; the device is where tokens go
         try:
-            target = load_model(self.target, device=param.device, dtype=param.dtype)
+            target = load_model(self.target, device=input_device(model), dtype=param.dtype)
         except LensdivError as err:
             raise type(err)(f"linmap target: {err.message}", hint=err.hint) from None
         target_info = ModelInfo.from_model(target, name=self.target)
         check_same_tokenizer(model, target, info.name, self.target)
         return target, target_info
+
+    def min_tokens(self, info: ModelInfo) -> int:
+        """Enough training positions for the ``d_model + 1`` parameters of each map (fewer fit
+        any target perfectly), plus the held-out share."""
+        return math.ceil((info.d_model + 1) / (1 - self.heldout))
 
     # -- streaming --------------------------------------------------------------------------------
     def hooks(self, info: ModelInfo) -> list[str]:
@@ -310,7 +316,7 @@ class LinearMaps(Analyzer):
             select = keep & (held if state["on_heldout"] else ~held)
         if not select.any():
             return
-        x = torch.stack([step.resid(s)[select] for s in range(step.info.n_layers + 1)])
+        x = masked_stack([step.resid(s) for s in range(step.info.n_layers + 1)], select)
         y = self._targets(target, step, select)
         rows = max(1, _CHUNK_ELEMENTS // (y.shape[1] * y.shape[2]))
         for start in range(0, x.shape[1], rows):
@@ -329,9 +335,10 @@ class LinearMaps(Analyzer):
             cache, mask = step.cache, select
         else:
             rows = select.any(dim=1)
-            _, cache = capture(target.model, step.batch.tokens[rows], names, need_logits=False)
+            tokens = step.batch.tokens[rows].to(input_device(target.model))
+            _, cache = capture(target.model, tokens, names, need_logits=False)
             mask = select[rows]
-        return torch.stack([cache[name][mask] for name in names], dim=1)
+        return masked_stack([cache[name] for name in names], mask.to(select.device)).transpose(0, 1)
 
     @staticmethod
     def _accumulate(

@@ -59,6 +59,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from lensdiv.core.analyzer import Analyzer, Batch, ModelInfo, Step
+from lensdiv.core.devices import stack_on
 from lensdiv.core.errors import DataError
 from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
@@ -258,7 +259,7 @@ class Patching(Analyzer):
 
         # Dataset-mean residual for the erasure pass.
         if self.erasure:
-            h_all = torch.stack([clean[info.resid(layer)] for layer in range(L + 1)]).double()
+            h_all = stack_on([clean[info.resid(layer)] for layer in range(L + 1)], device).double()
             state.add("resid_sum", h_all[:, :, keep].sum((1, 2)))
             state.add("resid_n", n_batch * int(keep.sum()))
 
@@ -271,7 +272,7 @@ class Patching(Analyzer):
             patches = [(site, eye, clean[site_hook(site, layer)]) for site in self.sites]
             outs = run_patches(resumer, corrupt_tokens, layer, corrupt[info.resid(layer)], patches)
             for i, logits in enumerate(outs):
-                flat = logits.reshape(n_pos * n_batch, -1)
+                flat = logits.reshape(n_pos * n_batch, -1).to(device)
                 values = metric_values(flat, target.repeat(n_pos), foil.repeat(n_pos), self.metric)
                 raw[i, layer] = values.reshape(n_pos, n_batch).double().cpu()
         for i, site in enumerate(self.sites):
@@ -287,7 +288,7 @@ class Patching(Analyzer):
             def fn(logits: Tensor) -> Tensor:
                 k = logits.shape[0]
                 flat = metric_values(
-                    logits.reshape(-1, logits.shape[-1]),
+                    logits.reshape(-1, logits.shape[-1]).to(device),
                     target.repeat(k),
                     foil.repeat(k),
                     self.metric,
@@ -299,7 +300,7 @@ class Patching(Analyzer):
             rel_error = torch.zeros(L + 1, dtype=torch.float64)
             for layer in range(L + 1):
                 x = clean[info.resid(layer)]
-                base = x[:, keep].mean(1, keepdim=True).expand_as(x)
+                base = x[:, keep.to(x.device)].mean(1, keepdim=True).expand_as(x)
                 attr, f_x, f_base = integrated_gradients(
                     model,
                     batch.tokens,
@@ -311,8 +312,9 @@ class Patching(Analyzer):
                     layer,
                     resumer=resumer,
                 )
+                attr = attr.to(device)
                 attr_all[layer] = attr.double()
-                delta = (f_x - f_base).double()
+                delta = (f_x - f_base).double().to(device)
                 error = (attr.double().sum(-1) - delta).abs()
                 abs_error[layer] = float(error.max())
                 rel_error[layer] = float((error / delta.abs().clamp_min(EPS)).max())
@@ -334,8 +336,8 @@ class Patching(Analyzer):
         dist = torch.zeros(L + 1, n_pos, n_batch, dtype=torch.float64, device=tokens.device)
         for layer in range(L + 1):
             h = step.cache[info.resid(layer)].detach()
-            values = mean[layer].to(h.dtype).expand_as(h)
-            logits = run_variants(resumer, tokens, layer, h, eye, values)
+            values = mean[layer].to(h).expand_as(h)
+            logits = run_variants(resumer, tokens, layer, h, eye, values).to(tokens.device)
             dist[layer] = (logits.softmax(-1) - p_clean).norm(dim=-1)
         state.add(f"erase/{n_pos}/sum", dist.sum(-1))
         state.add(f"erase/{n_pos}/sq", (dist**2).sum(-1))

@@ -14,10 +14,12 @@ import typer
 from lensdiv import __version__
 from lensdiv.cli import analyze as _analyze
 from lensdiv.cli import lens as _lens
+from lensdiv.cli import merge as _merge
 from lensdiv.cli import plugins as _plugins
 from lensdiv.cli import scaling as _scaling
 from lensdiv.cli import teacher as _teacher
 from lensdiv.cli import toy as _toy
+from lensdiv.cli.common import Group
 
 app = typer.Typer(
     name="lensdiv",
@@ -27,11 +29,13 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
+    cls=Group,
 )
 app.command()(_analyze.analyze)
 app.command()(_analyze.compare)
 app.command()(_analyze.report)
 app.command()(_lens.lens)
+app.command()(_merge.merge)
 app.add_typer(_plugins.app, name="plugins")
 app.add_typer(_toy.app, name="toy")
 # Whole studies rather than analyzers of one model: fits over many runs, toy experiments.
@@ -59,9 +63,10 @@ def main() -> None:
     """Console-script entry point."""
     try:
         app()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:  # before a run could keep anything (SIGTERM: exit 143)
+        signum = int(getattr(err, "signum", 2))
         sys.stderr.write("interrupted\n")
-        sys.exit(130)
+        sys.exit(128 + signum)
 
 
 if __name__ == "__main__":

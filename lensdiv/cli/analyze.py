@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -18,13 +20,16 @@ from lensdiv.cli.common import (
     SeqLen,
     Split,
     TrustRemoteCode,
+    check_out,
     console,
     default_out,
+    error_line,
     out_option,
     parse_options,
+    show_run,
     user_errors,
 )
-from lensdiv.core.errors import OptionError
+from lensdiv.core.errors import OptionError, SaveError
 
 # Options of `analyze` and `compare` alone.
 MaxTokens = Annotated[int, typer.Option(help="Stop after this many tokens.")]
@@ -33,6 +38,52 @@ Threads = Annotated[
     typer.Option(help="Torch threads for this run (recorded in the manifest). Default: torch's."),
 ]
 Seed = Annotated[int, typer.Option(help="Random seed (recorded in every result).")]
+Overwrite = Annotated[
+    bool,
+    typer.Option(
+        "--overwrite",
+        help="Replace an earlier run in --out (its manifest and analyzer folders are removed); "
+        "without it such an --out is refused.",
+    ),
+]
+# Scaling out: models split across devices, shards, process groups.
+DeviceMap = Annotated[
+    str | None,
+    typer.Option(
+        help="Split a Hugging Face model across devices: auto, balanced, balanced_low_0, "
+        "sequential, or FILE.json of {module: device} (GPU index, cpu, disk).",
+        rich_help_panel="Scaling out",
+    ),
+]
+MaxMemory = Annotated[
+    str | None,
+    typer.Option(
+        help="Most each device may hold with --device-map, e.g. 0=70GiB,1=70GiB,cpu=200GiB.",
+        rich_help_panel="Scaling out",
+    ),
+]
+OffloadFolder = Annotated[
+    Path | None,
+    typer.Option(
+        help="Folder for weights a --device-map puts on disk.", rich_help_panel="Scaling out"
+    ),
+]
+Shard = Annotated[
+    str | None,
+    typer.Option(
+        metavar="I/N",
+        help="Run shard I of N (from 0) and save mergeable states; then `lensdiv merge`. "
+        "Single-pass analyzers only.",
+        rich_help_panel="Scaling out",
+    ),
+]
+DistTimeout = Annotated[
+    float,
+    typer.Option(
+        help="Under torchrun: seconds a rank waits for the others before giving up.",
+        rich_help_panel="Scaling out",
+    ),
+]
 
 
 def analyze(
@@ -57,13 +108,14 @@ def analyze(
         list[str] | None,
         typer.Option("--option", "-O", help="Analyzer option, ANALYZER.OPTION=VALUE (repeatable)."),
     ] = None,
-    out: Annotated[Path | None, out_option("MODEL-TIME")] = None,
+    out: Annotated[str | None, out_option("MODEL-TIME")] = None,
     device: Device = None,
     dtype: Dtype = None,
     threads: Threads = None,
     seed: Seed = 0,
     trust_remote_code: TrustRemoteCode = False,
     progress: Progress = True,
+    overwrite: Overwrite = False,
     ref: Annotated[
         str | None,
         typer.Option(
@@ -74,21 +126,36 @@ def analyze(
             "Example: lensdiv analyze toy:d4 --plugins linmap --ref toy:d8",
         ),
     ] = None,
+    device_map: DeviceMap = None,
+    max_memory: MaxMemory = None,
+    offload_folder: OffloadFolder = None,
+    shard: Shard = None,
+    dist_timeout: DistTimeout = 1800.0,
 ) -> None:
     """Analyze MODEL with the chosen analyzers: one fused pass, a summary here, files in --out.
 
     Example: lensdiv analyze gpt2-medium --plugins lens,contrib --data corpus.txt --max-tokens 20000
 
+    Exit codes: 0 done (an analyzer that cannot support the model is skipped with its reason);
+    1 an analyzer failed (the others finished); 2 a mistake in the input, found before any work;
+    130 / 143 stopped by Ctrl-C / SIGTERM (what was finished is kept).
+
     More: lensdiv analyze toy --plugins skip,depth-score -O skip.mode=current;
     lensdiv analyze toy:d4 --plugins linmap --ref toy:d8;
     lensdiv analyze toy:d8 --plugins lens,dynamics -O dynamics.final_state=post;
     lensdiv plugins show patch
+
+    Scaling out: torchrun --nproc-per-node 8 -m lensdiv analyze MODEL ... (every GPU of a node);
+    lensdiv analyze MODEL ... --shard 3/16 --out run/shard-3, then lensdiv merge run/shard-*;
+    lensdiv analyze MODEL --device-map auto --dtype bfloat16 (a model bigger than one GPU)
     """
-    # start-up: the runner imports torch; it loads only when the command runs.
+    # start-up: the runner (and the process group's code) import torch; they load only when
+    # the command runs.
+    from lensdiv.run.distributed import launched_world
     from lensdiv.run.runner import analyze as run_analyze
 
-    out = out or default_out(model)
-    with user_errors():
+    with user_errors(), _interrupted(), launched_world(dist_timeout) as world:
+        folder = default_out(model) if out is None else check_out(out)
         options = parse_options(option or [])
         if ref is not None:
             plugins = _add_ref(plugins, options, ref)
@@ -96,7 +163,7 @@ def analyze(
             model,
             data,
             plugins,
-            out=out,
+            out=folder,
             options=options,
             seq_len=seq_len,
             max_tokens=max_tokens,
@@ -110,16 +177,45 @@ def analyze(
             seed=seed,
             trust_remote_code=trust_remote_code,
             progress=progress,
+            overwrite=overwrite,
+            device_map=device_map,
+            max_memory=max_memory,
+            offload_folder=offload_folder,
+            shard=shard,
         )
-    term = console()
-    term.print(run)
-    term.print(
-        f"results in [bold]{out}[/bold] (report.html, manifest.json, one folder per analyzer)"
-    )
+    if world.main:
+        _show(run, folder)
     if run.manifest.get("status") == "interrupted":
-        raise typer.Exit(130)
-    if run.errors:
+        raise typer.Exit(143 if run.manifest.get("signal") == "SIGTERM" else 130)
+    if run.errors or run.problems:
         raise typer.Exit(1)
+
+
+@contextmanager
+def _interrupted() -> Iterator[None]:
+    """Ctrl-C or SIGTERM before the run could keep anything: one line, exit 130 or 143."""
+    try:
+        yield
+    except KeyboardInterrupt as err:
+        signum = int(getattr(err, "signum", 2))
+        error_line(f"interrupted ({'SIGTERM' if signum == 15 else 'Ctrl-C'}) before any result")
+        raise typer.Exit(128 + signum) from None
+
+
+def _show(run: Any, out: Path) -> None:
+    """Print a run's results (a shard's: where its states are)."""
+    show_run(run)
+    term = console()
+    shard = run.manifest.get("shard")
+    if shard:
+        term.print(
+            f"shard {shard['index']}/{shard['count']}: states in [bold]{out}[/bold]; merge every "
+            "shard with `lensdiv merge`"
+        )
+    else:
+        term.print(
+            f"results in [bold]{out}[/bold] (report.html, manifest.json, one folder per analyzer)"
+        )
 
 
 def _add_ref(plugins: str, options: dict[str, dict[str, str]], ref: str) -> str:
@@ -153,11 +249,12 @@ def compare(
         list[str] | None,
         typer.Option("--option", "-O", help="linmap option, e.g. -O linmap.ridge=1e-3."),
     ] = None,
-    out: Annotated[Path | None, out_option("SHALLOW-TIME")] = None,
+    out: Annotated[str | None, out_option("SHALLOW-TIME")] = None,
     device: Device = None,
     dtype: Dtype = None,
     seed: Seed = 0,
     progress: Progress = True,
+    overwrite: Overwrite = False,
 ) -> None:
     """Map every layer of SHALLOW onto every layer of DEEP (cross-model linear maps, R²).
 
@@ -178,6 +275,7 @@ def compare(
         dtype=dtype,
         seed=seed,
         progress=progress,
+        overwrite=overwrite,
         ref=deep,
     )
 
@@ -200,9 +298,13 @@ def report(
 
     with user_errors():
         run = load_run(out)
+    not_drawn = []
     if plots:
         for name, result in run.results.items():
-            result.save_plots(out / name)
+            try:
+                result.redraw(out / name)
+            except SaveError as err:
+                not_drawn.append(str(err))
     if html:
         written = write_report(run)
     term = console()
@@ -212,13 +314,17 @@ def report(
         f"{run.manifest.get('timings', {}).get('tokens', '?')} tokens, "
         f"status {run.manifest.get('status', '?')}"
     )
-    term.print(run)
+    show_run(run)
     missing = [
         n
         for n, e in run.manifest.get("analyzers", {}).items()
-        if n not in run.results and n not in run.errors
+        if n not in run.results and n not in run.errors and n not in run.skipped
     ]
     if missing:
         term.print(f"[yellow]missing (not finished):[/yellow] {', '.join(missing)}")
     if html:
         term.print(f"wrote [bold]{written}[/bold]")
+    for line in not_drawn:
+        error_line(line)
+    if not_drawn:
+        raise typer.Exit(2)

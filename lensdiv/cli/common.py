@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import re
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 import typer
+from typer import _click as click  # typer ships its own click; its exceptions live here
+from typer.core import TyperGroup
 
-from lensdiv.core.errors import LensdivError, OptionError
+from lensdiv.core.errors import LensdivError, OptionError, SaveError
+from lensdiv.core.files import folder_problem
 
 # Options several commands take, with the same flag, type and help everywhere.
 Data = Annotated[
@@ -19,7 +23,8 @@ Data = Annotated[
     typer.Option(
         "--data",
         "-d",
-        help="Text file, .jsonl, folder of .txt, or hf:NAME[:CONFIG]. Default: built-in corpus.",
+        help="Text file, .jsonl, folder of .txt, hf:NAME[:CONFIG], or text:TEXT (the text itself). "
+        "Default: built-in corpus.",
     ),
 ]
 Field = Annotated[str, typer.Option(help="JSONL / data-set field holding the text.")]
@@ -54,8 +59,50 @@ def console(stderr: bool = False) -> Any:
 def fail(err: Exception) -> NoReturn:
     """Print one line for a user error and exit 2."""
     code = err.exit_code if isinstance(err, LensdivError) else 2
-    console(stderr=True).print(f"[bold red]error:[/bold red] {err}", markup=True, soft_wrap=True)
+    error_line(str(err))
     raise typer.Exit(code)
+
+
+def error_line(text: str) -> None:
+    """``error: TEXT`` on standard error, as one logical line (no markup read from ``text``)."""
+    from rich.text import Text
+
+    line = Text.assemble(("error:", "bold red"), " ", " ".join(text.split()))
+    console(stderr=True).print(line, soft_wrap=True)
+
+
+class Group(TyperGroup):
+    """The root command. A usage mistake (an unknown flag, a value of the wrong type, a missing
+    argument) prints ``error: WHAT WAS WRONG`` first, then typer's usage and help lines, and
+    exits 2 — instead of a usage line first and the reason in a panel below it."""
+
+    def main(  # type: ignore[override]  # same call as click's, with standalone_mode handled here
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.exceptions.NoArgsIsHelpError as err:  # the help is already printed
+            sys.exit(err.exit_code)
+        except click.exceptions.UsageError as err:
+            error_line(err.format_message())
+            if err.ctx is not None:
+                help_hint = f"Try '{err.ctx.command_path} --help' for help."
+                typer.echo(f"{err.ctx.get_usage()}\n{help_hint}", err=True)
+            sys.exit(err.exit_code)
+        except click.exceptions.ClickException as err:
+            error_line(err.format_message())
+            sys.exit(err.exit_code)
+        except typer.Abort:
+            typer.echo("Aborted!", err=True)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
 
 
 @contextmanager
@@ -67,11 +114,38 @@ def user_errors() -> Iterator[None]:
         fail(err)
 
 
+def show_run(run: Any) -> None:
+    """Print a run's results, then one unbroken line per skipped or failed analyzer (so a log
+    keeps each on one line)."""
+    from rich.text import Text
+
+    term = console()
+    for result in run.results.values():
+        term.print(result)
+    styles = {"skipped": "yellow", "failed": "red", "error": "red", "interrupted": "yellow"}
+    for kind, line in run.notes():
+        term.print(Text(line, style=styles[kind]), soft_wrap=True)
+
+
+def check_writable(out: Path, flag: str = "--out") -> None:
+    """A folder ``flag`` names can be written (checked before the work, not after)."""
+    problem = folder_problem(out)
+    if problem is not None:
+        raise OptionError(
+            f"cannot write to {flag} {out}: {problem}", hint="choose a folder you can write to"
+        )
+
+
 def save_and_show(result: Any, out: Path) -> None:
-    """Write a study's result to ``out``, print it, and say which files are there."""
-    written = result.save(out)
+    """Print a study's result, write it to ``out`` and say which files are there (or, if the
+    disk refused some, which ones are missing: exit code 1)."""
     term = console()
     term.print(result)
+    try:
+        written = result.save(out)
+    except SaveError as err:
+        error_line(str(err))
+        raise typer.Exit(1) from None
     names = ", ".join(sorted(p.name for p in written))
     term.print(f"results in [bold]{out}[/bold] ({names})")
 
@@ -90,7 +164,20 @@ def parse_options(pairs: list[str]) -> dict[str, dict[str, str]]:
     return options
 
 
+def check_out(out: str) -> Path:
+    """``--out`` as a path; an empty one is refused (it would mean the current folder)."""
+    if not out.strip():
+        raise OptionError("--out is empty", hint="name a folder, e.g. --out runs/toy")
+    return Path(out)
+
+
 def default_out(model: str) -> Path:
-    """``lensdiv-out/<model slug>-<time>``: a fresh folder per run."""
+    """``lensdiv-out/<model slug>-<time>``: a fresh folder per run (``-2``, ``-3``, ... when two
+    runs start within the same second)."""
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", Path(model).name or model).strip("-") or "model"
-    return Path("lensdiv-out") / f"{slug}-{time.strftime('%Y%m%d-%H%M%S')}"
+    base = Path("lensdiv-out") / f"{slug}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out, n = base, 1
+    while out.exists():
+        n += 1
+        out = base.with_name(f"{base.name}-{n}")
+    return out

@@ -7,7 +7,14 @@ from typing import Annotated
 
 import typer
 
-from lensdiv.cli.common import Device, Dtype, TrustRemoteCode, console, user_errors
+from lensdiv.cli.common import (
+    Device,
+    Dtype,
+    TrustRemoteCode,
+    check_writable,
+    console,
+    user_errors,
+)
 
 
 def lens(
@@ -49,6 +56,9 @@ def lens(
     from lensdiv.ops.prompt import prompt_view
 
     with user_errors():
+        for flag, path in (("--html", html), ("--png", png)):  # before the model loads
+            if path is not None:
+                check_writable(path.parent, flag)
         bridge = load_model(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
         view = prompt_view(
             bridge, text, top_k=top_k, lens=kind, skip=skip, part=part, prepend_bos=bos

@@ -19,6 +19,7 @@ def plugins_list() -> None:
     Example: lensdiv plugins list
     """
     # start-up: rich and the registry (importlib.metadata) load only when the command runs.
+    from rich.markup import escape
     from rich.table import Table
 
     from lensdiv.core.registry import default_registry
@@ -34,8 +35,8 @@ def plugins_list() -> None:
         )
     term = console()
     term.print(table)
-    for problem in registry.problems:
-        console(stderr=True).print(f"[yellow]warning:[/yellow] {problem}")
+    for problem in registry.problems:  # one unbroken line each, read as text (no markup)
+        console(stderr=True).print("[yellow]warning:[/yellow]", escape(problem), soft_wrap=True)
 
 
 @app.command("show")

@@ -18,6 +18,7 @@ from lensdiv.cli.common import (
     SeqLen,
     Split,
     TrustRemoteCode,
+    check_writable,
     default_out,
     out_option,
     save_and_show,
@@ -87,7 +88,9 @@ def fit(
     # start-up: the study (numpy, scipy) loads only when the command runs.
     from lensdiv.studies.scaling import fit_csv
 
+    out = out or default_out(f"scaling-{path.stem}")
     with user_errors():
+        check_writable(out)
         result = fit_csv(
             path,
             terms,
@@ -98,7 +101,7 @@ def fit(
             folds=folds,
             seed=seed,
         )
-    save_and_show(result, out or default_out(f"scaling-{path.stem}"))
+    save_and_show(result, out)
 
 
 @app.command("family")
@@ -141,7 +144,9 @@ def family(
     from lensdiv.data.sources import DataSpec
     from lensdiv.studies.scaling import fit_family
 
+    out = out or default_out(f"scaling-{models.split(',')[0]}")
     with user_errors():
+        check_writable(out)  # before every model is evaluated
         spec = DataSpec(
             source=data or "builtin",
             field=field,
@@ -165,4 +170,4 @@ def family(
             trust_remote_code=trust_remote_code,
             progress=progress,
         )
-    save_and_show(result, out or default_out(f"scaling-{models.split(',')[0]}"))
+    save_and_show(result, out)

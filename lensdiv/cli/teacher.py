@@ -7,7 +7,14 @@ from typing import Annotated, Any
 
 import typer
 
-from lensdiv.cli.common import Progress, default_out, out_option, save_and_show, user_errors
+from lensdiv.cli.common import (
+    Progress,
+    check_writable,
+    default_out,
+    out_option,
+    save_and_show,
+    user_errors,
+)
 from lensdiv.core.errors import OptionError
 
 
@@ -65,6 +72,7 @@ def teacher_student(
 
     out = out or default_out("teacher-student")
     with user_errors():
+        check_writable(out)  # before minutes of training
         given = {"steps": steps, "batch_size": batch_size, "lr": lr, "test_size": test_size}
         config = TeacherStudentConfig.preset(
             preset,

@@ -58,7 +58,7 @@ def toy_train(
     Example: lensdiv toy train --all
     """
     # start-up: the toy zoo (5% of `lensdiv --help`) loads only when the command runs.
-    from lensdiv.models.toy import cached_log, entry_dir, parse_toy, train_toy, zoo
+    from lensdiv.models.toy import cached_log, check_cache, entry_dir, parse_toy, train_toy, zoo
 
     with user_errors():
         if all_ == (name is not None):
@@ -66,6 +66,9 @@ def toy_train(
                 "name one toy model or pass --all", hint="e.g. lensdiv toy train toy:d8"
             )
         specs = zoo() if all_ else [parse_toy(name or "toy")]
+        for spec in specs:  # before any training: the cache must take the result
+            if force or cached_log(spec) is None:
+                check_cache(entry_dir(spec))
     term = console()
     for spec in specs:
         log = None if force else cached_log(spec)

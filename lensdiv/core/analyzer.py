@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import math
+import numbers
+import os
 import types
 import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -53,6 +56,7 @@ class ModelInfo:
         normalization: ``"LN"``, ``"RMS"``, ... or ``None``.
         parallel_residual: Attention and MLP both read ``h_l`` (GPT-NeoX/Pythia).
         hook_names: Every hook the model exposes.
+        n_ctx: Context length: the most positions one sequence may have (``0``: unknown).
     """
 
     name: str
@@ -63,6 +67,7 @@ class ModelInfo:
     normalization: str | None
     parallel_residual: bool
     hook_names: frozenset[str]
+    n_ctx: int = 0
 
     @classmethod
     def from_model(cls, model: Any, name: str | None = None) -> ModelInfo:
@@ -77,7 +82,23 @@ class ModelInfo:
             normalization=getattr(cfg, "normalization_type", None),
             parallel_residual=bool(getattr(cfg, "parallel_attn_mlp", False)),
             hook_names=frozenset(model.hook_dict),
+            n_ctx=int(getattr(cfg, "n_ctx", 0) or 0),
         )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The facts as JSON data (hook names sorted): saved in every run's manifest, so merged
+        shards finalize without the model."""
+        data = dataclasses.asdict(self)
+        data["hook_names"] = sorted(self.hook_names)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ModelInfo:
+        """Inverse of :meth:`to_dict`."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in data.items() if k in fields}
+        values["hook_names"] = frozenset(values.get("hook_names", ()))
+        return cls(**values)
 
     def resid(self, layer: int) -> str:
         """Hook holding ``h_layer`` (``0 ≤ layer ≤ L``): block inputs, then the last output."""
@@ -251,6 +272,12 @@ class Analyzer(abc.ABC):
         """Passes over the data this analyzer needs on this model (default :attr:`passes`)."""
         return self.passes
 
+    def min_tokens(self, info: ModelInfo) -> int:
+        """The fewest corpus tokens whose numbers mean anything on this model (default 0: no
+        floor). A ``--max-tokens`` below it is refused before the run; a corpus that runs out
+        below it puts a warning on the result."""
+        return 0
+
     def setup(self, model: Any, info: ModelInfo) -> Any:
         """Load and check what the run needs beyond the model (e.g. a reference model), once,
         before any forward pass, so a bad input fails fast. The return value reaches every
@@ -319,7 +346,9 @@ class Analyzer(abc.ABC):
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None = None) -> Analyzer:
-        """Build an instance from ``{option: value}``; strings are parsed to the field's type."""
+        """Build an instance from ``{option: value}``; strings are parsed to the field's type,
+        other values checked against it (``True`` is no ``int``, ``2.5`` no ``int``, NaN and
+        infinities no ``float``)."""
         options = dict(options or {})
         fields = {f.name: f for f in cls.option_fields()}
         hints = get_type_hints(cls) if fields else {}
@@ -328,20 +357,41 @@ class Analyzer(abc.ABC):
             if key not in fields:
                 known = ", ".join(fields) or "none"
                 raise OptionError(
-                    f"analyzer {cls.name!r} has no option {key!r}{did_you_mean(key, list(fields))}",
+                    f"analyzer {cls.name!r} has no option {key!r}{did_you_mean(str(key), list(fields))}",
                     hint=f"its options are: {known}",
                 )
             parsed[key] = _parse_option(cls.name, key, value, hints.get(key, Any))
         try:
             return cls(**parsed)
-        except (TypeError, ValueError) as err:
+        except Exception as err:  # an option the analyzer refuses (its __post_init__)
             raise OptionError(f"analyzer {cls.name!r}: {err}") from None
 
 
+def checked_options(analyzer: Analyzer) -> Analyzer:
+    """``analyzer`` with every option value checked against its annotation, as
+    :meth:`Analyzer.from_options` checks values given by name (``2.0`` for an ``int`` becomes
+    ``2``; ``True`` for an ``int``, NaN for a ``float`` raise :class:`OptionError`)."""
+    cls = type(analyzer)
+    fields = [f for f in cls.option_fields() if f.init]
+    hints = get_type_hints(cls) if fields else {}
+    changed = {}
+    for f in fields:
+        value = getattr(analyzer, f.name)
+        parsed = _parse_option(cls.name, f.name, value, hints.get(f.name, Any))
+        if parsed is not value and (type(parsed) is not type(value) or parsed != value):
+            changed[f.name] = parsed
+    if not changed:
+        return analyzer
+    try:
+        return dataclasses.replace(analyzer, **changed)  # type: ignore[type-var]  # a dataclass: option_fields() found fields
+    except Exception as err:  # an option the analyzer refuses (its __post_init__)
+        raise OptionError(f"analyzer {cls.name!r}: {err}") from None
+
+
 def _parse_option(analyzer: str, key: str, value: Any, hint: Any) -> Any:
-    """Coerce a command-line string to the annotated type of an option."""
+    """Coerce a command-line string to the annotated type of an option; check other values."""
     if not isinstance(value, str):
-        return value
+        return _typed_option(analyzer, key, value, hint)
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
         inner = [a for a in args if a is not type(None)]
@@ -366,12 +416,78 @@ def _parse_option(analyzer: str, key: str, value: Any, hint: Any) -> Any:
                 raise ValueError(value)
             return lowered in ("true", "1", "yes")
         if hint in (int, float):
-            return hint(value)
+            number = hint(value)
     except ValueError:
         raise OptionError(
             f"option {analyzer}.{key} expects {hint.__name__}, got {value!r}"
         ) from None
+    if hint in (int, float):
+        return _finite(analyzer, key, number, value)
     return value
+
+
+def _typed_option(analyzer: str, key: str, value: Any, hint: Any) -> Any:
+    """Check a value given as a Python object (not text) against an option's annotation."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    wrong = OptionError(
+        f"option {analyzer}.{key} expects {_type_name(hint)}, got {value!r} "
+        f"({type(value).__name__})"
+    )
+    if hint is Any or isinstance(hint, typing.TypeVar):
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for inner in (a for a in args if a is not type(None)):
+            try:
+                return _typed_option(analyzer, key, value, inner)
+            except OptionError:
+                continue
+        raise wrong
+    if origin is Literal:
+        if any(value == a and type(value) is type(a) for a in args):
+            return value
+        raise OptionError(
+            f"option {analyzer}.{key} must be one of {', '.join(map(str, args))}, not {value!r}"
+        )
+    if origin in (tuple, list):
+        if not isinstance(value, (tuple, list)):
+            raise wrong
+        item = args[0] if args else Any
+        return tuple(_parse_option(analyzer, key, v, item) for v in value)
+    if hint is bool:
+        if isinstance(value, bool) or type(value).__name__ == "bool_":
+            return bool(value)
+        raise wrong
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise wrong
+        if isinstance(value, numbers.Integral):
+            return int(value)
+        number = float(value)
+        if math.isfinite(number) and number.is_integer():
+            return int(number)
+        raise wrong
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise wrong
+        return _finite(analyzer, key, float(value), value)
+    if hint is str:
+        if isinstance(value, os.PathLike):
+            return os.fspath(value)
+        raise wrong
+    if isinstance(hint, type) and not isinstance(value, hint):
+        raise wrong
+    return value
+
+
+def _finite(analyzer: str, key: str, number: Any, given: Any) -> Any:
+    if isinstance(number, float) and not math.isfinite(number):
+        raise OptionError(
+            f"option {analyzer}.{key} must be a finite number, got {given!r}",
+            hint=f"give a number such as -O {analyzer}.{key}=0.5",
+        )
+    return number
 
 
 def _type_name(hint: Any) -> str:

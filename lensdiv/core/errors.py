@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 
 class LensdivError(Exception):
     """A problem with the user's input. The CLI prints ``str(err)`` on one line and exits 2.
@@ -38,16 +40,55 @@ class OptionError(LensdivError):
     """An analyzer option that does not exist or does not parse."""
 
 
-class HookError(LensdivError):
-    """An analyzer needs a hook the model does not have."""
+class UnsupportedModelError(LensdivError):
+    """An analyzer cannot handle this model (its architecture, not the user's input).
+
+    Raised from an analyzer's ``hooks``, ``examples`` or ``setup``; the run then skips that
+    analyzer, says why in the terminal and the manifest, and the other analyzers go on.
+    """
+
+
+class HookError(UnsupportedModelError):
+    """An analyzer needs a hook the model does not have (so it is skipped on this model)."""
 
 
 class ResultError(LensdivError):
     """A saved run or result that cannot be read."""
 
 
+class SaveError(LensdivError):
+    """Files that could not be written (disk full, no permission) or plots that could not be
+    drawn; the files that could be written are on disk.
+
+    Args:
+        message: Which files, and why.
+        hint: What to do about it.
+        written: The files that were written.
+        failed: ``{file: reason}`` for each file that was not.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        hint: str | None = None,
+        written: list[Path] | None = None,
+        failed: dict[Path, str] | None = None,
+    ) -> None:
+        super().__init__(message, hint=hint)
+        self.written = list(written or [])
+        self.failed = dict(failed or {})
+
+
 class StateError(LensdivError):
     """Analyzer states that cannot be combined or read (different runs, passes or shapes)."""
+
+
+class RankError(LensdivError):
+    """A process of a data-parallel run failed or stopped answering: every process stops with
+    this one line naming the rank and its error. Exit code 1 (not a mistake in the input)."""
+
+    exit_code = 1
 
 
 def did_you_mean(word: str, choices: list[str] | tuple[str, ...]) -> str:

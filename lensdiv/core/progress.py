@@ -12,7 +12,9 @@ from __future__ import annotations
 import io
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -187,3 +189,23 @@ def _has_ipywidgets() -> bool:
     from importlib.util import find_spec
 
     return find_spec("ipywidgets") is not None
+
+
+# Whether bars may show at all: `--no-progress` (``progress=False``) turns off every bar of the
+# run, also those of work an analyzer starts itself (loading a reference model, training a toy).
+_SHOWN: ContextVar[bool] = ContextVar("lensdiv_progress_shown", default=True)
+
+
+def progress_shown() -> bool:
+    """False inside :func:`progress_allowed` ``(False)``: callers then draw no bar."""
+    return _SHOWN.get()
+
+
+@contextmanager
+def progress_allowed(enabled: bool) -> Iterator[None]:
+    """Within this block, bars show only if ``enabled`` (and the surrounding block allows)."""
+    token = _SHOWN.set(_SHOWN.get() and enabled)
+    try:
+        yield
+    finally:
+        _SHOWN.reset(token)

@@ -1,19 +1,21 @@
 """The plugin registry: every analyzer, built-in or third-party, comes from the ``lensdiv.plugins``
 entry-point group (like pytest's ``pytest11``). Each entry remembers the distribution that supplied
-it; duplicate names are refused naming both providers; a plugin that fails to import is reported
+it; a plugin that claims a built-in's name is refused naming both packages (the built-in stays),
+two third-party plugins with one name are both refused; a plugin that fails to import is reported
 and the others keep working.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import inspect
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
-from lensdiv.core.analyzer import Analyzer
-from lensdiv.core.errors import PluginError, did_you_mean
+from lensdiv.core.analyzer import Analyzer, checked_options
+from lensdiv.core.errors import OptionError, PluginError, did_you_mean
 
 if TYPE_CHECKING:
     from lensdiv.core.analyzer import Analyzer
@@ -64,6 +66,11 @@ class Registry:
 
     def resolve(self, name: str) -> type[Analyzer]:
         """Return the analyzer class registered under ``name`` or one of its aliases."""
+        if not isinstance(name, str):
+            raise PluginError(
+                f"an analyzer name must be text, not {name!r} ({type(name).__name__})",
+                hint="`lensdiv plugins list` shows the names",
+            )
         key = name.strip().lower()
         for entry in self.entries.values():
             if key == entry.name or key in entry.aliases:
@@ -84,25 +91,54 @@ def _provider(ep: metadata.EntryPoint) -> str:
     return f"{dist.name} {dist.version}" if dist is not None else "unknown"
 
 
+def _builtin(ep: metadata.EntryPoint) -> bool:
+    """Registered by lensdiv itself (its own distribution, or a module of the package)."""
+    dist = getattr(ep, "dist", None)
+    if dist is not None:
+        return str(dist.name).lower().replace("_", "-") == "lensdiv"
+    return ep.value.startswith("lensdiv.")
+
+
 def collect(entry_points: Iterable[metadata.EntryPoint] | None = None) -> Registry:
-    """Load every analyzer of the ``lensdiv.plugins`` group (or of ``entry_points``)."""
+    """Load every analyzer of the ``lensdiv.plugins`` group (or of ``entry_points``).
+
+    Built-in analyzers come first and keep their names and aliases: a third-party plugin that
+    claims one is refused (naming both packages) and the built-in stays usable. Two third-party
+    plugins that claim the same name are both refused, since neither is more right than the other.
+    """
 
     if entry_points is None:
         entry_points = metadata.entry_points(group=GROUP)
     registry = Registry()
     seen_aliases: dict[str, str] = {}
-    for ep in sorted(entry_points, key=lambda e: e.name):
+    builtin_names: set[str] = set()
+    for ep in sorted(entry_points, key=lambda e: (not _builtin(e), e.name)):
         name = ep.name.strip().lower()
         entry = PluginEntry(name=name, target=ep.value, provider=_provider(ep))
         if name in registry.entries:
             other = registry.entries[name]
             if other.target == entry.target:  # the same distribution seen twice on sys.path
                 continue
+            if name in builtin_names:
+                registry.problems.append(
+                    f"analyzer name {name!r} of {entry.provider} ({entry.target}) is a built-in "
+                    f"analyzer of {other.provider} ({other.target}); {entry.provider}'s plugin is "
+                    "refused and the built-in kept (rename the plugin)"
+                )
+                continue
             registry.problems.append(
                 f"duplicate analyzer name {name!r}: registered by {other.provider} "
                 f"({other.target}) and by {entry.provider} ({entry.target}); both refused"
             )
             other.cls, other.error = None, f"name also registered by {entry.provider}"
+            continue
+        if name in seen_aliases:
+            owner = registry.entries[seen_aliases[name]]
+            registry.problems.append(
+                f"analyzer name {name!r} of {entry.provider} ({entry.target}) is an alias of "
+                f"{owner.name!r} from {owner.provider}; {entry.provider}'s plugin is refused "
+                "(rename the plugin)"
+            )
             continue
         try:
             cls = ep.load()
@@ -116,14 +152,17 @@ def collect(entry_points: Iterable[metadata.EntryPoint] | None = None) -> Regist
             entry.error = f"{type(err).__name__}: {err}"
             registry.problems.append(f"plugin {name!r} from {entry.provider}: {entry.error}")
         for alias in entry.aliases:
-            if alias in seen_aliases:
+            taken = seen_aliases.get(alias) or (alias if alias in registry.entries else None)
+            if taken is not None:
                 registry.problems.append(
-                    f"alias {alias!r} of {name!r} already names {seen_aliases[alias]!r}; ignored"
+                    f"alias {alias!r} of {name!r} already names {taken!r}; ignored"
                 )
                 entry.aliases = tuple(a for a in entry.aliases if a != alias)
             else:
                 seen_aliases[alias] = name
         registry.entries[name] = entry
+        if _builtin(ep):
+            builtin_names.add(name)
     return registry
 
 
@@ -144,32 +183,62 @@ def list_plugins() -> list[PluginEntry]:
 
 
 def make_analyzers(
-    plugins: str | Iterable[str | Analyzer], options: dict[str, dict[str, Any]] | None = None
+    plugins: str | Analyzer | type[Analyzer] | Iterable[str | Analyzer | type[Analyzer]],
+    options: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> list[Analyzer]:
-    """Instantiate analyzers from names (comma-separated string or list) or ready instances."""
+    """Instantiate analyzers from names (comma-separated string or list), analyzer classes or
+    ready instances; every option value is checked against its annotation.
+
+    Raises:
+        PluginError: Something other than names, classes or instances; an unknown name; an
+            analyzer selected twice; none selected.
+        OptionError: ``options`` not ``{analyzer: {option: value}}``; a bad option or value.
+    """
 
     if isinstance(plugins, str):
         plugins = [p for p in plugins.split(",") if p.strip()]
-    options = {k.lower(): v for k, v in (options or {}).items()}
+    elif isinstance(plugins, (Analyzer, type)):
+        plugins = [plugins]
+    elif not isinstance(plugins, Iterable):
+        raise PluginError(
+            f"plugins must be analyzer names, Analyzer instances or a list of them, not "
+            f"{plugins!r} ({type(plugins).__name__})",
+            hint="e.g. plugins='lens,contrib' or plugins=['lens', MyAnalyzer()]",
+        )
+    options = _option_table(options)
     analyzers: list[Analyzer] = []
     used = set()
     for item in plugins:
-        if isinstance(item, Analyzer):
-            analyzers.append(item)
-            continue
-        cls = get_analyzer(item)
-        opts = {}
-        for key in (cls.name, *cls.aliases, item.strip().lower()):
+        if isinstance(item, type) and issubclass(item, Analyzer) and not inspect.isabstract(item):
+            cls: type[Analyzer] = item
+        elif isinstance(item, Analyzer):
+            cls = type(item)
+        elif isinstance(item, str):
+            cls = get_analyzer(item)
+        else:
+            raise PluginError(
+                f"plugins holds {item!r} ({type(item).__name__}), which is neither an analyzer "
+                "name nor a concrete Analyzer class or instance",
+                hint="e.g. plugins=['lens', MyAnalyzer()]; `lensdiv plugins list` shows the names",
+            )
+        opts: dict[str, Any] = {}
+        keys = (cls.name, *cls.aliases) + ((item.strip().lower(),) if isinstance(item, str) else ())
+        for key in keys:
             if key in options:
                 opts.update(options[key])
                 used.add(key)
-        analyzers.append(cls.from_options(opts))
+        if isinstance(item, Analyzer):
+            # An instance with options given beside it: those options win over its own.
+            analyzer = cls.from_options({**item.options(), **opts}) if opts else item
+            analyzers.append(checked_options(analyzer))
+        else:
+            analyzers.append(cls.from_options(opts))
     unused = set(options) - used
     if unused:
         key = sorted(unused)[0]
         raise PluginError(
             f"options given for {key!r}, which is not among the selected analyzers",
-            hint=f"selected: {', '.join(a.name for a in analyzers)}",
+            hint=f"selected: {', '.join(a.name for a in analyzers) or 'none'}",
         )
     if not analyzers:
         raise PluginError("no analyzers selected", hint="pass --plugins lens,contrib")
@@ -178,3 +247,25 @@ def make_analyzers(
     if dup:
         raise PluginError(f"analyzer {sorted(dup)[0]!r} selected twice")
     return analyzers
+
+
+def _option_table(options: Any) -> dict[str, dict[str, Any]]:
+    """``{analyzer: {option: value}}`` with lower-case analyzer names, after checking its shape."""
+    if options is None:
+        return {}
+    example = "e.g. options={'lens': {'top_k': 10}}"
+    if not isinstance(options, Mapping):
+        raise OptionError(
+            f"options must map analyzer names to their options, not {type(options).__name__}",
+            hint=example,
+        )
+    table: dict[str, dict[str, Any]] = {}
+    for key, value in options.items():
+        if not isinstance(key, str):
+            raise OptionError(f"options has the key {key!r}, not an analyzer name", hint=example)
+        if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+            raise OptionError(
+                f"options[{key!r}] must map option names to values, not {value!r}", hint=example
+            )
+        table.setdefault(key.strip().lower(), {}).update(value)
+    return table

@@ -8,18 +8,21 @@ without the analyzer that made it.
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 from rich.jupyter import JupyterMixin
 
-from lensdiv.core.errors import ResultError
+from lensdiv.core.errors import ResultError, SaveError
 
 SCHEMA = 1
 # Width of plain text when there is no terminal to ask (a log file, a pipe, a notebook's print).
@@ -304,8 +307,10 @@ class Plot:
                 ax.legend(fontsize=8)
             if self.logy:
                 ax.set_yscale("log")
+                _plain_log_labels(ax.yaxis)
             if self.logx:
                 ax.set_xscale("log")
+                _plain_log_labels(ax.xaxis)
             elif _integers(xs):
                 # Layers, blocks, grades and steps: a half layer does not exist.
                 ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -462,8 +467,8 @@ class Result(Rendered):
                 meta=data.get("meta", {}),
                 warnings=tuple(data.get("warnings", ())),
             )
-        except (KeyError, TypeError, ValueError) as err:
-            raise ResultError(f"not a lensdiv result: {err}") from None
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise ResultError(f"not a lensdiv result ({type(err).__name__}: {err})") from None
 
     def to_json(self, indent: int | None = 1) -> str:
         """JSON text (NaN and infinities are written as JSON's ``NaN``/``Infinity``)."""
@@ -475,20 +480,49 @@ class Result(Rendered):
         return cls.from_dict(json.loads(text))
 
     def save(self, directory: str | os.PathLike[str], *, plots: bool = True) -> list[Path]:
-        """Write ``result.json``, one CSV per table and one PNG per plot; return the paths."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        written = []
+        """Write ``result.json`` and one CSV per table, then one PNG per plot; return the paths.
+
+        Every file is written atomically (a temporary file renamed into place), so no reader
+        ever sees half a file. The numbers come first, and each file stands alone: a file that
+        cannot be written (disk full, no permission) or a plot that cannot be drawn does not
+        stop the others.
+
+        Raises:
+            SaveError: Naming every file that was not written and why; ``err.written`` lists
+                the files that were.
+        """
+        files = _Files(self.analyzer, Path(directory))
         for name, table in self.tables.items():
-            table.to_csv(directory / f"{name}.csv")
-            written.append(directory / f"{name}.csv")
+            path = files.directory / f"{name}.csv"
+            files.attempt(path, partial(table.to_csv, path))
+        path = files.directory / "result.json"
+        files.attempt(path, partial(self._write_json, path))
         if plots:
-            written += self.save_plots(directory)
-        # result.json last: its presence means the folder is complete.
-        with _atomic(directory / "result.json") as tmp:
-            tmp.write_text(self.to_json())
-        written.append(directory / "result.json")
-        return written
+            self._draw_each(files)
+        return files.done()
+
+    def redraw(self, directory: str | os.PathLike[str]) -> list[Path]:
+        """Draw every plot into ``directory`` again (``lensdiv report --plots``), each on its own.
+
+        Raises:
+            SaveError: Naming the plots that could not be drawn or written.
+        """
+        files = _Files(self.analyzer, Path(directory))
+        self._draw_each(files)
+        return files.done()
+
+    def _draw_each(self, files: _Files) -> None:
+        for spec in self.plots:
+            # One plot at a time through save_plots, so a plot that cannot be drawn (a bad
+            # spec, a missing table) costs only its own PNG.
+            single = dataclasses.replace(self, plots=(spec,))
+            path = files.directory / f"{spec.name}.png"
+            files.attempt(path, partial(single.save_plots, files.directory), drawing=True)
+
+    def _write_json(self, path: Path) -> None:
+        text = self.to_json()
+        with _atomic(path) as tmp:
+            tmp.write_text(text)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Result:
@@ -498,8 +532,10 @@ class Result(Rendered):
             path = path / "result.json"
         try:
             return cls.from_json(path.read_text())
-        except (OSError, json.JSONDecodeError) as err:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
             raise ResultError(f"cannot read result {path}: {err}") from None
+        except ResultError as err:
+            raise ResultError(f"{path}: {err.message}", hint="rerun the analysis") from None
 
     def save_plots(self, directory: str | os.PathLike[str]) -> list[Path]:
         """Draw every plot to ``directory/<plot.name>.png``.
@@ -533,6 +569,15 @@ class Result(Rendered):
             )
         if self.tables:
             yield self.table()
+
+
+def _plain_log_labels(axis: Any) -> None:
+    """Label a log axis with plain numbers (``2``, ``30``, ``0.5``) rather than matplotlib's
+    ``2×10⁰`` style; minor ticks are labelled only where the axis spans few decades."""
+    from matplotlib.ticker import LogFormatter
+
+    axis.set_major_formatter(LogFormatter(labelOnlyBase=False))
+    axis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(1, 0.4)))
 
 
 def agg_figure() -> tuple[Any, Any]:
@@ -578,10 +623,81 @@ class _atomic:
         return self.tmp
 
     def __exit__(self, exc_type: Any, *rest: Any) -> None:
-        if exc_type is None:
-            os.replace(self.tmp, self.path)
-        else:
+        try:
+            if exc_type is None:
+                os.replace(self.tmp, self.path)
+        finally:  # written or not, no temporary file stays behind
             self.tmp.unlink(missing_ok=True)
+
+
+class _Files:
+    """Files of one result being written: each attempted on its own, failures collected."""
+
+    def __init__(self, analyzer: str, directory: Path) -> None:
+        self.analyzer = analyzer
+        self.directory = directory
+        self.written: list[Path] = []
+        self.failed: dict[Path, str] = {}
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            self.failed[directory] = _reason(err)
+            raise _save_error(analyzer, directory, self.written, self.failed) from None
+
+    def attempt(self, path: Path, write: Callable[[], Any], drawing: bool = False) -> None:
+        try:
+            write()
+            self.written.append(path)
+        except Exception as err:  # one file that cannot be written must not cost the others
+            drawn = drawing and not isinstance(err, OSError)
+            self.failed[path] = f"cannot draw: {_reason(err)}" if drawn else _reason(err)
+
+    def done(self) -> list[Path]:
+        if self.failed:
+            raise _save_error(self.analyzer, self.directory, self.written, self.failed)
+        return self.written
+
+
+def _reason(err: BaseException) -> str:
+    """Why a file was not written, in a few words (``No space left on device``)."""
+    if isinstance(err, OSError) and err.strerror:
+        return err.strerror
+    return f"{type(err).__name__}: {err}".splitlines()[0][:200]
+
+
+# What to do about a file that could not be written, by errno.
+_SAVE_HINTS = {
+    errno.ENOSPC: "free some disk space, or write to another folder",
+    errno.EDQUOT: "free some space within your disk quota, or write to another folder",
+    errno.EACCES: "make the folder writable, or write to another folder",
+    errno.EPERM: "make the folder writable, or write to another folder",
+    errno.EROFS: "the file system is read-only: write to another folder",
+    errno.EFBIG: "a file-size limit (ulimit -f) stopped the write: raise it, or write elsewhere",
+}
+
+
+def _save_error(
+    analyzer: str, directory: Path, written: list[Path], failed: dict[Path, str]
+) -> SaveError:
+    """One line naming every file not written, grouped by reason."""
+    by_reason: dict[str, list[str]] = {}
+    for path, reason in failed.items():
+        by_reason.setdefault(reason, []).append(path.name if path != directory else str(path))
+    parts = "; ".join(f"{', '.join(names)} ({reason})" for reason, names in by_reason.items())
+    hint = next(
+        (
+            hint
+            for code, hint in _SAVE_HINTS.items()
+            if any(os.strerror(code) == reason for reason in by_reason)
+        ),
+        "the files that were written are complete",
+    )
+    return SaveError(
+        f"{analyzer}: could not write {len(failed)} file(s) in {directory}: {parts}",
+        hint=hint,
+        written=written,
+        failed=failed,
+    )
 
 
 def write_json_atomic(path: Path, data: Any) -> None:

@@ -48,7 +48,7 @@ def _tensor(value: Tensor | float | int) -> Tensor:
     return torch.as_tensor(value).detach().to(torch.float64)
 
 
-def _same(a: Any, b: Any) -> bool:
+def same_value(a: Any, b: Any) -> bool:
     """Whether two fixed values agree (tensors up to float64 round-off of the same computation)."""
     if isinstance(a, Tensor) or isinstance(b, Tensor):
         if not (isinstance(a, Tensor) and isinstance(b, Tensor)) or a.shape != b.shape:
@@ -120,7 +120,9 @@ class Stats:
         value is fine; a different one raises :class:`StateError`.
         """
         if name in self.fixed:
-            if not _same(self.fixed[name], value if isinstance(value, Tensor) else _json(value)):
+            if not same_value(
+                self.fixed[name], value if isinstance(value, Tensor) else _json(value)
+            ):
                 raise StateError(f"fixed statistic {name!r} changed from one batch to the next")
             return
         self._kind_free(name, "fixed")
@@ -221,7 +223,7 @@ class Stats:
                 out._set(kind, name, (self if mine else other)._copy(kind, name))
             elif name in out.frozen or kind == "fixed":
                 a, b = self._raw(kind, name), other._raw(kind, name)
-                if kind == "fixed" and not _same(a, b):
+                if kind == "fixed" and not same_value(a, b):
                     raise StateError(f"the states disagree on {name!r}")
                 out._set(kind, name, self._copy(kind, name))
             else:

@@ -69,7 +69,9 @@ def read_pairs(path: str | Path) -> list[Pair]:
     path = Path(path)
     pairs = []
     required = ("clean", "corrupt", "target")
-    for number, row in read_task_jsonl(path, required, what="pairs", option="patch.pairs"):
+    for number, row in read_task_jsonl(
+        path, required, what="pairs", option="patch.pairs", numbers=("target",)
+    ):
         where = f"{path.name} line {number}"
         for key in ("clean", "corrupt"):
             if not isinstance(row[key], str) or not row[key]:

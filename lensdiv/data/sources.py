@@ -1,5 +1,11 @@
-"""Data: read documents from text, JSONL, a folder, a hub data set or the built-in corpus, then
-tokenise and pack them into fixed-length, right-padded sequences.
+"""Data: read documents from text, JSONL, a folder, a hub data set, the built-in corpus or memory,
+then tokenise and pack them into fixed-length, right-padded sequences.
+
+In the Python API, ``data`` may also be in memory: a list of strings (one document each),
+``"text:..."`` (the string after ``text:`` is the one document; a plain string always names a
+file, folder or ``hf:`` data set, so a typo in a path is an error, never analysed as text), or a
+token tensor ``[batch, pos]`` (or ``[pos]``) whose rows are used as they are: no BOS is added,
+nothing is packed, and ``seq_len`` does not apply.
 
 Packing: documents are joined by EOS and cut into rows of ``seq_len`` tokens; with the default BOS
 policy every row starts with BOS. Only the last row may be padded, on the right, and its mask is
@@ -9,7 +15,9 @@ influence a real position).
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +37,8 @@ class DataSpec:
 
     Args:
         source: A ``.txt`` file, a ``.jsonl`` file, a folder of ``.txt`` files, ``hf:NAME[:CONFIG]``
-            (a hub data set, or a local folder of data files), or ``"builtin"``.
+            (a hub data set, or a local folder of data files), ``text:TEXT`` (one document given
+            inline) or ``"builtin"``; for data in memory, a description (``memory:...``).
         field: JSONL / data-set field holding the text.
         split: Data-set split for ``hf:`` sources.
         seq_len: Tokens per row, BOS included.
@@ -37,6 +46,8 @@ class DataSpec:
         batch_size: Rows per forward pass.
         bos: ``"prepend"`` puts BOS at position 0 of every row; ``"none"`` does not.
         seed: Seed of the built-in corpus.
+        texts: Documents in memory (see :meth:`from_data`), instead of ``source``.
+        tokens: A token tensor ``[batch, pos]`` in memory, rows used as they are.
     """
 
     source: str = BUILTIN
@@ -47,36 +58,178 @@ class DataSpec:
     batch_size: int = 8
     bos: str = "prepend"  # validated below: "prepend" | "none"
     seed: int = 0
+    texts: tuple[str, ...] | None = dataclasses.field(default=None, repr=False, compare=False)
+    tokens: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("seq_len", "max_tokens", "batch_size"):
-            if getattr(self, name) < (2 if name == "seq_len" else 1):
+        for name in ("source", "field", "split", "bos"):
+            value = getattr(self, name)
+            if not isinstance(value, str):
                 raise DataError(
-                    f"{name.replace('_', '-')} must be positive, got {getattr(self, name)}"
+                    f"{name} must be text, not {value!r} ({type(value).__name__})",
+                    hint=_FLAG_HINTS[name],
                 )
+        for name in ("seq_len", "max_tokens", "batch_size", "seed"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise DataError(
+                    f"{_flag(name)} must be a whole number, not {value!r} ({type(value).__name__})",
+                    hint=_FLAG_HINTS[name],
+                )
+        if not -(2**63) <= self.seed < 2**63:
+            raise DataError(
+                f"--seed {self.seed} is out of range", hint="use a seed between -2^63 and 2^63 - 1"
+            )
+        if self.seq_len < 2:
+            raise DataError(
+                f"--seq-len {self.seq_len} is too short: a sequence needs at least 2 tokens (with "
+                "the default BOS, BOS and one token) to predict anything",
+                hint="use --seq-len 2 or more (default 128)",
+            )
+        if self.max_tokens < 2:
+            raise DataError(
+                f"--max-tokens {self.max_tokens} is too few: at least 2 tokens are needed to "
+                "predict one",
+                hint="use --max-tokens 2 or more (default 16384)",
+            )
+        if self.batch_size < 1:
+            raise DataError(
+                f"--batch-size must be at least 1, got {self.batch_size}",
+                hint=_FLAG_HINTS["batch_size"],
+            )
         if self.bos not in ("prepend", "none"):
             raise DataError(
                 f"bos policy must be 'prepend' or 'none', not {self.bos!r}",
                 hint="use --bos prepend (default) or --bos none",
             )
+        if not self.field.strip():
+            raise DataError("--field is empty", hint="name the JSONL / data-set field of the text")
+
+    @classmethod
+    def from_data(cls, data: Any, **settings: Any) -> DataSpec:
+        """A spec for anything the API accepts as ``data``: ``None`` (the built-in corpus), a
+        source string or path, ``"text:..."``, a list of strings, a token tensor, or a spec.
+
+        Raises:
+            DataError: Anything else, naming what was given and what is accepted.
+        """
+        if isinstance(data, DataSpec):
+            return data
+        if data is None:
+            return cls(source=BUILTIN, **settings)
+        if isinstance(data, os.PathLike):
+            return cls(source=os.fspath(data), **settings)
+        if isinstance(data, str):
+            return cls(source=data, **settings)
+        if type(data).__module__.startswith("torch") and hasattr(data, "dtype"):
+            tokens = _token_rows(data)
+            return cls(source=f"memory:tokens{list(tokens.shape)}", tokens=tokens, **settings)
+        if isinstance(data, (list, tuple)):
+            for i, doc in enumerate(data):
+                if not isinstance(doc, str):
+                    raise DataError(
+                        f"data[{i}] is {doc!r} ({type(doc).__name__}); a list of data holds one "
+                        "string per document",
+                        hint="pass strings, or one token tensor [batch, pos]",
+                    )
+            if not any(doc.strip() for doc in data):
+                raise DataError("the data list holds no text", hint="give it some documents")
+            return cls(source=f"memory:{len(data)} documents", texts=tuple(data), **settings)
+        raise DataError(
+            f"cannot read data from {data!r} ({type(data).__name__})",
+            hint="pass a file, folder or hf:NAME, 'text:...', a list of strings or a token tensor",
+        )
+
+    def describe(self) -> dict[str, Any]:
+        """The settings as plain data for the manifest: in-memory data by size and checksum."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        del out["texts"], out["tokens"]
+        if self.source.startswith(LITERAL) and len(self.source) > 80:
+            out["source"] = f"{self.source[:77]}..."
+        if self.texts is not None or self.tokens is not None or self.source.startswith(LITERAL):
+            import hashlib
+
+            blob = (
+                "\x00".join(self.texts).encode()
+                if self.texts is not None
+                else self.source.encode()
+                if self.tokens is None
+                else self.tokens.cpu().numpy().tobytes()
+            )
+            out["sha256"] = hashlib.sha256(blob).hexdigest()
+        return out
+
+
+LITERAL = "text:"
+
+_FLAG_HINTS = {
+    "source": "pass a file, folder, hf:NAME or 'text:...', or leave it out (built-in corpus)",
+    "field": "name the JSONL / data-set field of the text, e.g. --field text",
+    "split": "name the split of an hf: data set, e.g. --split train",
+    "bos": "use --bos prepend (default) or --bos none",
+    "seq_len": "e.g. --seq-len 128 (tokens per sequence, BOS included)",
+    "max_tokens": "e.g. --max-tokens 16384",
+    "batch_size": "e.g. --batch-size 8 (sequences per forward pass)",
+    "seed": "e.g. --seed 0",
+}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _token_rows(data: Any) -> Any:
+    """A token tensor as ``[batch, pos]`` int64 on the CPU, after checking it is one."""
+    import torch
+
+    if data.dtype in (torch.bool,) or data.dtype.is_floating_point or data.dtype.is_complex:
+        raise DataError(
+            f"a token tensor must hold integer ids, not {str(data.dtype).replace('torch.', '')}",
+            hint="pass token ids, e.g. model.to_tokens(text)",
+        )
+    tokens = data.detach().to("cpu", torch.long)
+    if tokens.ndim == 1:
+        tokens = tokens[None]
+    if tokens.ndim != 2 or tokens.shape[1] < 2 or tokens.shape[0] < 1:
+        raise DataError(
+            f"a token tensor must be [batch, pos] with at least 2 positions, got shape "
+            f"{list(data.shape)}",
+            hint="pass token ids of shape [batch, pos] (or [pos] for one sequence)",
+        )
+    if int(tokens.min()) < 0:
+        raise DataError(f"the token tensor holds a negative id ({int(tokens.min())})")
+    return tokens
 
 
 def check_source(spec: DataSpec) -> str:
     """Validate the source cheaply (before any model is loaded); return its kind."""
     src = spec.source
+    if spec.tokens is not None:
+        return "tokens"
+    if spec.texts is not None:
+        return "memory"
     if src == BUILTIN:
         return "builtin"
+    if src.startswith(LITERAL):
+        if not src[len(LITERAL) :].strip():
+            raise DataError("'text:' holds no text", hint="write the text after text:")
+        return "literal"
     if src.startswith("hf:"):
         if len(src) <= 3:
             raise DataError(
                 "empty hub data set name in 'hf:'", hint="use hf:NAME or hf:NAME:CONFIG"
             )
         return "hub"
+    if not src.strip():
+        raise DataError("the data source is empty", hint=_FLAG_HINTS["source"])
     path = Path(src).expanduser()
     if not path.exists():
+        looks_like_text = "\n" in src or (" " in src and not any(c in src for c in "/\\"))
         raise DataError(
-            f"data file {src!r} does not exist",
-            hint="check the path (or omit --data for the built-in corpus)",
+            f"data file {src[:80]!r} does not exist",
+            hint="to analyse this string itself, pass data='text:...' (or a list of strings)"
+            if looks_like_text
+            else "check the path (or omit --data for the built-in corpus)",
         )
     if path.is_dir():
         files = sorted(path.rglob("*.txt"))
@@ -88,13 +241,23 @@ def check_source(spec: DataSpec) -> str:
         for f in files:
             _check_file(f)
         return "folder"
-    _check_file(path)
-    return "jsonl" if path.suffix.lower() in (".jsonl", ".ndjson") else "text"
+    head = _check_file(path)
+    if path.suffix.lower() in (".jsonl", ".ndjson"):
+        # The rows read at once anyway: a wrong --field or a non-text value on the first lines
+        # fails here, before any model loads (later lines fail when they are reached).
+        whole = head.split(b"\n")[:-1] if len(head) == _SNIFF_BYTES else head.split(b"\n")
+        lines = b"\n".join(whole).decode("utf-8", errors="replace").split("\n")
+        for _ in _jsonl_rows(lines, path.name, spec.field):
+            pass
+        return "jsonl"
+    return "text"
 
 
-def _check_file(path: Path) -> None:
+def _check_file(path: Path) -> bytes:
+    """The first bytes of ``path``, after checking it is non-empty UTF-8 text."""
     try:
-        head = path.open("rb").read(_SNIFF_BYTES)
+        with path.open("rb") as fh:
+            head = fh.read(_SNIFF_BYTES)
     except OSError as err:
         raise DataError(f"cannot read {str(path)!r}: {err.strerror}") from None
     if not head.strip():
@@ -112,12 +275,19 @@ def _check_file(path: Path) -> None:
             f"data file {str(path)!r} is not UTF-8 text",
             hint="convert it to UTF-8 (e.g. iconv -t utf-8)",
         ) from None
+    return head
 
 
 def documents(spec: DataSpec) -> Iterator[str]:
     """Yield the documents of the source, lazily."""
     kind = check_source(spec)
-    if kind == "builtin":
+    if kind == "tokens":
+        raise DataError("token data has no documents", hint="read it with token_batches")
+    if kind == "memory":
+        yield from spec.texts or ()
+    elif kind == "literal":
+        yield spec.source[len(LITERAL) :]
+    elif kind == "builtin":
         yield from builtin_documents(seed=spec.seed)
     elif kind == "hub":
         yield from _hub_documents(spec)
@@ -135,6 +305,8 @@ def _read_text(path: Path) -> str:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
         raise DataError(f"{str(path)!r} is not UTF-8 text (byte {err.start})") from None
+    except OSError as err:  # removed or unreadable since the run began
+        raise DataError(f"cannot read {str(path)!r}: {err.strerror or err}") from None
 
 
 def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
@@ -143,6 +315,8 @@ def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
             yield from _jsonl_rows(fh, path.name, field)
     except UnicodeDecodeError as err:
         raise DataError(f"{path.name} is not UTF-8 text (byte {err.start})") from None
+    except OSError as err:  # removed or unreadable since the run began
+        raise DataError(f"cannot read {str(path)!r}: {err.strerror or err}") from None
 
 
 def _jsonl_rows(lines: Iterable[str], name: str, field: str) -> Iterator[str]:
@@ -159,17 +333,51 @@ def _jsonl_rows(lines: Iterable[str], name: str, field: str) -> Iterator[str]:
                 f"{name} line {lineno} has no field {field!r} (it has: {keys})",
                 hint="choose the text field with --field",
             )
-        yield str(row[field])
+        yield _text(row[field], f"{name} line {lineno}", field)
+
+
+def _text(value: Any, where: str, field: str) -> str:
+    """A document's text, refusing what is not text (null, a number, an object)."""
+    if not isinstance(value, str):
+        raise DataError(
+            f"{where}: field {field!r} holds {_json_kind(value)}, not text",
+            hint="make it a string, drop the row, or choose the text field with --field",
+        )
+    return value
+
+
+def _json_kind(value: Any) -> str:
+    """``null``, ``a number (12345)``, ``an object``... as a JSON reader would say it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"a boolean ({str(value).lower()})"
+    if isinstance(value, (int, float)):
+        return f"a number ({value})"
+    if isinstance(value, dict):
+        return "an object"
+    if isinstance(value, list):
+        return "a list"
+    return type(value).__name__
 
 
 def read_task_jsonl(
-    path: str | Path, required: tuple[str, ...], *, what: str, option: str
+    path: str | Path,
+    required: tuple[str, ...],
+    *,
+    what: str,
+    option: str,
+    numbers: tuple[str, ...] = (),
 ) -> list[tuple[int, dict[str, Any]]]:
     """``(line number, object)`` for each row of a task file (patching pairs, graded prompts).
 
+    Every required key must hold a string; those in ``numbers`` may hold a number instead (a
+    grade, a token id) — never null, a boolean, a list or an object.
+
     Raises:
-        DataError: Missing, non-UTF-8 or empty file, bad JSON, a non-object or a missing key —
-            one line naming the file and line, with a hint showing the expected row.
+        DataError: Missing, non-UTF-8 or empty file, bad JSON, a non-object, a missing key or a
+            value of the wrong kind — one line naming the file and line, with a hint showing the
+            expected row.
     """
     path = Path(path)
     example = "{" + ", ".join(f'"{key}": ...' for key in required) + "}"
@@ -200,6 +408,14 @@ def read_task_jsonl(
                 raise DataError(
                     f"{where}: missing key {key!r} (it has: {', '.join(row) or 'none'})",
                     hint=f"each line needs {example}",
+                )
+            value = row[key]
+            number_ok = key in numbers and isinstance(value, (int, float))
+            if not isinstance(value, str) and (isinstance(value, bool) or not number_ok):
+                kind = "text or a number" if key in numbers else "text"
+                raise DataError(
+                    f"{where}: {key!r} holds {_json_kind(value)}, not {kind}",
+                    hint=f"each line needs {example} with {kind} in {key!r}",
                 )
         rows.append((number, row))
     if not rows:
@@ -232,14 +448,42 @@ def _hub_documents(spec: DataSpec) -> Iterator[str]:
             f"data set {name!r} has no field {spec.field!r} (it has: {', '.join(first)})",
             hint="choose the text field with --field",
         )
-    yield str(first[spec.field])
-    for row in rows:
-        yield str(row[spec.field])
+    yield _text(first[spec.field], f"data set {name!r} row 1", spec.field)
+    for number, row in enumerate(rows, 2):
+        yield _text(row.get(spec.field), f"data set {name!r} row {number}", spec.field)
 
 
 def token_batches(spec: DataSpec, tokenizer: Any) -> Iterator[Any]:
-    """Tokenise and pack the documents of ``spec`` into :class:`~lensdiv.core.analyzer.Batch` es."""
+    """Tokenise and pack the documents of ``spec`` into :class:`~lensdiv.core.analyzer.Batch` es
+    (a token tensor's rows are used as they are, ``batch_size`` rows a batch)."""
+    if spec.tokens is not None:
+        return _tensor_batches(spec, tokenizer)
     return pack(documents(spec), tokenizer, spec, source=spec.source)
+
+
+def _tensor_batches(spec: DataSpec, tokenizer: Any) -> Iterator[Any]:
+    """Rows of a token tensor as batches: each row one sequence (and one document), up to
+    ``max_tokens`` real tokens (the last row kept is cut short, its tail masked)."""
+    import torch
+
+    rows = spec.tokens
+    width = rows.shape[1]
+    bos_id = getattr(tokenizer, "bos_token_id", None)
+    budget = spec.max_tokens
+    for index, lo in enumerate(range(0, rows.shape[0], spec.batch_size)):
+        if budget <= 1:
+            break
+        tokens = rows[lo : lo + spec.batch_size].clone()
+        keep = min(tokens.shape[0], -(-budget // width))
+        tokens = tokens[:keep]
+        mask = torch.ones_like(tokens, dtype=torch.bool)
+        used = tokens.numel()
+        if used > budget:
+            mask[-1, width - (used - budget) :] = False
+        budget -= int(mask.sum())
+        doc = torch.arange(lo, lo + keep)[:, None].expand_as(tokens).clone()
+        bos = bos_id is not None and bool((tokens[:, 0] == bos_id).all())
+        yield Batch(tokens=tokens, mask=mask, bos=bos, index=index, doc=doc)
 
 
 def pack(

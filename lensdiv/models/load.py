@@ -11,8 +11,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lensdiv.core.devices import parse_device, parse_dtype, place_model
+from lensdiv.core.devices import (
+    parse_device,
+    parse_device_map,
+    parse_dtype,
+    parse_max_memory,
+    place_model,
+)
 from lensdiv.core.errors import ModelLoadError
+from lensdiv.core.files import folder_problem
+from lensdiv.core.progress import progress_shown
 from lensdiv.models.toy import load_toy
 
 DEFAULT_MODEL = "toy"
@@ -94,17 +102,27 @@ def load_model(
     trust_remote_code: bool = False,
     numerics: str = "raw",
     progress: bool = True,
+    device_map: Any = None,
+    max_memory: Any = None,
+    offload_folder: str | Path | None = None,
 ) -> Any:
     """Load a ``TransformerBridge`` in eval mode.
 
     Args:
         spec: A hub name (``gpt2-medium``, ``EleutherAI/pythia-70m``), a local Hugging Face
-            folder, a built-in toy model (``toy``, ``toy:d4``), or a ``TransformerBridge``.
+            folder (a string or a path), a built-in toy model (``toy``, ``toy:d4``), or a
+            ``TransformerBridge``.
         device: ``"cpu"``, ``"cuda"``, ... or ``None`` for the best available.
         dtype: ``"float32"``, ``"bf16"``, a ``torch.dtype`` or ``None`` (float32).
         trust_remote_code: Allow hub models that ship their own code.
         numerics: ``"raw"`` (default) or ``"folded"`` (``enable_compatibility_mode``).
         progress: Show a progress bar when a toy model must be trained first.
+        device_map: Split a Hugging Face model across devices (accelerate): ``"auto"``,
+            ``"balanced"``, ``"balanced_low_0"``, ``"sequential"``, a JSON file or a dict of
+            ``{module: device}`` (GPU index, ``"cpu"`` or ``"disk"``). Replaces ``device``.
+        max_memory: Most each device may hold when the map is computed:
+            ``"0=70GiB,1=70GiB,cpu=200GiB"`` or ``{0: "70GiB", "cpu": "200GiB"}``.
+        offload_folder: Where weights mapped to ``"disk"`` are kept.
 
     Returns:
         The bridge, with ``model.lensdiv_spec`` set to the resolved :class:`ModelSpec`.
@@ -113,6 +131,10 @@ def load_model(
         ModelLoadError: The spec names nothing loadable; the message says what was tried.
     """
     torch_dtype = parse_dtype(dtype)
+    progress = progress and progress_shown()  # --no-progress reaches loads an analyzer starts
+    if isinstance(spec, os.PathLike):  # a local folder given as a Path
+        spec = os.fspath(spec)
+    placement = _placement(spec, device_map, max_memory, offload_folder)
     if not isinstance(spec, str):
         model = spec
         if not hasattr(model, "hook_dict") or not hasattr(model, "cfg"):
@@ -137,6 +159,7 @@ def load_model(
                 dtype=torch_dtype,
                 trust_remote_code=trust_remote_code,
                 progress=progress,
+                **placement,
             )
     model.eval()
     if numerics == "folded" and not getattr(model, "compatibility_mode", False):
@@ -145,8 +168,46 @@ def load_model(
     return model
 
 
+def _placement(
+    spec: Any, device_map: Any, max_memory: Any, offload_folder: str | Path | None
+) -> dict[str, Any]:
+    """The keyword arguments that split a model across devices, checked (none: ``{}``)."""
+    if device_map is None:
+        if max_memory is not None or offload_folder is not None:
+            flag = "--max-memory" if max_memory is not None else "--offload-folder"
+            raise ModelLoadError(
+                f"{flag} only applies with a device map", hint="add --device-map auto"
+            )
+        return {}
+    kind = resolve_spec(spec).kind if isinstance(spec, str) else "bridge"
+    if kind not in ("hub", "local"):
+        raise ModelLoadError(
+            f"--device-map needs a Hugging Face model (hub id or local folder), not a {kind} model",
+            hint="drop --device-map, or pass a hub id or a save_pretrained folder",
+        )
+    out: dict[str, Any] = {"device_map": parse_device_map(device_map)}
+    memory = parse_max_memory(max_memory)
+    if memory is not None:
+        out["max_memory"] = memory
+    if offload_folder is not None:
+        problem = folder_problem(offload_folder)
+        if problem is not None:
+            raise ModelLoadError(
+                f"--offload-folder {offload_folder}: {problem}", hint="choose a writable folder"
+            )
+        Path(offload_folder).mkdir(parents=True, exist_ok=True)
+        out["offload_folder"] = str(offload_folder)
+    return out
+
+
 def _boot_hf(
-    parsed: ModelSpec, *, device: str, dtype: Any, trust_remote_code: bool, progress: bool = True
+    parsed: ModelSpec,
+    *,
+    device: str,
+    dtype: Any,
+    trust_remote_code: bool,
+    progress: bool = True,
+    **placement: Any,
 ) -> Any:
     where = "local folder" if parsed.kind == "local" else "hub id"
     if parsed.kind == "hub" and not _cached(parsed.resolved):
@@ -169,9 +230,10 @@ def _boot_hf(
     try:
         return TransformerBridge.boot_transformers(
             parsed.resolved,
-            device=device,
+            device=None if placement else device,  # a device map replaces the device
             dtype=dtype or torch.float32,
             trust_remote_code=trust_remote_code,
+            **placement,
         )
     except KeyboardInterrupt:
         raise

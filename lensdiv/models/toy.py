@@ -24,6 +24,7 @@ from typing import Any
 
 from lensdiv.core.devices import place_model
 from lensdiv.core.errors import ModelLoadError
+from lensdiv.core.files import folder_problem
 from lensdiv.core.progress import progress_bar
 from lensdiv.core.results import agg_figure
 from lensdiv.data.corpus import CORPUS_VERSION, KnowledgeBase, mixed_documents
@@ -114,7 +115,15 @@ class TrainRecipe:
         """The recipe in force; ``LENSDIV_TOY_STEPS`` overrides the step count (tests use it)."""
         steps = os.environ.get("LENSDIV_TOY_STEPS")
         if steps:
-            n = int(steps)
+            try:
+                n = int(steps)
+                if n < 1:
+                    raise ValueError(steps)
+            except ValueError:
+                raise ModelLoadError(
+                    f"LENSDIV_TOY_STEPS must be a positive whole number, not {steps!r}",
+                    hint="unset it (the default recipe) or set e.g. LENSDIV_TOY_STEPS=500",
+                ) from None
             return cls(
                 steps=n,
                 warmup=max(1, n // 20),
@@ -244,6 +253,7 @@ def load_toy(
     spec = parse_toy(name)
     recipe = recipe or TrainRecipe.default()
     folder = entry_dir(spec, recipe)
+    check_cache(folder)
     if folder.exists():
         problem = verify_entry(folder)
         if problem is None:
@@ -259,6 +269,23 @@ def load_toy(
         shutil.rmtree(folder, ignore_errors=True)
     model, _ = train_toy(spec, recipe, progress=progress)
     return place_model(model, device, dtype)
+
+
+def check_cache(folder: Path) -> None:
+    """Fail before training when a toy model's cache entry ``folder`` is missing or unusable and
+    cannot be written (``$LENSDIV_CACHE`` names a file, or a folder this process cannot write).
+
+    Raises:
+        ModelLoadError: Naming the cache folder and why it cannot be written.
+    """
+    if folder.is_dir() and verify_entry(folder) is None:
+        return  # cached: reading is enough
+    problem = folder_problem(folder)
+    if problem is not None:
+        raise ModelLoadError(
+            f"cannot cache toy models in {cache_root()}: {problem}",
+            hint="set LENSDIV_CACHE to a writable folder (or fix the permissions)",
+        )
 
 
 def _warn(message: str) -> None:
@@ -346,7 +373,10 @@ def train_toy(
     log["multihop"] = multihop_accuracy(model, n=recipe.hop_queries)
     log["lens_kl"] = _lens_kl(model)
     if save:
-        _save_entry(spec, recipe, model, log)
+        try:
+            _save_entry(spec, recipe, model, log)
+        except OSError as err:  # the trained model is still good for this run
+            _warn(f"could not cache {spec.name} ({err.strerror or err}); it trains again next time")
     return model, log
 
 
@@ -434,16 +464,20 @@ def _save_entry(spec: ToySpec, recipe: TrainRecipe, model: Any, log: dict[str, A
     tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    torch.save(model.original_model.state_dict(), tmp / "weights.pt")
-    (tmp / "recipe.json").write_text(
-        json.dumps(
-            {"spec": dataclasses.asdict(spec), "recipe": dataclasses.asdict(recipe)}, indent=1
+    try:
+        torch.save(model.original_model.state_dict(), tmp / "weights.pt")
+        (tmp / "recipe.json").write_text(
+            json.dumps(
+                {"spec": dataclasses.asdict(spec), "recipe": dataclasses.asdict(recipe)}, indent=1
+            )
         )
-    )
-    (tmp / "train_log.json").write_text(json.dumps(log, indent=1))
-    _plot_log(log, tmp / "loss.png")
-    files = ["weights.pt", "recipe.json", "train_log.json"]
-    (tmp / _COMPLETE).write_text(json.dumps({"sha256": {f: _sha256(tmp / f) for f in files}}))
+        (tmp / "train_log.json").write_text(json.dumps(log, indent=1))
+        _plot_log(log, tmp / "loss.png")
+        files = ["weights.pt", "recipe.json", "train_log.json"]
+        (tmp / _COMPLETE).write_text(json.dumps({"sha256": {f: _sha256(tmp / f) for f in files}}))
+    except BaseException:  # disk full, Ctrl-C: leave no half-written entry behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if final.exists():  # another process finished first, or a broken entry is being replaced
         shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)

@@ -98,8 +98,9 @@ def run_patches(
             for kind in set(kinds[start:stop])
         }
         mixed = resid.repeat(n, 1, 1)
-        if "resid_pre" in of_kind:
-            mixed = torch.where(where & of_kind["resid_pre"], values.to(mixed.dtype), mixed)
+        if "resid_pre" in of_kind:  # (a split model's layers: patch where the residual lives)
+            sel = (where & of_kind["resid_pre"]).to(mixed.device)
+            mixed = torch.where(sel, values.to(mixed), mixed)
         hooks = []
         for kind, rows_of_kind in of_kind.items():
             if kind == "resid_pre":
@@ -112,7 +113,8 @@ def run_patches(
                 sel: Tensor = where & rows_of_kind,
                 new: Tensor = values,
             ) -> Tensor:
-                return torch.where(sel, new.to(tensor.dtype), tensor)
+                # Interventions happen where the hooked module runs.
+                return torch.where(sel.to(tensor.device), new.to(tensor), tensor)
 
             hooks.append((site_hook(kind, layer), hook))
         logits = resumer.run(rows, layer, mixed, hooks)
@@ -179,7 +181,7 @@ def integrated_gradients(
         rows = tokens.repeat(path.shape[0] // n_batch, 1)
 
         def inject(tensor: Tensor, *, hook: Any) -> Tensor:
-            return path.to(tensor.dtype)
+            return path.to(tensor)  # the hooked module's device and dtype
 
         if start is not None:
             assert resumer is not None  # built above

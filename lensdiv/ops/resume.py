@@ -96,7 +96,7 @@ class Resumer:
         self.blocks_run += start * tokens.shape[0]
 
         def inject(tensor: Tensor, *, hook: Any) -> Tensor:
-            return resid.to(tensor.dtype)
+            return resid.to(tensor)  # the hooked module's device and dtype
 
         return self._forward(tokens, [(site, inject), *fwd_hooks], logits, grad)
 

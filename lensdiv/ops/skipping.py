@@ -125,7 +125,8 @@ def skip_effects(
     if n_pairs == 0:
         return effect, output
     resumer.prepare(step.batch.tokens)
-    h = [step.resid(layer) for layer in range(L + 1)]
+    # Every residual on the batch's device (the layers of a split model live on several).
+    h = [step.resid(layer).to(device) for layer in range(L + 1)]
     chunk = chunk or step.batch.tokens.shape[0]
     for lo in range(0, n_pairs, chunk):
         sel = slice(lo, lo + chunk)
@@ -179,12 +180,13 @@ def _one_skip(
         if part == "block":
             write = h[s + 1] - h[s]
         else:
-            write = step.cache[f"blocks.{s}.hook_{part}_out"][rows]
+            write = step.cache[f"blocks.{s}.hook_{part}_out"].to(tokens.device)[rows]
         start, resid = s + 1, torch.where(sk, h[s + 1] - write, h[s + 1])
         for layer in range(s + 2, L):
 
             def pin(tensor: Tensor, *, hook: Any, layer: int = layer) -> Tensor:
-                return torch.where(sk, h[layer] - write, tensor)
+                # Interventions happen where the hooked module runs.
+                return torch.where(sk.to(tensor.device), (h[layer] - write).to(tensor), tensor)
 
             hooks.append((f"blocks.{layer}.hook_resid_pre", pin))
     elif part == "block":
@@ -193,7 +195,7 @@ def _one_skip(
         start, resid = s, h[s]
 
         def zero(tensor: Tensor, *, hook: Any) -> Tensor:
-            return tensor.masked_fill(sk, 0.0)
+            return tensor.masked_fill(sk.to(tensor.device), 0.0)
 
         hooks.append((f"blocks.{s}.hook_{part}_out", zero))
 
@@ -203,6 +205,7 @@ def _one_skip(
     final: dict[str, Tensor] = {}
 
     def measure_update(layer: int, new: Tensor, old: Tensor) -> None:
+        new, old = new.to(tokens.device), old.to(tokens.device)
         # In float64 before any difference: the updates of a half-precision model are small
         # against the states they are taken from.
         clean = h[layer + 1].double() - h[layer].double()
@@ -224,7 +227,7 @@ def _one_skip(
 
         hooks.append((f"blocks.{layer}.hook_resid_post", watch))
     resumer.run(tokens, start, resid, hooks, logits=False)
-    last = final.get("h", resid)
+    last = final.get("h", resid).to(tokens.device)
 
     # Output effect: read out only the measured positions, in the readout dtype (L2 of
     # probability vectors: float32 is exact enough, the entries are at most 1).

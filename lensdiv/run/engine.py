@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from lensdiv.core.analyzer import Analyzer, Batch, ModelInfo, RunContext, Step
+from lensdiv.core.devices import input_device
 from lensdiv.core.errors import HookError
 from lensdiv.core.results import Result
 from lensdiv.core.stats import Stats
@@ -206,13 +207,3 @@ class Engine:
             self.begin_pass(index, states)
             self.feed(index, batches(), states)
         return self.finalize(states)
-
-
-def input_device(model: Any) -> torch.device:
-    """Where token ids must go: the device of the embedding (the first parameter otherwise)."""
-    embed = getattr(model, "embed", None)
-    weight = getattr(embed, "W_E", None)
-    if isinstance(weight, torch.Tensor) and weight.device.type != "meta":
-        return weight.device
-    first: torch.Tensor = next(model.parameters())
-    return first.device

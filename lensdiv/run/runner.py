@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -14,18 +15,37 @@ from pathlib import Path
 from typing import Any
 
 from lensdiv.core.analyzer import Analyzer, Batch, ModelInfo
-from lensdiv.core.errors import LensdivError, OptionError, ResultError
-from lensdiv.core.progress import progress_bar
+from lensdiv.core.devices import device_map_of
+from lensdiv.core.errors import (
+    LensdivError,
+    OptionError,
+    RankError,
+    ResultError,
+    UnsupportedModelError,
+)
+from lensdiv.core.progress import progress_allowed, progress_bar
 from lensdiv.core.provenance import versions
 from lensdiv.core.registry import make_analyzers
-from lensdiv.core.results import Rendered, Result, write_json_atomic
+from lensdiv.core.results import Rendered, Result
 from lensdiv.data.sources import DataSpec, check_source, token_batches
 from lensdiv.models.load import load_model
 from lensdiv.ops.readout import readout_dtype
-from lensdiv.run.engine import Engine, check_hooks, input_device
+from lensdiv.run.distributed import DataParallelFeed, Feed, World, current_world
+from lensdiv.run.engine import Engine, describe, input_device
+from lensdiv.run.interrupts import handle_signals, interruption, shielded, signals_received
+from lensdiv.run.outcome import MANIFEST, check_manifest, finish, save_result, write_manifest
 from lensdiv.run.report import write_report
-
-MANIFEST = "manifest.json"
+from lensdiv.run.shards import ShardFeed, check_shardable, parse_shard
+from lensdiv.run.validate import (
+    check_arguments,
+    check_budget,
+    check_model,
+    check_output,
+    checked,
+    clear_output,
+    prepare,
+    short_data_warning,
+)
 
 
 @dataclass
@@ -37,12 +57,16 @@ class Run(Rendered):
         errors: ``{analyzer: "ExceptionType: message"}`` for analyzers that failed.
         manifest: Everything needed to reproduce and audit the run.
         out: Output folder, if results were written.
+        skipped: ``{analyzer: reason}`` for analyzers that cannot support the model.
+        problems: Lines about the run itself (a manifest that could not be written).
     """
 
     results: dict[str, Result] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
     manifest: dict[str, Any] = field(default_factory=dict)
     out: Path | None = None
+    skipped: dict[str, str] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -52,18 +76,29 @@ class Run(Rendered):
     def __getitem__(self, name: str) -> Result:
         return self.results[name]
 
-    def __rich_console__(self, console: Any, options: Any) -> Any:
-        yield from self.results.values()
-        for name, err in self.errors.items():
-            yield f"[red]analyzer {name!r} failed:[/red] {err}"
+    def notes(self) -> list[tuple[str, str]]:
+        """``(kind, line)`` for everything besides the results: ``skipped`` and ``failed``
+        analyzers, ``error`` lines about the run itself, ``interrupted``."""
+        notes = [("skipped", f"analyzer {n!r} skipped: {why}") for n, why in self.skipped.items()]
+        notes += [("failed", f"analyzer {n!r} failed: {err}") for n, err in self.errors.items()]
+        notes += [("error", f"error: {problem}") for problem in self.problems]
         if self.manifest.get("status") == "interrupted":
-            yield "[yellow]interrupted: results are partial (see manifest.json)[/yellow]"
+            notes.append(("interrupted", "interrupted: results are partial (see manifest.json)"))
+        return notes
+
+    def __rich_console__(self, console: Any, options: Any) -> Any:
+        from rich.text import Text
+
+        yield from self.results.values()
+        styles = {"skipped": "yellow", "failed": "red", "error": "red", "interrupted": "yellow"}
+        for kind, line in self.notes():
+            yield Text(line, style=styles[kind])
 
 
 def analyze(
     model: Any = "toy",
-    data: str | DataSpec | None = None,
-    plugins: str | Iterable[str | Analyzer] = ("lens", "contrib"),
+    data: Any = None,
+    plugins: Any = ("lens", "contrib"),
     *,
     out: str | Path | None = None,
     options: Mapping[str, Mapping[str, Any]] | None = None,
@@ -79,14 +114,21 @@ def analyze(
     seed: int = 0,
     trust_remote_code: bool = False,
     progress: bool = True,
+    overwrite: bool = False,
+    device_map: Any = None,
+    max_memory: Any = None,
+    offload_folder: str | Path | None = None,
+    shard: str | tuple[int, int] | None = None,
 ) -> Run:
     """Run analyzers over a model and data; one fused forward pass per batch.
 
     Args:
         model: Model spec (hub name, local folder, ``toy``) or a ``TransformerBridge``.
-        data: A :class:`DataSpec`, a source string (file, folder, ``hf:NAME``), or ``None``
-            for the built-in corpus.
-        plugins: Analyzer names/aliases (``"lens,contrib"``) or instances.
+        data: ``None`` for the built-in corpus; a source string or path (file, folder,
+            ``hf:NAME``); ``"text:..."`` (the text after ``text:`` is one document — a plain
+            string always names a source); a list of strings (one document each); a token
+            tensor ``[batch, pos]`` (rows used as they are); or a :class:`DataSpec`.
+        plugins: Analyzer names/aliases (``"lens,contrib"``), classes or instances.
         out: Folder for ``manifest.json`` and ``<analyzer>/`` results; ``None`` writes nothing.
         options: ``{analyzer: {option: value}}``.
         seq_len, max_tokens, batch_size, field, split, bos: How data is read and packed
@@ -98,36 +140,103 @@ def analyze(
             before the run; ``None`` keeps torch's setting. Recorded in the manifest.
         seed: Seeds torch and the built-in corpus; recorded in every result.
         trust_remote_code: Allow hub models with custom code.
-        progress: Show a progress bar with tokens/s.
+        progress: Show progress bars (``False`` silences every bar of the run, model loading
+            included).
+        overwrite: Replace an earlier run in ``out`` (its manifest and analyzer folders are
+            removed first); without it, an ``out`` that holds a run is refused.
+        device_map, max_memory, offload_folder: Split the model across devices (see
+            :func:`~lensdiv.models.load.load_model`); the manifest records the placement.
+        shard: ``"I/N"`` or ``(I, N)``: run shard ``I`` of ``N`` (batch ``j`` when
+            ``j mod N == I``) and save the analyzers' states for ``lensdiv merge`` instead of
+            results (single-pass analyzers only).
+
+    Inside an initialised ``torch.distributed`` process group (``torchrun``) every rank runs
+    its share of the batches, the states are all-reduced after every pass, and rank 0 alone
+    finalizes, writes and returns the results (see :mod:`lensdiv.run.distributed`).
 
     Returns:
-        A :class:`Run` with results, errors and the manifest.
+        A :class:`Run` with results, errors, skipped analyzers and the manifest, whose status
+        is final (``complete``, ``partial``, ``failed`` or ``interrupted``) however the run ends.
 
     Raises:
-        LensdivError: Bad model spec, data, plugin name, option or hook — before any work.
+        LensdivError: Bad model spec, data, plugin name, option, device, output folder, context
+            length or task file — before any work (see :mod:`lensdiv.run.validate`).
     """
+    out_dir = check_arguments(
+        out=out,
+        device=device,
+        seed=seed,
+        flags={
+            "progress": progress,
+            "trust_remote_code": trust_remote_code,
+            "overwrite": overwrite,
+        },
+    )
+    if threads is not None and (
+        isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
+    ):
+        raise OptionError(f"threads must be a whole number of at least 1, not {threads!r}")
+    analyzers = make_analyzers(plugins, options)
+    world, part = _split(shard)
+    if device is None and world.parallel:
+        device = world.default_device()
+    spec = DataSpec.from_data(
+        data,
+        field=field,
+        split=split,
+        seq_len=seq_len,
+        max_tokens=max_tokens,
+        batch_size=batch_size,
+        bos=bos,
+        seed=seed,
+    )
+    check_source(spec)
+    check_output(out_dir, analyzers, overwrite=overwrite)
+    with handle_signals(), progress_allowed(progress):
+        return _run(
+            model,
+            spec,
+            analyzers,
+            out_dir,
+            device=device,
+            dtype=dtype,
+            threads=threads,
+            seed=seed,
+            trust_remote_code=trust_remote_code,
+            progress=progress and world.main,
+            overwrite=overwrite,
+            placement={
+                "device_map": device_map,
+                "max_memory": max_memory,
+                "offload_folder": offload_folder,
+            },
+            world=world,
+            part=part,
+        )
+
+
+def _run(
+    model: Any,
+    spec: DataSpec,
+    analyzers: list[Analyzer],
+    out_dir: Path | None,
+    *,
+    device: Any,
+    dtype: Any,
+    threads: int | None,
+    seed: int,
+    trust_remote_code: bool,
+    progress: bool,
+    overwrite: bool,
+    placement: dict[str, Any],
+    world: World,
+    part: tuple[int, int] | None,
+) -> Run:
     import torch
 
     started = time.time()
     if threads is not None:
-        if threads < 1:
-            raise OptionError(f"threads must be at least 1, got {threads}")
         torch.set_num_threads(threads)
-    analyzers = make_analyzers(plugins, {k: dict(v) for k, v in (options or {}).items()})
-    if isinstance(data, DataSpec):
-        spec = data
-    else:
-        spec = DataSpec(
-            source=data or "builtin",
-            field=field,
-            split=split,
-            seq_len=seq_len,
-            max_tokens=max_tokens,
-            batch_size=batch_size,
-            bos=bos,
-            seed=seed,
-        )
-    check_source(spec)
     torch.manual_seed(seed)
     folded_only = all(a.numerics == "folded" for a in analyzers)
     bridge = load_model(
@@ -137,12 +246,33 @@ def analyze(
         trust_remote_code=trust_remote_code,
         numerics="folded" if folded_only else "raw",
         progress=progress,
+        **placement,
     )
     parsed = bridge.lensdiv_spec
     info = ModelInfo.from_model(bridge, name=parsed.spec)
-    hooks = check_hooks(analyzers, info)
+    check_model(bridge, info, spec)
+    # Task analyzers bring their own examples, and setup() loads what else a run needs (a
+    # reference model): all of it is read and checked before any forward pass, so a bad task
+    # file fails at once and nothing is written. An analyzer that cannot support the model is
+    # skipped with its reason; one that crashes here is marked failed; the others run.
+    prepared = prepare(analyzers, bridge, info)
+    if not prepared.ready(analyzers) and not prepared.failed:
+        by_reason: dict[str, list[str]] = {}
+        for name, why in prepared.skipped.items():
+            by_reason.setdefault(why, []).append(name)
+        reasons = "; ".join(f"{', '.join(names)}: {why}" for why, names in by_reason.items())
+        raise UnsupportedModelError(
+            f"no selected analyzer supports {info.name} ({reasons})",
+            hint="choose other analyzers (`lensdiv plugins list`)",
+        )
+    hooks, tasks, resources = prepared.hooks, prepared.tasks, prepared.resources
+    check_budget([a for a in prepared.ready(analyzers) if tasks[a.name] is None], info, spec)
+    if part is not None:
+        check_shardable(prepared.ready(analyzers), info)
+    out_dir = out_dir if world.main else None
+    if overwrite:
+        clear_output(out_dir, analyzers)
 
-    out_dir = Path(out) if out is not None else None
     run = Run(out=out_dir)
     run.manifest = {
         "lensdiv_manifest": 1,
@@ -163,7 +293,7 @@ def analyze(
             ),
         },
         "threads": torch.get_num_threads(),
-        "data": dataclasses.asdict(spec),
+        "data": spec.describe(),
         "seed": seed,
         "analyzers": {
             a.name: {"options": a.options(), "status": "pending", "numerics": a.numerics}
@@ -173,61 +303,99 @@ def analyze(
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
         "timings": {},
     }
+    feed = _feed(world, part, bridge, info, out_dir, run.manifest)
+    entries = run.manifest["analyzers"]
+    for name, reason in prepared.skipped.items():
+        entries[name].update(status="skipped", reason=reason)
+        run.skipped[name] = reason
+    for name, error in prepared.failed.items():
+        entries[name].update(status="failed", error=error)
+        run.errors[name] = error
+    for name, own in tasks.items():
+        if own is not None:
+            entries[name]["data"] = "own examples"
+    analyzers = prepared.ready(analyzers)
 
     def save_manifest() -> None:
-        if out_dir is not None:
-            write_json_atomic(out_dir / MANIFEST, run.manifest)
+        problem = write_manifest(out_dir, run.manifest)
+        if problem is not None and problem not in run.problems:
+            run.problems.append(problem)
 
-    # Task analyzers bring their own examples, and setup() loads what else a run needs (a
-    # reference model): all of it is read and checked before any forward pass, so a bad task
-    # file fails at once and nothing is written.
-    tasks: dict[str, list[Batch] | None] = {}
-    for a in analyzers:
-        own = a.examples(bridge, info)
-        tasks[a.name] = None if own is None else list(own)
-        if own is not None:
-            run.manifest["analyzers"][a.name]["data"] = "own examples"
-    resources = {a.name: a.setup(bridge, info) for a in analyzers}
-    save_manifest()
     # One fused stream over the corpus per numerics kind, then one stream per task analyzer.
     groups: list[tuple[list[Analyzer], Callable[[], Iterable[Batch]], int]] = []
     for kind in ("raw", "folded"):
         shared = [a for a in analyzers if a.numerics == kind and tasks[a.name] is None]
         if shared:
-            groups.append((shared, partial(token_batches, spec, bridge.tokenizer), spec.max_tokens))
+            corpus = partial(token_batches, spec, bridge.tokenizer)
+            groups.append((shared, partial(_checked, corpus, info), spec.max_tokens))
         for a in analyzers:
             own = tasks[a.name]
             if a.numerics == kind and own is not None:
                 size = sum(b.n_tokens for b in own)
                 groups.append(([a], partial(iter, own), size))
     stopped: BaseException | None = None
-    for group, batches, total in groups:
-        if stopped is not None:
-            break
-        if group[0].numerics == "folded" and not getattr(bridge, "compatibility_mode", False):
-            bridge.enable_compatibility_mode()
-        engine = Engine(
-            bridge,
-            info,
-            group,
-            hooks={a.name: hooks[a.name] for a in group},
-            resources={a.name: resources[a.name] for a in group},
-        )
-        stopped = _stream(engine, batches, total, run, out_dir, progress, save_manifest)
-    if isinstance(stopped, LensdivError):
-        run.manifest["status"] = "data_error"
-        run.manifest["error"] = str(stopped)
-    else:
-        run.manifest["status"] = (
-            "interrupted" if stopped else ("failed" if run.errors else "complete")
-        )
-    run.manifest["timings"]["total_s"] = round(time.time() - started, 3)
-    save_manifest()
-    if out_dir is not None:
-        write_report(run, bridge)  # report.html (and the example prompt views when lens ran)
+    try:
+        save_manifest()
+        for group, batches, total in groups:
+            if signals_received():  # arrived while the last group's results were saved
+                stopped = interruption(signals_received()[0])
+                break
+            if group[0].numerics == "folded" and not getattr(bridge, "compatibility_mode", False):
+                bridge.enable_compatibility_mode()
+            engine = Engine(
+                bridge,
+                info,
+                group,
+                hooks={a.name: hooks[a.name] for a in group},
+                resources={a.name: resources[a.name] for a in group},
+            )
+            stopped = _stream(engine, batches, total, run, out_dir, progress, save_manifest, feed)
+            if stopped is not None:
+                break
+    except KeyboardInterrupt as err:  # between two groups: what is saved stays saved
+        stopped = err
+    except BaseException as err:  # a bug, not a plugin's: the manifest still ends final
+        run.manifest["error"] = describe(err)
+        _finish(run, err, started, save_manifest)
+        raise
+    if not isinstance(stopped, RankError):  # every rank is here: complete the manifest
+        feed.close(run.manifest)
+    _finish(run, stopped, started, save_manifest)
+    if out_dir is not None and feed.finalizes:  # a shard's report comes with `lensdiv merge`
+        interrupted = run.manifest["status"] == "interrupted"
+        _report(run, None if interrupted else bridge)  # stopped: no prompt views computed now
     if isinstance(stopped, LensdivError):
         raise stopped  # after the partial results and the manifest are on disk
     return run
+
+
+def _report(run: Run, model: Any) -> None:
+    """report.html (and the example prompt views when lens ran), after every result: a report
+    that cannot be written is one line, never the loss of a result."""
+    with shielded():
+        try:
+            write_report(run, model)
+        except Exception as err:  # a full disk, a view that cannot be drawn
+            run.problems.append(f"report.html could not be written: {describe(err)}")
+
+
+def _checked(batches: Callable[[], Iterable[Batch]], info: ModelInfo) -> Iterable[Batch]:
+    """The corpus' batches, each checked against the model before it is fed."""
+    return checked(batches(), info)
+
+
+def _finish(
+    run: Run, stopped: BaseException | None, started: float, save_manifest: Callable[[], None]
+) -> None:
+    """Put the manifest into its final state and write it (signals wait until it is on disk)."""
+    with shielded():
+        if isinstance(stopped, LensdivError):
+            run.manifest["error"] = str(stopped)
+        finish(run.manifest, stopped)
+        if isinstance(stopped, RankError):  # another process failed: the run did
+            run.manifest["status"] = "failed"
+        run.manifest["timings"]["total_s"] = round(time.time() - started, 3)
+        save_manifest()
 
 
 def _stream(
@@ -238,13 +406,17 @@ def _stream(
     out_dir: Path | None,
     progress: bool,
     save_manifest: Callable[[], None],
+    feed: Feed | None = None,
 ) -> BaseException | None:
     """Run a group through all its passes, then finalize and save each analyzer.
 
-    Returns what stopped the stream early (Ctrl-C, or bad data met mid-way), if anything: the
-    analyzers are still finalized on the tokens seen so far and marked partial.
+    Returns what stopped the stream early (Ctrl-C, SIGTERM, bad data met mid-way, memory), if
+    anything: the analyzers are still finalized on the tokens seen so far and marked partial.
     """
+    import torch
+
     entries = run.manifest["analyzers"]
+    feed = feed or Feed()
     for a in engine.analyzers:
         entries[a.name]["status"] = "running"
     stopped: BaseException | None = None
@@ -260,15 +432,53 @@ def _stream(
             if n_passes > 1:
                 label += f" (pass {index + 1}/{n_passes})"
             bar = _progress(progress, label)
-            with bar:
+            # Ctrl-C and SIGTERM take effect between batches (a second one at once), so every
+            # state holds whole batches.
+            with bar, shielded(soft=True):
                 task = bar.add_task("analyzing", total=total)
+                seen = len(signals_received())
 
-                def advance(batch: Batch, bar: Any = bar, task: Any = task) -> None:
+                # Ranks of a process group agree on when to stop (the feed's own exchange).
+                alone = not feed.coordinated
+
+                def advance(
+                    batch: Batch,
+                    bar: Any = bar,
+                    task: Any = task,
+                    seen: int = seen,
+                    alone: bool = alone,
+                ) -> None:
                     bar.update(task, advance=batch.n_tokens)
+                    if alone and len(signals_received()) > seen:
+                        raise interruption(signals_received()[seen])
 
-                engine.feed(index, batches(), states, on_batch=advance)
+                feed.feed(engine, index, batches(), states, advance)
+                if alone and len(signals_received()) > seen:  # arrived after the last batch
+                    raise interruption(signals_received()[seen])
     except (KeyboardInterrupt, LensdivError) as err:
         stopped = err
+    except (MemoryError, torch.cuda.OutOfMemoryError) as err:
+        stopped = OptionError(
+            f"out of memory in the forward pass ({describe(err)[:120]})",
+            hint="lower --batch-size or --seq-len, or use a smaller --dtype",
+        )
+    with shielded():  # a second Ctrl-C waits until the results in hand are on disk
+        _wrap_up(engine, states, stopped, run, out_dir, save_manifest, feed.finalizes)
+    return stopped
+
+
+def _wrap_up(
+    engine: Engine,
+    states: dict[str, Any],
+    stopped: BaseException | None,
+    run: Run,
+    out_dir: Path | None,
+    save_manifest: Callable[[], None],
+    finalizes: bool = True,
+) -> None:
+    """Finalize each analyzer of the group on what it saw, save each result on its own (a
+    shard, or a rank other than 0, only records what it counted)."""
+    entries = run.manifest["analyzers"]
     interrupted = stopped is not None
     timings = run.manifest["timings"]
     timings["forward_s"] = round(timings.get("forward_s", 0.0) + engine.forward_s, 3)
@@ -277,12 +487,15 @@ def _stream(
         entries[engine.analyzers[0].name]["tokens"] = engine.tokens
     else:
         timings["tokens"] = engine.tokens
-    if engine.tokens == 0:
+    if engine.tokens == 0 and finalizes:
         for a in list(engine.active):
+            if isinstance(stopped, KeyboardInterrupt):  # stopped before its first batch
+                entries[a.name]["status"] = "interrupted"
+                continue
             engine.fail(
                 a, RuntimeError("no batch was processed, so there is nothing to report"), "finalize"
             )
-    results = engine.finalize(states) if engine.tokens else {}
+    results = engine.finalize(states) if engine.tokens and finalizes else {}
     for name, error in engine.failures.items():
         run.errors[name] = error
         entries[name].update(status="failed", error=error)
@@ -302,17 +515,55 @@ def _stream(
             **results[a.name].meta,
         }
         result = dataclasses.replace(results[a.name], meta=meta)
+        short = None if own else short_data_warning(a, engine.info, engine.tokens)
+        if short is not None:
+            result = dataclasses.replace(result, warnings=(*result.warnings, short))
         run.results[a.name] = result
         entries[a.name]["status"] = "partial" if interrupted else "complete"
         if result.warnings:
             entries[a.name]["warnings"] = list(result.warnings)
         if out_dir is not None:
-            result.save(out_dir / a.name)
-            entries[a.name]["path"] = a.name
-        timings[a.name + "_s"] = round(engine.spent[a.name], 3)
+            problem = save_result(result, out_dir, entries[a.name])
+            if problem is not None:
+                run.errors[a.name] = problem
+                entries[a.name].update(status="failed", error=problem)
+        run.manifest["timings"][a.name + "_s"] = round(engine.spent[a.name], 3)
         save_manifest()
     save_manifest()
-    return stopped
+
+
+def _split(shard: str | tuple[int, int] | None) -> tuple[World, tuple[int, int] | None]:
+    """The process group this run is part of (if any), and the shard to run (if any)."""
+    world, split = current_world(), parse_shard(shard)
+    if world.parallel and split is not None:
+        raise LensdivError(
+            "--shard and a process group (torchrun) are two ways to split one run",
+            hint="use one: torchrun for a coordinated run, --shard I/N for independent jobs",
+        )
+    return world, split
+
+
+def _feed(
+    world: World,
+    split: tuple[int, int] | None,
+    bridge: Any,
+    info: ModelInfo,
+    out_dir: Path | None,
+    manifest: dict[str, Any],
+) -> Feed:
+    """How the batches are split (between ranks, into a shard, or not at all); records in the
+    manifest the model facts a merge finalizes with, the device map and the split."""
+    manifest["model"]["device_map"] = device_map_of(bridge)
+    manifest["model_info"] = info.to_dict()
+    feed: Feed
+    if split is not None:
+        feed = ShardFeed(*split, out_dir, manifest)
+    elif world.parallel:
+        feed = DataParallelFeed(world, str(input_device(bridge)))
+    else:
+        feed = Feed()
+    manifest.update(feed.manifest())
+    return feed
 
 
 def _progress(enabled: bool, label: str) -> Any:
@@ -329,7 +580,13 @@ def _progress(enabled: bool, label: str) -> Any:
 
 
 def load_run(out: str | Path) -> Run:
-    """Read a saved run (its manifest and every result) back from disk."""
+    """Read a saved run (its manifest and every result) back from disk.
+
+    Raises:
+        ResultError: Not a run folder, or a damaged manifest or result (naming the file).
+    """
+    if isinstance(out, bool) or not isinstance(out, (str, os.PathLike)):
+        raise ResultError(f"a run folder is a path, not {out!r} ({type(out).__name__})")
     out = Path(out)
     path = out / MANIFEST
     if not path.is_file():
@@ -338,9 +595,11 @@ def load_run(out: str | Path) -> Run:
             hint="pass the --out folder of `lensdiv analyze`",
         )
     try:
-        manifest = json.loads(path.read_text())
+        manifest = check_manifest(json.loads(path.read_text()), path)
     except json.JSONDecodeError as err:
         raise ResultError(f"{path} is not valid JSON: {err.msg}") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ResultError(f"cannot read {path}: {err}") from None
     run = Run(manifest=manifest, out=out)
     for name, entry in manifest.get("analyzers", {}).items():
         if (
@@ -349,5 +608,7 @@ def load_run(out: str | Path) -> Run:
         ):
             run.results[name] = Result.load(out / name)
         elif entry.get("status") == "failed":
-            run.errors[name] = entry.get("error", "failed")
+            run.errors[name] = str(entry.get("error", "failed"))
+        elif entry.get("status") == "skipped":
+            run.skipped[name] = str(entry.get("reason", "skipped"))
     return run

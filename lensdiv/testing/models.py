@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
     GPT2Config,
     GPTNeoXConfig,
     LlamaConfig,
@@ -159,6 +160,35 @@ ARCHITECTURES: dict[str, Callable[..., PretrainedConfig]] = {
     "olmo": _olmo,
     "olmo2": _olmo2,
 }
+
+
+def softcap_config(n_layers: int = 2, d_model: int = D_MODEL) -> PretrainedConfig:
+    """A tiny Gemma-2 config with final logit soft-capping (``30·tanh(z/30)``): the logits are
+    no sum of member contributions, so ``bias`` and ``submod`` (direct mode) must be skipped on
+    it. Not in :data:`ARCHITECTURES`, which every analyzer supports."""
+    config = Gemma2Config(
+        **_shape(n_layers, d_model),
+        num_key_value_heads=N_KV_HEADS,
+        head_dim=d_model // N_HEADS,
+        final_logit_softcapping=30.0,
+        attn_logit_softcapping=50.0,
+        sliding_window=N_CTX,
+        **_NO_DROPOUT_UNTIED,
+    )
+    config.dtype = torch.float32
+    config.initializer_range = INIT_STD
+    return config
+
+
+def save_softcapped_model(directory: Path, *, seed: int = 0) -> Path:
+    """Build and save (with the byte tokenizer) the model of :func:`softcap_config`."""
+    directory = Path(directory)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(softcap_config(), dtype=torch.float32)
+    model.eval().save_pretrained(directory)
+    byte_tokenizer().save_pretrained(directory)
+    return directory
 
 
 def tiny_config(

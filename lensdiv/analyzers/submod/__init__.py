@@ -49,7 +49,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -70,7 +70,7 @@ from lensdiv.analyzers.submod.setfunction import (
 from lensdiv.core.analyzer import Analyzer, ModelInfo, Step
 from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
-from lensdiv.ops.members import member_hooks, member_names
+from lensdiv.ops.members import final_readout, member_hooks, member_names
 from lensdiv.ops.resume import resumer_for
 from lensdiv.ops.subsets import ConstantMode, Metric, direct_scores, removal_scores
 
@@ -154,6 +154,10 @@ class Submodularity(Analyzer):
         if self.mode == "direct":
             return member_hooks(info)
         return [info.resid(layer) for layer in range(info.n_layers + 1)]
+
+    def setup(self, model: Any, info: ModelInfo) -> None:
+        if self.mode == "direct":  # member sums cannot add up past a final logit soft-cap
+            final_readout(model)  # (Gemma 2): UnsupportedModelError, so the run skips submod
 
     def plan(self, info: ModelInfo) -> Plan:
         """The subsets of the first pass."""

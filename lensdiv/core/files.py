@@ -1,0 +1,38 @@
+"""Folders lensdiv writes to (results, the toy model cache): can they be written at all?
+
+Checked before any expensive work, so a run never trains or analyses for minutes only to find
+it cannot keep what it computed.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def folder_problem(path: str | os.PathLike[str]) -> str | None:
+    """Why ``path`` cannot be (or become) a folder this process writes into, or ``None``.
+
+    Nothing is created: the nearest existing ancestor must be a writable folder (``os.access``
+    also answers "no" on a read-only file system).
+    """
+    folder = Path(path).expanduser()
+    probe = folder
+    while not probe.exists() and probe != probe.parent:
+        if probe.is_symlink():  # a dangling link: the folder cannot be created through it
+            return f"{probe} is a broken symbolic link"
+        probe = probe.parent
+    if not probe.is_dir():
+        where = "it is a file" if probe == folder else f"{probe} is a file"
+        return f"{where}, not a folder"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        read_only = _read_only(probe)
+        return f"{probe} is {'on a read-only file system' if read_only else 'not writable'}"
+    return None
+
+
+def _read_only(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):  # statvfs is POSIX only
+        return False

@@ -1,0 +1,120 @@
+"""What a run leaves on disk: each result saved on its own, and a manifest that always ends in a
+final state and lists the files that are there.
+
+Final states of a run: ``complete`` (every analyzer finished or was skipped with its reason),
+``partial`` (some results, but an analyzer failed or the data stopped early), ``failed`` (no
+result at all) and ``interrupted`` (Ctrl-C or SIGTERM; what was finished is kept). Each analyzer
+ends ``complete``, ``partial`` (finished on part of the data), ``saved`` (a shard's state, for
+``lensdiv merge``), ``failed``, ``skipped`` or ``interrupted`` (stopped before it had a result).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from lensdiv.core.errors import ResultError, SaveError
+from lensdiv.core.results import Result, write_json_atomic
+from lensdiv.run.interrupts import shielded, signal_name, signum_of
+
+MANIFEST = "manifest.json"
+FINAL = ("complete", "partial", "failed", "interrupted")
+DONE = ("complete", "partial", "saved", "failed", "skipped", "interrupted")
+KEPT = ("complete", "partial", "saved")  # an analyzer whose work is on disk
+
+
+def save_result(result: Result, out: Path, entry: dict[str, Any]) -> str | None:
+    """Write ``result`` to ``out/<analyzer>/`` and record in ``entry`` what is on disk.
+
+    Returns:
+        ``None``, or one line saying which files could not be written (the analyzer then counts
+        as failed; every file that could be written is on disk and listed).
+    """
+    folder = out / result.analyzer
+    with shielded():  # a file in hand is finished even if Ctrl-C arrives meanwhile
+        try:
+            written = result.save(folder)
+            problem = None
+        except SaveError as err:
+            written, problem = err.written, str(err)
+            entry["not_written"] = sorted(_relative(p, out) for p in err.failed)
+        except Exception as err:  # e.g. a result whose meta is not JSON
+            written, problem = [], f"{type(err).__name__}: {err}".splitlines()[0][:300]
+    entry["files"] = sorted(_relative(p, out) for p in written)
+    if written:
+        entry["path"] = result.analyzer
+    return problem
+
+
+def _relative(path: Path, out: Path) -> str:
+    try:
+        return path.relative_to(out).as_posix()
+    except ValueError:
+        return str(path)
+
+
+def write_manifest(out: Path | None, manifest: Mapping[str, Any]) -> str | None:
+    """Write the manifest atomically (never interrupted half-way); ``None`` or why it failed."""
+    if out is None:
+        return None
+    with shielded():
+        try:
+            write_json_atomic(out / MANIFEST, manifest)
+        except OSError as err:
+            return f"{out / MANIFEST} could not be written: {err.strerror or err}"
+        except Exception as err:  # unserialisable content: a bug, but the run's files stay
+            return f"{out / MANIFEST} could not be written: {type(err).__name__}: {err}"
+    return None
+
+
+def finish(manifest: dict[str, Any], stopped: BaseException | None) -> str:
+    """Put every analyzer and the run into a final state; return the run's status.
+
+    Analyzers still pending or running become ``interrupted`` (a signal) or ``failed`` (an
+    error stopped the run); the run is ``interrupted``, ``complete``, ``partial`` or ``failed``.
+    """
+    entries: dict[str, dict[str, Any]] = manifest.get("analyzers", {})
+    signalled = isinstance(stopped, KeyboardInterrupt)
+    for entry in entries.values():
+        if entry.get("status") not in DONE:
+            if signalled:
+                entry["status"] = "interrupted"
+            else:
+                entry["status"] = "failed"
+                entry.setdefault("error", manifest.get("error", "the run stopped before it ran"))
+    statuses = [e["status"] for e in entries.values()]
+    if signalled:
+        status = "interrupted"
+        manifest["signal"] = signal_name(signum_of(stopped))  # type: ignore[arg-type]  # signalled: stopped is set
+    elif not any(s in KEPT for s in statuses):
+        status = "failed"
+    elif stopped is None and all(s in ("complete", "saved", "skipped") for s in statuses):
+        status = "complete"
+    else:
+        status = "partial"
+    manifest["status"] = status
+    return status
+
+
+def check_manifest(data: Any, path: Path) -> dict[str, Any]:
+    """``data`` read from ``path`` is a manifest lensdiv can report on (right shape).
+
+    Raises:
+        ResultError: Naming what is wrong, so a damaged run is one line, not a traceback.
+    """
+    hint = "the folder's manifest.json is damaged; rerun the analysis"
+    if not isinstance(data, dict):
+        raise ResultError(f"{path} is not a lensdiv manifest (a JSON {_kind(data)})", hint=hint)
+    for key, kind in (("analyzers", dict), ("model", dict), ("timings", dict)):
+        if key in data and not isinstance(data[key], kind):
+            raise ResultError(f"{path}: {key!r} is a JSON {_kind(data[key])}", hint=hint)
+    for name, entry in data.get("analyzers", {}).items():
+        if not isinstance(entry, dict):
+            raise ResultError(f"{path}: the entry of {name!r} is a JSON {_kind(entry)}", hint=hint)
+    return data
+
+
+def _kind(value: Any) -> str:
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}
+    return names.get(type(value), "number")
