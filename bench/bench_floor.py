@@ -1,8 +1,9 @@
 """Benchmark: what does the logit lens cost against the arithmetic it cannot avoid (its floor)?
 
-The random 24-layer, d_model=1024 TL-native model of ``bench_fused.py`` (GPT-2 medium shape,
-50257-token vocabulary). On the same tokens, in one process, interleaved, best of ``--repeats``
-after a warm-up:
+A randomly initialised Hugging Face GPT-2 built from a config of GPT-2 medium's shape (24 layers,
+d_model 1024, 16 heads, 50257-token vocabulary), booted through TransformerLens like a hub model
+(``--arch native``: the TL-native model of ``bench_fused.py`` instead). On the same tokens, in one
+process, interleaved, best of ``--repeats`` after a warm-up:
 
 - ``forward``: a plain forward pass (``model(tokens)``);
 - ``floor``: the floor of a full-vocabulary logit lens as issue 15 defines it: one forward pass
@@ -20,6 +21,7 @@ floor does; lensdiv reads out in float32) and reports tokens/s.
 
 from __future__ import annotations
 
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -34,11 +36,43 @@ from lensdiv.ops.capture import capture
 
 
 def build(args: Any) -> Any:
-    """The random model of ``common.build``, moved to ``--device`` and ``--dtype``."""
-    from common import build as build_cpu
+    """The random model of ``--arch``, moved to ``--device`` and ``--dtype``."""
+    from common import build as build_native
 
-    model = build_cpu(args.layers, args.d_model, args.vocab)
+    if args.arch == "native":
+        model = build_native(args.layers, args.d_model, args.vocab)
+    else:
+        model = build_gpt2(args.layers, args.d_model, args.vocab)
     return model.to(device=args.device, dtype=getattr(torch, args.dtype)).eval()
+
+
+def build_gpt2(layers: int, d_model: int, vocab: int) -> Any:
+    """A random Hugging Face ``GPT2LMHeadModel`` of this shape (seed 0, no dropout), booted
+    through TransformerLens with the byte tokenizer (its config is saved to a temporary folder,
+    the weights stay in memory)."""
+    from transformer_lens import TransformerBridge
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from lensdiv.data.tokenizer import byte_tokenizer
+
+    config = GPT2Config(
+        vocab_size=vocab,
+        n_positions=1024,
+        n_embd=d_model,
+        n_layer=layers,
+        n_head=d_model // 64,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        hf_model = GPT2LMHeadModel(config).eval()
+    folder = tempfile.mkdtemp(prefix="bench_floor_")
+    config.save_pretrained(folder)
+    tokenizer = byte_tokenizer()
+    tokenizer.save_pretrained(folder)
+    return TransformerBridge.boot_transformers(folder, hf_model=hf_model, tokenizer=tokenizer)
 
 
 def floor(model: Any, batches: list[Any]) -> Callable[[], None]:
@@ -58,6 +92,7 @@ def floor(model: Any, batches: list[Any]) -> Callable[[], None]:
 
 def main() -> None:
     parser = model_parser(__doc__, tokens=1024, batch_size=8, repeats=2)
+    parser.add_argument("--arch", default="gpt2", choices=["gpt2", "native"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
@@ -107,6 +142,7 @@ def main() -> None:
     report(
         {
             **describe(args),
+            "arch": "Hugging Face GPT-2 (random)" if args.arch == "gpt2" else "TL-native (random)",
             "device": device,
             "dtype": args.dtype,
             "batch_size": args.batch_size,

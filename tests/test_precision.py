@@ -29,7 +29,7 @@ from lensdiv.analyzers.bias import BiasDiversity, direct_decomposition
 from lensdiv.analyzers.contrib import Contribution
 from lensdiv.analyzers.dynamics import Dynamics
 from lensdiv.analyzers.lens import LogitLens
-from lensdiv.analyzers.linmap import LinearMaps, is_heldout
+from lensdiv.analyzers.linmap import LinearMaps, heldout_mask
 from lensdiv.core.analyzer import Batch, ModelInfo, Step
 from lensdiv.core.registry import list_plugins, make_analyzers
 from lensdiv.data.sources import DataSpec
@@ -144,8 +144,8 @@ def test_readout_logits_equal_float64_on_low_precision_states(
 # -- lens --------------------------------------------------------------------------------------------
 
 
-def lens_reference(model: Any, spec: DataSpec, k: int) -> dict[str, list[float]]:
-    """The logit lens in float64 from the captured states, position by position."""
+def lens_reference(model: Any, spec: DataSpec, k: int, every: int = 1) -> dict[str, list[float]]:
+    """The logit lens in float64 from the captured states (positions ``t mod every = 0``)."""
     info = ModelInfo.from_model(model)
     names = resid_names(info)
     sums: dict[str, np.ndarray] = {
@@ -154,7 +154,7 @@ def lens_reference(model: Any, spec: DataSpec, k: int) -> dict[str, list[float]]
     }
     n = n_target = 0
     for batch, cache in captured(model, spec, names):
-        keep = batch.positions()
+        keep = batch.positions() & (torch.arange(batch.tokens.shape[1]) % every == 0)
         targets, has_target = batch.next_tokens()
         out = torch.log_softmax(logits64(model, cache[names[-1]])[keep], -1)
         top_out = out.topk(k, -1).indices
@@ -167,7 +167,7 @@ def lens_reference(model: Any, spec: DataSpec, k: int) -> dict[str, list[float]]
             sums["entropy"][i] += float(-(lp.exp() * lp).sum(-1).sum())
             top = lp.topk(k, -1).indices
             sums["overlap"][i] += sum(
-                len(set(a.tolist()) & set(b.tolist())) / k for a, b in zip(top, top_out)
+                len(set(a.tolist()) & set(b.tolist())) / k for a, b in zip(top, top_out, strict=True)
             )
             t_lp = lp.gather(-1, t[:, None])[:, 0]
             rank = (lp > t_lp[:, None]).sum(-1).double()
@@ -195,6 +195,20 @@ def test_lens_equals_float64_reference(boot: Any, arch: str, dtype: str) -> None
     for col, key in [("kl", "kl"), ("entropy", "entropy"), ("ce", "ce"),
                      ("target_prob", "target_prob"), ("top5_overlap", "overlap"),
                      ("top1_acc", "top1_acc"), ("mean_rank", "mean_rank")]:
+        close(table[col], want[key], col)
+
+
+@pytest.mark.parametrize("every", [3, 5])
+def test_lens_every_reads_every_kth_position(boot: Any, every: int) -> None:
+    model = boot("gpt2", torch.float32)
+    run = analyze(model, data=SPEC, plugins=[LogitLens(every=every)], progress=False)
+    result = run["lens"]
+    assert result.meta["every"] == every
+    assert result.meta["positions"] == sum(
+        int((b.positions() & (torch.arange(b.tokens.shape[1]) % every == 0)).sum())
+        for b in batches_of(model, SPEC))
+    table, want = result.table(), lens_reference(model, SPEC, 5, every)
+    for col, key in [("kl", "kl"), ("ce", "ce"), ("top5_overlap", "overlap")]:
         close(table[col], want[key], col)
 
 
@@ -282,7 +296,7 @@ def test_dynamics_equals_float64_reference(boot: Any, dtype: str) -> None:
             def put(x: Any, hook: Any, value: Any = cache[names[layer]]) -> Any:
                 return value
 
-            def keep_final(x: Any, hook: Any) -> Any:
+            def keep_final(x: Any, hook: Any, seen: dict[str, Any] = seen) -> Any:
                 seen["h"] = x
                 return x
 
@@ -426,10 +440,10 @@ def test_skip_effects_equal_float64_reference(boot: Any, dtype: str) -> None:
         for s in range(L):
             store: dict[str, torch.Tensor] = {}
 
-            def skip_block(x: Any, hook: Any, keep: Any = clean[s]) -> Any:
+            def skip_block(x: Any, hook: Any, keep: Any = clean[s], skip: Any = skip) -> Any:
                 return torch.where(skip, keep, x)
 
-            def grab(x: Any, hook: Any, name: str) -> Any:
+            def grab(x: Any, hook: Any, name: str, store: dict[str, Any] = store) -> Any:
                 store[name] = x
                 return x
 
@@ -456,7 +470,6 @@ def test_patch_readouts_equal_float64_reference(boot: Any, dtype: str) -> None:
     """Patched and erased passes run in the model's dtype and are read out in float32."""
     model = boot("llama", LOW[dtype])
     info = ModelInfo.from_model(model)
-    L = info.n_layers
     names = resid_names(info)
     ((batch, cache),) = captured(model, DataSpec(seq_len=12, max_tokens=24, batch_size=2), names)
     layer, n_pos = 1, batch.tokens.shape[1]
@@ -473,7 +486,7 @@ def test_patch_readouts_equal_float64_reference(boot: Any, dtype: str) -> None:
             x[:, t] = values[:, t]
             return x
 
-        def final(x: Any, hook: Any) -> Any:
+        def final(x: Any, hook: Any, seen: dict[str, Any] = seen) -> Any:
             seen["h"] = x
             return x
 
@@ -488,11 +501,13 @@ def test_patch_readouts_equal_float64_reference(boot: Any, dtype: str) -> None:
 # -- linmap ------------------------------------------------------------------------------------------
 
 
-def test_linmap_equals_float64_reference(boot: Any) -> None:
-    """Moments of bf16 activations in float64: the same maps as least squares on them."""
-    model = boot("gpt2", torch.bfloat16)
+@pytest.mark.parametrize("dtype", list(LOW), ids=list(LOW))
+def test_linmap_equals_float64_reference(boot: Any, dtype: str) -> None:
+    """Moments of low-precision activations in float64: the maps of least squares on them."""
+    model = boot("gpt2", LOW[dtype])
     info = ModelInfo.from_model(model)
-    spec = DataSpec(seq_len=16, max_tokens=16 * 12, batch_size=4)
+    docs = [f"Document {i}: the river ran past mill number {i} and on to the sea." for i in range(24)]
+    spec = DataSpec.from_data(docs, seq_len=16, max_tokens=16 * 24, batch_size=4)
     run = analyze(model, data=spec, plugins=[LinearMaps(ridge=0.0)], progress=False)
     assert run.ok, run.errors
     result = run["linmap"]
@@ -501,8 +516,7 @@ def test_linmap_equals_float64_reference(boot: Any) -> None:
     x = [np.concatenate([c[n].reshape(-1, info.d_model).double().numpy() for _, c in parts])
          for n in names]
     keep = np.concatenate([b.positions(exclude_bos=True).reshape(-1).numpy() for b, _ in parts])
-    docs = np.concatenate([b.doc.reshape(-1).numpy() for b, _ in parts])
-    held = np.array([is_heldout(int(d), 0, 0.2) for d in docs])
+    held = np.concatenate([heldout_mask(b, 0, 0.2).reshape(-1).numpy() for b, _ in parts])
     train, test = keep & ~held, keep & held
     assert result.meta["eval_positions"] == int(test.sum()) > 0
     r2 = np.empty((len(names), len(names)))
@@ -542,17 +556,28 @@ def test_every_analyzer_runs_on_a_float64_model(boot: Any, name: str) -> None:
         assert run.ok, run.errors
         results[dtype] = run[analyzers[0].name]
     assert results[torch.float64].meta["model"]["readout_dtype"] == "float64"
+    problems = []
     for table in results[torch.float32].tables:
         a, b = results[torch.float64].tables[table], results[torch.float32].tables[table]
         for col in a.columns:
             x, y = a[col], b[col]
-            if x.dtype.kind in "fc":
-                ok = np.isfinite(y)
-                scale = max(float(np.abs(y[ok]).max()), 1e-12) if ok.any() else 1.0
-                np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5 * scale,
-                                           err_msg=f"{name}: {table}.{col}")
+            what = f"{name}: {table}.{col}"
+            if x.dtype.kind not in "fc":
+                if x.tolist() != y.tolist():
+                    problems.append(what)
+                continue
+            ok = np.isfinite(y)
+            scale = max(float(np.abs(y[ok]).max()), 1e-12) if ok.any() else 1.0
+            if col.endswith("_gap"):  # an identity's rounding residue: float64 leaves less
+                good = np.abs(x) <= np.abs(y) + 1e-10 * scale
             else:
-                assert x.tolist() == y.tolist(), f"{name}: {table}.{col}"
+                # Ratios over small differences (IG's completeness error over f(x) - f(x'))
+                # amplify float32's rounding of the model itself.
+                rtol = 1e-3 if col.endswith("rel_error") else 1e-4
+                good = np.isclose(x, y, rtol=rtol, atol=1e-5 * scale, equal_nan=True)
+            if not good.all():
+                problems.append(f"{what}: {x.tolist()} vs {y.tolist()}")
+    assert not problems, "\n".join(problems)
 
 
 # -- devices: an offloaded lm_head -------------------------------------------------------------------

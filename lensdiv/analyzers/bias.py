@@ -169,6 +169,21 @@ def ce_terms(f: Float[Tensor, "member n vocab"], y: Int[Tensor, " n"]) -> dict[s
     }
 
 
+# The x axis of each table the plots draw: (column, label).
+_AXES = {
+    "depth": ("layer", "residual state h_l (prefix ensemble of the members before it)"),
+    "members": ("member", "member i (0 = embedding, then attention and MLP of each block)"),
+}
+
+
+def _line(
+    name: str, title: str, table: str, y: tuple[str, ...], ylabel: str, caption: str = ""
+) -> Plot:
+    """A line plot of ``table``'s ``y`` columns along depth or along the members."""
+    x, xlabel = _AXES[table]
+    return Plot("line", name, title, table, x=x, y=y, xlabel=xlabel, ylabel=ylabel, caption=caption)
+
+
 # -- the analyzer ----------------------------------------------------------------------------------
 
 
@@ -493,50 +508,38 @@ class BiasDiversity(Analyzer):
         )
         summary = self._summary(forms, members, depth, target, n_ce, ce_depth)
         plots = [
-            Plot(
-                "line",
+            _line(
                 "bias_depth",
                 "Bias, diversity and ensemble loss along depth (squared)",
                 "depth",
-                x="layer",
-                y=("bias", "diversity", "ensemble_loss"),
-                xlabel="residual state h_l (prefix ensemble of the members before it)",
-                ylabel="squared error (logits²)",
+                ("bias", "diversity", "ensemble_loss"),
+                "squared error (logits²)",
                 caption="Ensemble loss = bias − diversity (Krogh–Vedelsby), for the members "
                 "written before h_l.",
             ),
-            Plot(
-                "line",
+            _line(
                 "bias_members",
                 "Per-member bias and diversity (squared)",
                 "members",
-                x="member",
-                y=("sq_bias", "sq_diversity"),
-                xlabel="member i (0 = embedding, then attention and MLP of each block)",
-                ylabel="squared error (logits²)",
+                ("sq_bias", "sq_diversity"),
+                "squared error (logits²)",
             ),
-            Plot(
-                "line",
+            _line(
                 "bias_members_ce",
                 "Per-member CE and KL (cross-entropy form)",
                 "members",
-                x="member",
-                y=("ce_bias", "ce_diversity"),
-                xlabel="member i (0 = embedding, then attention and MLP of each block)",
-                ylabel="cross-entropy, KL (nats)",
+                ("ce_bias", "ce_diversity"),
+                "cross-entropy, KL (nats)",
             ),
         ]
         if ce_depth:
             plots.append(
-                Plot(
-                    "line",
+                _line(
                     "bias_depth_ce",
                     "Bias, diversity and loss along depth (CE)",
                     "depth",
-                    x="layer",
-                    y=("ce_bias", "ce_diversity", "ce_loss"),
-                    xlabel="residual state h_l (prefix ensemble of the members before it)",
-                    ylabel="cross-entropy, KL (nats)",
+                    ("ce_bias", "ce_diversity", "ce_loss"),
+                    "cross-entropy, KL (nats)",
                 )
             )
         return Result(

@@ -128,41 +128,29 @@ class LogitLens(Analyzer):
             summary=summary,
             tables={"lens": table},
             plots=(
-                Plot(
-                    "line",
+                _line(
                     "lens_kl",
                     "Logit lens: KL to the output",
-                    "lens",
-                    x="layer",
-                    y=("kl",),
-                    xlabel="residual state h_l (0 = embedding, L = final)",
-                    ylabel="KL(p_l ‖ p_out) (nats)",
-                    caption="p_l: h_l read through the final norm and unembedding; mean over "
+                    ("kl",),
+                    "KL(p_l ‖ p_out) (nats)",
+                    "p_l: h_l read through the final norm and unembedding; mean over "
                     "positions. 0 at h_L by definition.",
                 ),
-                Plot(
-                    "line",
+                _line(
                     "lens_agreement",
                     "Logit lens: agreement",
-                    "lens",
-                    x="layer",
-                    y=(f"top{self.top_k}_overlap", "top1_acc", "target_prob"),
-                    xlabel="residual state h_l (0 = embedding, L = final)",
-                    ylabel="fraction (0 to 1)",
-                    caption=f"top{self.top_k}_overlap: share of the output's top {self.top_k} "
+                    (f"top{self.top_k}_overlap", "top1_acc", "target_prob"),
+                    "fraction (0 to 1)",
+                    f"top{self.top_k}_overlap: share of the output's top {self.top_k} "
                     "tokens in p_l's; top1_acc: p_l's top token is the true next token; "
                     "target_prob: p_l of the true next token.",
                 ),
-                Plot(
-                    "line",
+                _line(
                     "lens_ce",
                     "Logit lens: loss and entropy",
-                    "lens",
-                    x="layer",
-                    y=("ce", "entropy"),
-                    xlabel="residual state h_l (0 = embedding, L = final)",
-                    ylabel="cross-entropy, entropy (nats)",
-                    caption="ce: −log p_l(next token); entropy: H(p_l). Means over positions.",
+                    ("ce", "entropy"),
+                    "cross-entropy, entropy (nats)",
+                    "ce: −log p_l(next token); entropy: H(p_l). Means over positions.",
                 ),
             ),
             meta={
@@ -172,3 +160,11 @@ class LogitLens(Analyzer):
                 "readout": state.get("readout"),
             },
         )
+
+
+def _line(name: str, title: str, y: tuple[str, ...], ylabel: str, caption: str) -> Plot:
+    """A line plot of the ``lens`` table's ``y`` columns along the residual states."""
+    xlabel = "residual state h_l (0 = embedding, L = final)"
+    return Plot(
+        "line", name, title, "lens", x="layer", y=y, xlabel=xlabel, ylabel=ylabel, caption=caption
+    )

@@ -224,13 +224,12 @@ def iter_member_logits(
 ) -> Iterator[tuple[slice, Float[Tensor, "member chunk d_vocab"]]]:
     """:func:`member_logits` in chunks of kept rows: ``(rows, logits)`` with at most
     ``max_elements`` logits (``M × rows × d_vocab``) alive at once."""
-    readout = final_readout(model)
-    per_chunk = max(1, max_elements // ((2 * info.n_layers + 1) * readout.W_U.shape[1]))
+    d_vocab = final_readout(model).W_U.shape[1]
     start = 0
-    for mask in keep_chunks(keep, per_chunk):
-        u, _ = member_inputs(model, cache, info, mask)
-        yield slice(start, start + u.shape[1]), logits_from_inputs(u, readout, constant=constant)
-        start += u.shape[1]
+    for mask in keep_chunks(keep, max(1, max_elements // ((2 * info.n_layers + 1) * d_vocab))):
+        z = member_logits(model, cache, info, mask, constant=constant)
+        yield slice(start, start + z.shape[1]), z
+        start += z.shape[1]
 
 
 def keep_chunks(
