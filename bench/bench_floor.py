@@ -12,7 +12,10 @@ process, interleaved, best of ``--repeats`` after a warm-up:
 - ``lens``: ``lensdiv``'s ``lens`` analyzer through ``analyze()`` (every statistic it reports);
 - ``fused``: ``lens,contrib,dynamics,bias`` in one run (their defaults).
 
-Targets (issue 15): lens ≤ 1.2 × floor and fused ≤ 1.5 × floor. ``--dtype bfloat16 --device
+Targets (issue 15): lens ≤ 1.2 × floor and fused ≤ 1.5 × floor. Each case is timed by the wall
+clock and by the process's CPU time (``time.process_time``, every thread); on a machine shared
+with other work the CPU-time ratios are the steadier ones, best with ``--threads 1`` (no
+threads waiting on each other). ``--dtype bfloat16 --device
 cuda`` runs the same on a GPU (the floor then reads out in the model's dtype, as the issue's
 floor does; lensdiv reads out in float32) and reports tokens/s.
 
@@ -27,18 +30,20 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from common import describe, model_parser, report
+from common import build as build_native
+from common import describe, gpt2_config, model_parser, report
+from transformer_lens import TransformerBridge
+from transformers import GPT2LMHeadModel
 
 from lensdiv import DataSpec, analyze
 from lensdiv.core.analyzer import ModelInfo
 from lensdiv.data.sources import token_batches
+from lensdiv.data.tokenizer import byte_tokenizer
 from lensdiv.ops.capture import capture
 
 
 def build(args: Any) -> Any:
     """The random model of ``--arch``, moved to ``--device`` and ``--dtype``."""
-    from common import build as build_native
-
     if args.arch == "native":
         model = build_native(args.layers, args.d_model, args.vocab)
     else:
@@ -50,21 +55,7 @@ def build_gpt2(layers: int, d_model: int, vocab: int) -> Any:
     """A random Hugging Face ``GPT2LMHeadModel`` of this shape (seed 0, no dropout), booted
     through TransformerLens with the byte tokenizer (its config is saved to a temporary folder,
     the weights stay in memory)."""
-    from transformer_lens import TransformerBridge
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    from lensdiv.data.tokenizer import byte_tokenizer
-
-    config = GPT2Config(
-        vocab_size=vocab,
-        n_positions=1024,
-        n_embd=d_model,
-        n_layer=layers,
-        n_head=d_model // 64,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
+    config = gpt2_config(layers, d_model, vocab)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         hf_model = GPT2LMHeadModel(config).eval()
@@ -131,13 +122,15 @@ def main() -> None:
     for fn in cases.values():  # warm-up: lazy imports, first-call allocations, per-model checks
         fn()
     best = {name: float("inf") for name in cases}
+    cpu = {name: float("inf") for name in cases}
     for _ in range(args.repeats):
         for name, fn in cases.items():
             sync()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             fn()
             sync()
             best[name] = min(best[name], time.perf_counter() - t0)
+            cpu[name] = min(cpu[name], time.process_time() - c0)
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     report(
         {
@@ -151,6 +144,10 @@ def main() -> None:
             "floor_over_forward": round(best["floor"] / best["forward"], 3),
             "lens_over_floor": round(best["lens"] / best["floor"], 3),
             "fused_over_floor": round(best["fused"] / best["floor"], 3),
+            "cpu_seconds": {k: round(v, 3) for k, v in cpu.items()},
+            "cpu_lens_over_floor": round(cpu["lens"] / cpu["floor"], 3),
+            "cpu_fused_over_floor": round(cpu["fused"] / cpu["floor"], 3),
+            "cpu_floor_over_forward": round(cpu["floor"] / cpu["forward"], 3),
             "last_run_timings": timings,
         },
         args.json,

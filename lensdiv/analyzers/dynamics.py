@@ -242,11 +242,12 @@ class Dynamics(Analyzer):
                 [(f"blocks.{L - 1}.hook_resid_post", keep_final)],
                 logits=False,
             )
-            final = out["h"].reshape(len(layers), n_seq * n_pos, -1)
-            for i, layer in enumerate(layers):
-                ce[layer] = (
-                    cross_entropy(readout, final[i, rows], wanted, workspace=ws).sum().to(ce.device)
-                )
+            # Every state's scored rows in one readout: large unembedding blocks.
+            final = out["h"].reshape(len(layers), n_seq * n_pos, -1)[:, rows]
+            losses = cross_entropy(
+                readout, final.flatten(0, 1), wanted.repeat(len(layers)), workspace=ws
+            )
+            ce[lo : lo + len(layers)] = losses.view(len(layers), -1).sum(1).to(ce.device)
         last = step.resid(L).reshape(n_seq * n_pos, -1)[rows]
         ce[L - 1] = cross_entropy(readout, last, wanted, workspace=ws).sum().to(ce.device)
         state.add("lens_ce", ce)
