@@ -43,38 +43,34 @@ _READOUTS: weakref.WeakKeyDictionary[Any, tuple[FinalReadout, Readout]] = (
 )
 
 
-@dataclass
+@dataclass(eq=False)
 class Readout:
-    """The model's final norm and unembedding, decomposed (readout dtype, where the unembedding
-    runs).
+    """The model's :class:`~lensdiv.ops.readout.FinalReadout` (final norm and unembedding in the
+    readout dtype, where the unembedding runs) and what the members add to it.
 
     Args:
-        kind: ``"LN"`` (centre, then scale), ``"RMS"`` (scale only) or ``"none"`` (no final norm).
-        weight: ``γ`` (ones for a non-learnable norm).
-        bias: ``β`` (zeros when the norm has none).
-        eps: The norm's own epsilon.
-        W_U: Unembedding ``[d_model, d_vocab]``, times the adapter's logit scale (if any).
+        full: The shared readout (its norm is an LN or RMSNorm and its output transform at most
+            a scalar, folded into ``W_U``: :func:`final_readout` checks both).
         const: ``β · W_U + b_U``: the part of the logits no member writes.
-        logit_scale: The adapter's scalar output transform (1.0 for almost every model).
     """
 
-    kind: NormKind
-    weight: Float[Tensor, " d_model"]
-    bias: Float[Tensor, " d_model"]
-    eps: float
-    W_U: Float[Tensor, "d_model d_vocab"]
+    full: FinalReadout
     const: Float[Tensor, " d_vocab"]
-    logit_scale: float = 1.0
     _gram: Tensor | None = field(default=None, repr=False)
+
+    @property
+    def W_U(self) -> Float[Tensor, "d_model d_vocab"]:
+        """Unembedding ``[d_model, d_vocab]``, times the adapter's logit scale (if any)."""
+        return self.full.W_U
+
+    @property
+    def weight(self) -> Float[Tensor, " d_model"]:
+        """``γ`` (ones for a non-learnable norm)."""
+        return self.full.weight
 
     def scale(self, h_last: Float[Tensor, "n d_model"]) -> Float[Tensor, " n"]:
         """``σ(h_L)`` per row, with the norm's own epsilon (1 when there is no final norm)."""
-        h = h_last.to(device=self.W_U.device, dtype=self.W_U.dtype)
-        if self.kind == "LN":
-            return (h.var(-1, unbiased=False) + self.eps).sqrt()
-        if self.kind == "RMS":
-            return (h.pow(2).mean(-1) + self.eps).sqrt()
-        return torch.ones(h.shape[:-1], dtype=h.dtype, device=h.device)
+        return self.full.scale(h_last)
 
     def normalise(
         self,
@@ -88,10 +84,11 @@ class Readout:
         ``inplace=True`` overwrites ``c`` (which must then be in the readout dtype) instead of
         copying it.
         """
+        kind = self.full.kind
         c = c.to(self.W_U.dtype) if inplace else c.to(self.W_U.dtype, copy=True)
-        if self.kind == "LN":
+        if kind == "LN":
             c.sub_(c.mean(-1, keepdim=True))
-        if self.kind != "none":
+        if kind != "none":
             c.mul_(self.weight / sigma.unsqueeze(-1))
         return c
 
@@ -270,12 +267,4 @@ def _members_readout(model: Any, full: FinalReadout) -> Readout:
             "so member contributions cannot add up to the logits",
             hint="this analyzer does not support this architecture",
         )
-    return Readout(
-        kind=full.kind,
-        weight=full.weight,
-        bias=full.bias,
-        eps=full.eps,
-        W_U=full.W_U,
-        const=full.bias @ full.W_U + full.b_U,
-        logit_scale=full.logit_scale,
-    )
+    return Readout(full=full, const=full.bias @ full.W_U + full.b_U)
