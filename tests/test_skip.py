@@ -93,6 +93,34 @@ def test_resumer_reproduces_the_clean_pass_from_every_layer(model: Any) -> None:
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
 
 
+def test_resumer_decides_once_per_model_and_weights(native_model: Any,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first-use check is a property of the model: a second resumer (the next run) reuses
+    it, and new weights (a new readout) or other settings check again."""
+    from lensdiv.ops import readout as readout_module
+
+    step = make_step(native_model)
+    probes: list[int] = []
+    real = Resumer._probe
+
+    def counted(self: Resumer, tokens: torch.Tensor) -> None:
+        probes.append(1)
+        real(self, tokens)
+
+    monkeypatch.setattr(Resumer, "_probe", counted)
+    readout_module._READOUTS.pop(native_model, None)  # as if the weights had just changed
+    first, second = Resumer(native_model), Resumer(native_model)
+    first.prepare(step.batch.tokens)
+    second.prepare(step.batch.tokens)
+    assert len(probes) == 1 and second.mode == first.mode == "resume"
+    assert second.readout_error == first.readout_error
+    Resumer(native_model, tolerance=1e-3).prepare(step.batch.tokens)
+    assert len(probes) == 2
+    readout_module._READOUTS.pop(native_model, None)
+    Resumer(native_model).prepare(step.batch.tokens)
+    assert len(probes) == 3
+
+
 def test_rerun_fallback_is_exact(model: Any) -> None:
     step = make_step(model)
     g = torch.Generator().manual_seed(2)

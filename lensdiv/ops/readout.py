@@ -479,6 +479,7 @@ def row_stats(
     targets: Int[Tensor, " n"] | None = None,
     k: int = 0,
     expect: bool = False,
+    rank: bool = True,
     reference: Float[Tensor, "n d_vocab"] | None = None,
     product: Float[Tensor, "n d_vocab"] | None = None,
 ) -> RowStats:
@@ -494,6 +495,7 @@ def row_stats(
             is asked without a ``product`` buffer (after every statistic that needs it).
         scratch: A buffer of ``z``'s shape; overwritten.
         targets: Per-row token ids for :attr:`RowStats.target` and :attr:`RowStats.rank`.
+        rank: With ``targets``, also count the target's rank (a full-vocabulary pass).
         k: Report the top-``k`` indices.
         expect: Report ``E_p[z]`` (for the entropy).
         reference: Logits of the distribution to compare with: report ``E_p[z − z_ref]``, so
@@ -506,11 +508,12 @@ def row_stats(
         peak = values[:, :1]
     else:
         peak = z.amax(-1, keepdim=True)
-    target = rank = None
+    target = ranks = None
     if targets is not None:
         target_logit = z.gather(-1, targets.view(-1, 1).to(z.device))
-        torch.gt(z, target_logit, out=scratch)  # 0/1 in the logits' dtype: exact sums, and fast
-        rank = scratch.sum(-1).double()
+        if rank:
+            torch.gt(z, target_logit, out=scratch)  # 0/1 in the logits' dtype: exact, and fast
+            ranks = scratch.sum(-1).double()
         target = target_logit[:, 0].double()
     torch.sub(z, peak, out=scratch).exp_()
     norm = scratch.sum(-1).double()
@@ -528,7 +531,7 @@ def row_stats(
         else:
             torch.mul(scratch, z, out=product)
         expected = product.sum(-1).double() / norm
-    return RowStats(lse=lse, expect=expected, shift=shift, target=target, rank=rank, top=top)
+    return RowStats(lse=lse, expect=expected, shift=shift, target=target, rank=ranks, top=top)
 
 
 @dataclass
@@ -644,7 +647,7 @@ def cross_entropy(
         hi = min(lo + step, n)
         z = readout.logits(h[lo:hi], out=ws.get("ce.logits", (hi - lo, V), dtype, device))
         scratch = ws.get("ce.scratch", (hi - lo, V), dtype, device)
-        s = row_stats(z, scratch, targets=t_all[lo:hi])
+        s = row_stats(z, scratch, targets=t_all[lo:hi], rank=False)
         assert s.target is not None
         out[lo:hi] = s.lse - s.target
     return out.to(h.device)

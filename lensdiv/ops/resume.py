@@ -12,11 +12,14 @@ usual; hooks of the stubbed blocks see the stub's output and should not be used.
 On first use :class:`Resumer` checks itself on the real batch: resuming at ``L // 2`` from the
 clean residual must reproduce the clean logits. Where it does not (a family whose layers do not
 run as a plain sequence), it falls back to an exact but slower full re-run that overwrites the
-residual with a hook (``mode == "rerun"``); the mode is recorded in results.
+residual with a hook (``mode == "rerun"``); the mode is recorded in results. The decision is a
+property of the model, so it is kept per model (and its readout, which is rebuilt when the
+weights change) and the next run on the same model does not pay the check again.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager, suppress
 from typing import Any
@@ -31,6 +34,12 @@ from lensdiv.ops.capture import stop_hook_name
 from lensdiv.ops.readout import final_readout
 
 Hook = tuple[str, Callable[..., Any]]
+
+# First-use decisions per model and settings: the readout they were taken with (a new one after
+# the weights change) and (mode, reason, tuple output, readout error).
+_DECISIONS: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], tuple[Any, tuple[Any, ...]]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 class _Stop(Exception):
@@ -175,7 +184,20 @@ class Resumer:
                     del layer.forward
 
     def _decide(self, tokens: Tensor) -> None:
-        """Probe the block output structure and check the fast path against a full pass."""
+        """Probe the block output structure and check the fast path against a full pass, once
+        per model, readout and settings."""
+        readout, settings = final_readout(self.model), (self.fast, self.check, self.tolerance)
+        known = _DECISIONS.setdefault(self.model, {})
+        if settings in known and known[settings][0] is readout:
+            self.mode, self.reason, self._tuple_output, self.readout_error = known[settings][1]
+            return
+        self._probe(tokens)
+        known[settings] = (
+            readout,
+            (self.mode, self.reason, self._tuple_output, self.readout_error),
+        )
+
+    def _probe(self, tokens: Tensor) -> None:
         self.mode = "rerun"
         if not self.fast:
             self.reason = "fast resume disabled"
