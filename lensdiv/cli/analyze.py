@@ -143,6 +143,7 @@ def analyze(
     More: lensdiv analyze toy --plugins skip,depth-score -O skip.mode=current;
     lensdiv analyze toy:d4 --plugins linmap --ref toy:d8;
     lensdiv analyze toy:d8 --plugins lens,dynamics -O dynamics.final_state=post;
+    lensdiv analyze MODEL --dtype bfloat16 --plugins lens -O lens.every=4 --threads 8;
     lensdiv plugins show patch
 
     Scaling out: torchrun --nproc-per-node 8 -m lensdiv analyze MODEL ... (every GPU of a node);
