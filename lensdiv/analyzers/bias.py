@@ -55,7 +55,7 @@ from lensdiv.ops.members import (
     member_layers,
     member_names,
 )
-from lensdiv.ops.readout import log_partition, workspace
+from lensdiv.ops.readout import log_partition
 
 Weighting = Literal["mean", "sum"]
 
@@ -145,18 +145,15 @@ def gram_squared_error(
     return bias, div, ens
 
 
-def ce_terms(
-    f: Float[Tensor, "member n vocab"], y: Int[Tensor, " n"], scratch: Tensor | None = None
-) -> dict[str, Tensor]:
+def ce_terms(f: Float[Tensor, "member n vocab"], y: Int[Tensor, " n"]) -> dict[str, Tensor]:
     """The cross-entropy form over a large vocabulary, one pass over the member logits.
 
     ``KL(p ‖ q_i) = lse(f_i) − lse(z) − p·(f_i − z)`` with ``p = softmax z`` (exact), so no
     log-softmax of the members is materialised. Same keys and meaning as
     :func:`direct_decomposition`'s ``ce``, ``kl``, ``ce_ens``, ``correct``, ``correct_ens``.
-    ``scratch``: a buffer of ``f``'s shape for the exponentials (a new tensor when omitted).
     """
     z = f.mean(0)
-    lse_f = log_partition(f, scratch)
+    lse_f = log_partition(f)
     lse_z = log_partition(z)
     p = torch.softmax(z, -1)
     pf = torch.einsum("mnv,nv->mn", f, p).double()
@@ -366,7 +363,7 @@ class BiasDiversity(Analyzer):
         targets, has_target = batch.next_tokens()
         keep = batch.positions(exclude_bos=self.exclude_bos) & has_target
         pos = torch.arange(batch.tokens.shape[1], device=keep.device).expand_as(keep)
-        readout, ws = final_readout(step.model), workspace(step)
+        readout = final_readout(step.model)
         const = readout.const
         n_members, d_vocab = 2 * info.n_layers + 1, readout.W_U.shape[1]
         sizes = _prefix_sizes(info)
@@ -392,13 +389,9 @@ class BiasDiversity(Analyzer):
             for start in range(0, y_sub.shape[0], per_chunk):
                 rows = slice(start, start + per_chunk)
                 for p, size in enumerate(sizes if self.ce_depth else sizes[-1:]):
-                    # The run's reused buffers: a fresh 100 MB tensor costs its page faults.
-                    u_p = size * u_sub[:size, rows]
-                    shape = (*u_p.shape[:2], d_vocab)
-                    f = ws.get("bias.logits", shape, u_p.dtype, u_p.device)
-                    torch.matmul(u_p, readout.W_U, out=f).add_(const)
-                    scratch = ws.get("bias.scratch", shape, u_p.dtype, u_p.device)
-                    out = ce_terms(f, y_sub[rows], scratch)
+                    f = (size * u_sub[:size, rows]) @ readout.W_U
+                    f += const
+                    out = ce_terms(f, y_sub[rows])
                     if size == n_members:
                         self._add_full(state, out)
                     if self.ce_depth:

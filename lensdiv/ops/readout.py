@@ -653,11 +653,8 @@ def cross_entropy(
     return out.to(h.device)
 
 
-def log_partition(
-    z: Float[Tensor, "*batch d_vocab"], scratch: Tensor | None = None
-) -> Float[Tensor, "*batch"]:
-    """``log Σ exp z`` along the last axis in float64 (from readout-dtype logits, one exp pass;
-    into ``scratch``, a buffer of ``z``'s shape, when given)."""
+def log_partition(z: Float[Tensor, "*batch d_vocab"]) -> Float[Tensor, "*batch"]:
+    """``log Σ exp z`` along the last axis in float64 (from readout-dtype logits, one exp pass)."""
     peak = z.amax(-1, keepdim=True)
-    total = torch.sub(z, peak, out=scratch).exp_().sum(-1)
+    total = (z - peak).exp_().sum(-1)
     return peak[..., 0].double() + total.double().log()
