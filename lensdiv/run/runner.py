@@ -5,7 +5,6 @@ write each result as soon as it is final, and leave a manifest that says what is
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -32,7 +31,7 @@ from lensdiv.models.load import load_model
 from lensdiv.run.distributed import DataParallelFeed, Feed, World, current_world
 from lensdiv.run.engine import Engine, describe, input_device
 from lensdiv.run.interrupts import handle_signals, interruption, shielded, signals_received
-from lensdiv.run.outcome import MANIFEST, check_manifest, finish, save_result, write_manifest
+from lensdiv.run.outcome import finish, read_manifest, save_result, write_manifest
 from lensdiv.run.report import write_report
 from lensdiv.run.shards import ShardFeed, check_shardable, parse_shard
 from lensdiv.run.validate import (
@@ -570,18 +569,7 @@ def load_run(out: str | Path) -> Run:
     if isinstance(out, bool) or not isinstance(out, (str, os.PathLike)):
         raise ResultError(f"a run folder is a path, not {out!r} ({type(out).__name__})")
     out = Path(out)
-    path = out / MANIFEST
-    if not path.is_file():
-        raise ResultError(
-            f"{str(out)!r} is not a lensdiv run folder (no {MANIFEST})",
-            hint="pass the --out folder of `lensdiv analyze`",
-        )
-    try:
-        manifest = check_manifest(json.loads(path.read_text()), path)
-    except json.JSONDecodeError as err:
-        raise ResultError(f"{path} is not valid JSON: {err.msg}") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise ResultError(f"cannot read {path}: {err}") from None
+    manifest = read_manifest(out, hint="pass the --out folder of `lensdiv analyze`")
     run = Run(manifest=manifest, out=out)
     for name, entry in manifest.get("analyzers", {}).items():
         if (
