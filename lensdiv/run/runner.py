@@ -28,7 +28,7 @@ from lensdiv.core.registry import make_analyzers
 from lensdiv.core.results import Rendered, Result
 from lensdiv.data.sources import DataSpec, check_source, token_batches
 from lensdiv.models.load import load_model
-from lensdiv.run.distributed import DataParallelFeed, Feed, World, current_world
+from lensdiv.run.distributed import DataParallelFeed, Feed, World, current_world, gather_objects
 from lensdiv.run.engine import Engine, describe, input_device
 from lensdiv.run.interrupts import handle_signals, interruption, shielded, signals_received
 from lensdiv.run.outcome import finish, read_manifest, save_result, write_manifest
@@ -180,7 +180,7 @@ def analyze(
         seed=seed,
     )
     check_source(spec)
-    check_output(out_dir, analyzers, overwrite=overwrite)
+    _check_output_once(world, out_dir, analyzers, overwrite=overwrite)
     with handle_signals(), progress_allowed(progress):
         return _run(
             model,
@@ -511,6 +511,29 @@ def _wrap_up(
         run.manifest["timings"][a.name + "_s"] = round(engine.spent[a.name], 3)
         save_manifest()
     save_manifest()
+
+
+def _check_output_once(
+    world: World, out_dir: Path | None, analyzers: list[Analyzer], *, overwrite: bool
+) -> None:
+    """``check_output`` on the rank that writes, its verdict shared with every rank.
+
+    Only rank 0 writes ``--out``, so only it may judge it: a rank that started late would
+    otherwise find rank 0's fresh manifest and refuse the folder as "already holds a run".
+    The exchange is also the barrier that keeps rank 0 from writing before every rank is here.
+    """
+    if not world.parallel:
+        check_output(out_dir, analyzers, overwrite=overwrite)
+        return
+    problem: LensdivError | None = None
+    if world.main:
+        try:
+            check_output(out_dir, analyzers, overwrite=overwrite)
+        except LensdivError as err:
+            problem = err
+    verdict = gather_objects(world, problem, "the check of --out")[0]
+    if verdict is not None:
+        raise verdict
 
 
 def _split(shard: str | tuple[int, int] | None) -> tuple[World, tuple[int, int] | None]:
