@@ -15,27 +15,19 @@ import pytest
 import torch
 
 from lensdiv.analyzers.skip import LayerSkip
-from lensdiv.core.analyzer import Batch, ModelInfo, Step
-from lensdiv.ops.capture import capture
+from lensdiv.core.analyzer import ModelInfo, Step
 from lensdiv.ops.resume import Resumer
 from lensdiv.ops.skipping import later_effect, skip_effects, split_intervals
 from lensdiv.run.runner import analyze
-from tests.helpers import naive_effects
+from tests.helpers import naive_effects, random_step
 
 
 def make_step(model: Any, seed: int = 0, width: int = 40) -> Step:
     """Two rows of random tokens after BOS; the second is right-padded (pads never measured)."""
     info = ModelInfo.from_model(model)
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(4, min(info.d_vocab, 250), (2, width), generator=g)
-    tokens[:, 0] = model.tokenizer.bos_token_id or 0
-    mask = torch.ones_like(tokens, dtype=torch.bool)
-    mask[1, width - 9 :] = False
-    tokens[1, width - 9 :] = model.tokenizer.pad_token_id or 0
     names = [info.resid(layer) for layer in range(info.n_layers + 1)]
     names += [f"blocks.{i}.hook_{p}_out" for i in range(info.n_layers) for p in ("attn", "mlp")]
-    logits, cache = capture(model, tokens, names, need_logits=True)
-    return Step(Batch(tokens, mask), cache, logits, model, info)
+    return random_step(model, names, rows=2, width=width, pad=9, seed=seed)
 
 
 CASES = [

@@ -5,7 +5,6 @@ write each result as soon as it is final, and leave a manifest that says what is
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -30,10 +29,10 @@ from lensdiv.core.results import Rendered, Result
 from lensdiv.data.sources import DataSpec, check_source, token_batches
 from lensdiv.models.load import load_model
 from lensdiv.ops.readout import readout_dtype
-from lensdiv.run.distributed import DataParallelFeed, Feed, World, current_world
+from lensdiv.run.distributed import DataParallelFeed, Feed, World, current_world, gather_objects
 from lensdiv.run.engine import Engine, describe, input_device
 from lensdiv.run.interrupts import handle_signals, interruption, shielded, signals_received
-from lensdiv.run.outcome import MANIFEST, check_manifest, finish, save_result, write_manifest
+from lensdiv.run.outcome import finish, read_manifest, save_result, write_manifest
 from lensdiv.run.report import write_report
 from lensdiv.run.shards import ShardFeed, check_shardable, parse_shard
 from lensdiv.run.validate import (
@@ -191,7 +190,7 @@ def analyze(
         seed=seed,
     )
     check_source(spec)
-    check_output(out_dir, analyzers, overwrite=overwrite)
+    _check_output_once(world, out_dir, analyzers, overwrite=overwrite)
     with handle_signals(), progress_allowed(progress):
         return _run(
             model,
@@ -532,6 +531,29 @@ def _wrap_up(
     save_manifest()
 
 
+def _check_output_once(
+    world: World, out_dir: Path | None, analyzers: list[Analyzer], *, overwrite: bool
+) -> None:
+    """``check_output`` on the rank that writes, its verdict shared with every rank.
+
+    Only rank 0 writes ``--out``, so only it may judge it: a rank that started late would
+    otherwise find rank 0's fresh manifest and refuse the folder as "already holds a run".
+    The exchange is also the barrier that keeps rank 0 from writing before every rank is here.
+    """
+    if not world.parallel:
+        check_output(out_dir, analyzers, overwrite=overwrite)
+        return
+    problem: LensdivError | None = None
+    if world.main:
+        try:
+            check_output(out_dir, analyzers, overwrite=overwrite)
+        except LensdivError as err:
+            problem = err
+    verdict = gather_objects(world, problem, "the check of --out")[0]
+    if verdict is not None:
+        raise verdict
+
+
 def _split(shard: str | tuple[int, int] | None) -> tuple[World, tuple[int, int] | None]:
     """The process group this run is part of (if any), and the shard to run (if any)."""
     world, split = current_world(), parse_shard(shard)
@@ -588,18 +610,7 @@ def load_run(out: str | Path) -> Run:
     if isinstance(out, bool) or not isinstance(out, (str, os.PathLike)):
         raise ResultError(f"a run folder is a path, not {out!r} ({type(out).__name__})")
     out = Path(out)
-    path = out / MANIFEST
-    if not path.is_file():
-        raise ResultError(
-            f"{str(out)!r} is not a lensdiv run folder (no {MANIFEST})",
-            hint="pass the --out folder of `lensdiv analyze`",
-        )
-    try:
-        manifest = check_manifest(json.loads(path.read_text()), path)
-    except json.JSONDecodeError as err:
-        raise ResultError(f"{path} is not valid JSON: {err.msg}") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise ResultError(f"cannot read {path}: {err}") from None
+    manifest = read_manifest(out, hint="pass the --out folder of `lensdiv analyze`")
     run = Run(manifest=manifest, out=out)
     for name, entry in manifest.get("analyzers", {}).items():
         if (
