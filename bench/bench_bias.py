@@ -6,7 +6,7 @@ The random 24-layer, d_model=1024 TL-native model of ``bench_fused.py`` (GPT-2 m
 Acceptance (issue: layer diversity): fused ≤ 1.3 × lens alone.
 
 ``bias`` costs, per position, one ``d_model × d_model`` Gram product per member for the
-squared-error form over the full vocabulary (49 members here), and every ``ce_every``-th position
+squared-error form over the full vocabulary (49 members here), and every ``every``-th position
 the 49 members' full-vocabulary softmaxes for the cross-entropy form.
 
     python bench/bench_bias.py [--tokens 1024 --ce-every 16 --json bench/bias_cpu.json]
@@ -27,7 +27,7 @@ def members(args: argparse.Namespace) -> dict[str, int]:
 
 
 def main() -> None:
-    lens_plus_main(__doc__, BiasDiversity, "ce_every", tokens=1024, figures=members)
+    lens_plus_main(__doc__, BiasDiversity, "every", tokens=1024, figures=members)
 
 
 if __name__ == "__main__":

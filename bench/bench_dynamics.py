@@ -7,10 +7,10 @@ fused ``lens,dynamics`` run (one forward pass per batch feeds both), interleaved
 
 ``dynamics`` costs, per batch, elementwise work on the cached residuals (angles, norms, progress,
 histograms, the angle-profile moments), one pass of the final block over each of the ``L − 1``
-earlier residual states (about one forward pass of blocks) and, at every ``lens_every``-th
+earlier residual states (about one forward pass of blocks) and, at every ``every``-th
 position, ``L`` full-vocabulary readouts for the last-block lens.
 
-    python bench/bench_dynamics.py [--tokens 512 --lens-every 8 --json bench/dynamics_cpu.json]
+    python bench/bench_dynamics.py [--tokens 512 --every 8 --json bench/dynamics_cpu.json]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from lensdiv.analyzers.dynamics import Dynamics
 
 
 def main() -> None:
-    lens_plus_main(__doc__, Dynamics, "lens_every", tokens=512)
+    lens_plus_main(__doc__, Dynamics, "every", tokens=512)
 
 
 if __name__ == "__main__":

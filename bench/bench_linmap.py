@@ -25,32 +25,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import data_spec, report
-from transformers import AutoModelForCausalLM, GPT2Config
+from common import data_spec, gpt2_config, report
+from transformers import AutoModelForCausalLM
 
 from lensdiv.analyzers.linmap import LinearMaps, moment_gb
 from lensdiv.core.analyzer import ModelInfo, RunContext, Step
 from lensdiv.data.sources import token_batches
-from lensdiv.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, byte_tokenizer
+from lensdiv.data.tokenizer import VOCAB_SIZE, byte_tokenizer
 from lensdiv.models.load import load_model
 from lensdiv.ops.capture import capture
 
 
 def save_model(directory: Path, layers: int, width: int, seed: int) -> Path:
     """A random GPT-2-config model (fp32, no dropout) plus the byte tokenizer, saved locally."""
-    config = GPT2Config(
-        vocab_size=VOCAB_SIZE,
-        n_positions=1024,
-        n_embd=width,
-        n_layer=layers,
-        n_head=width // 64,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID,
-    )
+    config = gpt2_config(layers, width, VOCAB_SIZE)
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
     byte_tokenizer().save_pretrained(directory)

@@ -41,6 +41,28 @@ def build(layers: int, d_model: int, vocab: int) -> Any:
     return TransformerBridge.boot_native(cfg, tokenizer=byte_tokenizer()).eval()
 
 
+def gpt2_config(layers: int, d_model: int, vocab: int) -> Any:
+    """A Hugging Face GPT-2 config of this shape (d_head 64, no dropout, the byte tokenizer's
+    special ids), for random models built from it."""
+    from transformers import GPT2Config
+
+    from lensdiv.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
+
+    return GPT2Config(
+        vocab_size=vocab,
+        n_positions=1024,
+        n_embd=d_model,
+        n_layer=layers,
+        n_head=d_model // 64,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+    )
+
+
 def model_parser(
     doc: str, *, tokens: int, batch_size: int, repeats: int
 ) -> argparse.ArgumentParser:

@@ -7,9 +7,13 @@ Fixtures (models, directories) live in ``conftest.py``.
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import subprocess
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -76,6 +80,21 @@ def batches_of(model: Any, spec: DataSpec) -> list[Batch]:
     return list(token_batches(spec, model.tokenizer))
 
 
+def random_step(model: Any, hooks: list[str], *, rows: int, width: int, pad: int,
+                seed: int = 0) -> Step:
+    """``rows`` rows of random tokens after BOS, the last one right-padded over its final ``pad``
+    positions (pads are never measured), captured at ``hooks`` with the logits."""
+    info = ModelInfo.from_model(model)
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(4, min(info.d_vocab, 250), (rows, width), generator=g)
+    tokens[:, 0] = model.tokenizer.bos_token_id or 0
+    mask = torch.ones_like(tokens, dtype=torch.bool)
+    mask[-1, width - pad :] = False
+    tokens[-1, width - pad :] = model.tokenizer.pad_token_id or 0
+    logits, cache = capture(model, tokens, hooks, need_logits=True)
+    return Step(Batch(tokens, mask), cache, logits, model, info)
+
+
 def run_state(analyzer: Analyzer, model: Any, batches: Iterable[Batch]) -> Stats:
     """Drive ``init``/``update`` directly, one ``capture`` per batch, like the runner does."""
     info = ModelInfo.from_model(model)
@@ -86,6 +105,20 @@ def run_state(analyzer: Analyzer, model: Any, batches: Iterable[Batch]) -> Stats
         analyzer.update(state, Step(batch=batch, cache=cache, logits=logits, model=model,
                                     info=info))
     return state
+
+
+def pip_install(source: Path, target: Path) -> None:
+    """Install the package in ``source`` into the folder ``target`` with this interpreter's pip
+    (a wheel build, no dependencies, offline); skip the test where pip is missing."""
+    if importlib.util.find_spec("pip") is None:
+        pytest.skip("pip is not installed in this interpreter, so the package cannot be installed")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation",
+         "--no-index", "--disable-pip-version-check", "--quiet", "--target", str(target),
+         str(source)],
+        capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, f"pip install failed:\n{proc.stdout}\n{proc.stderr}"
 
 
 def fresh_model(arch: str, request: pytest.FixtureRequest) -> Any:

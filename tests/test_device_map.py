@@ -48,18 +48,8 @@ OPTIONS = {
     "submod": {"samples": "8", "greedy": "2"},
     "skip": {"splits": "2"},
 }
-ISSUE_15 = pytest.mark.xfail(strict=True, reason="readout of an offloaded lm_head: issue 15")
-ANALYZERS = [
-    pytest.param("lens", marks=ISSUE_15),
-    "contrib",
-    "patch",
-    "linmap",
-    "skip",
-    "depth-score",
-    pytest.param("bias", marks=ISSUE_15),
-    pytest.param("submod", marks=ISSUE_15),
-    "dynamics",
-]
+ANALYZERS = ["lens", "contrib", "patch", "linmap", "skip", "depth-score", "bias", "submod",
+             "dynamics"]
 
 
 @pytest.fixture(scope="module")

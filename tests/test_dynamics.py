@@ -118,7 +118,7 @@ def test_invariants(model: Any) -> None:
     torch.testing.assert_close(token.progress[:, -1], torch.ones_like(token.progress[:, -1]))
     assert token.to_final[:, -1].abs().max() < 1e-3  # ∠(h_L, h_L), float32 rounding only
 
-    state, result = run_steps(Dynamics(lens_every=3), [step])
+    state, result = run_steps(Dynamics(every=3), [step])
     assert result.meta["positions"] == int(keep.sum())
     assert result.meta["triangle_gap_max"] <= 1e-5
     assert sum(result.table("stop")["fraction"]) == pytest.approx(1.0)
@@ -143,7 +143,7 @@ def test_agrees_with_hugging_face_hidden_states(
     assert len(hidden) == L + 1
     states = torch.stack(list(hidden)).flatten(1, 2).numpy()
     want = naive_profiles(states)
-    _, result = run_steps(Dynamics(final_state="post", lens_every=0), [step])
+    _, result = run_steps(Dynamics(final_state="post", every=0), [step])
     updates, states_table = result.table("updates"), result.table("states")
     np.testing.assert_allclose(updates["theta"], want["theta"].mean(0), rtol=TOL, atol=TOL)
     np.testing.assert_allclose(
@@ -177,7 +177,7 @@ def test_last_block_lens_agrees_with_full_forward_passes(model: Any) -> None:
         logp = torch.log_softmax(logits.double(), -1)
         ce = -logp.gather(-1, targets[..., None])[..., 0]
         want.append(float(ce[scored].mean()))
-    _, result = run_steps(Dynamics(lens_every=1), [step])
+    _, result = run_steps(Dynamics(every=1), [step])
     np.testing.assert_allclose(result.table("updates")["last_block_lens_ce"], want, rtol=1e-4)
     # At h_{L-1} the last-block lens is the model's own next-token loss.
     assert want[-1] == pytest.approx(
@@ -188,7 +188,7 @@ def test_last_block_lens_agrees_with_full_forward_passes(model: Any) -> None:
 
 def test_streams_and_merges_like_one_pass_and_pca_matches_numpy(native_model: Any) -> None:
     steps = [resid_step(native_model, seed=s, pad=3 * s) for s in range(3)]
-    analyzer = Dynamics(lens_every=2, components=4)
+    analyzer = Dynamics(every=2, components=4)
     whole, result = run_steps(analyzer, steps)
     parts = [run_steps(analyzer, [s])[0] for s in steps]
     merged = parts[0].merge(parts[1]).merge(parts[2])
@@ -223,7 +223,7 @@ def test_streams_and_merges_like_one_pass_and_pca_matches_numpy(native_model: An
 def test_fused_with_lens_in_one_pass(native_model: Any) -> None:
     run = analyze(
         native_model,
-        plugins=["lens", Dynamics(lens_every=1)],
+        plugins=["lens", Dynamics(every=1)],
         max_tokens=256,
         seq_len=32,
         batch_size=4,
@@ -239,8 +239,8 @@ def test_fused_with_lens_in_one_pass(native_model: Any) -> None:
 
 
 def test_bad_options() -> None:
-    with pytest.raises(OptionError, match="lens_every"):
-        Dynamics.from_options({"lens_every": "-1"})
+    with pytest.raises(OptionError, match="every"):
+        Dynamics.from_options({"every": "-1"})
     with pytest.raises(OptionError, match="pre, post"):
         Dynamics.from_options({"final_state": "middle"})
     assert_user_error(

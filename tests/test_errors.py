@@ -725,6 +725,13 @@ def test_a_signal_in_a_batch_takes_effect_after_it(tmp_path: Path) -> None:
 # == 9. messages that point the right way ===========================================================
 
 
+def test_empty_data_is_an_error_in_every_command(tmp_path: Path) -> None:
+    # Before any model loads or trains: an empty --data never means the built-in corpus.
+    for args in (["analyze", "toy"], ["scaling", "family", "toy:d2,toy:d4"]):
+        assert_mistake(invoke(*args, "--data", "", "--out", str(tmp_path / args[0])),
+                       "the data source is empty")
+
+
 def test_seq_len_and_max_tokens_name_themselves() -> None:
     assert_mistake(invoke("analyze", "toy", "--seq-len", "1", "--no-progress"),
                    "--seq-len 1 is too short")

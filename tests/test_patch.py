@@ -27,6 +27,7 @@ from lensdiv.data.corpus import KnowledgeBase, Query
 from lensdiv.data.pairs import Pair, builtin_pairs, read_pairs
 from lensdiv.ops.capture import capture
 from lensdiv.ops.patching import integrated_gradients, run_patches, run_variants
+from lensdiv.ops.readout import final_readout
 from lensdiv.ops.resume import Resumer
 from lensdiv.run.engine import Engine
 from lensdiv.run.runner import analyze
@@ -107,9 +108,16 @@ def test_patching_matches_transformer_lens(model: Any, tmp_path: Path) -> None:
     with torch.no_grad():
         clean_logits, clean_cache = model.run_with_cache(clean)
     corrupt_logits, corrupt_cache = capture(model, corrupt, analyzer.hooks(info), need_logits=True)
-    m_clean = metric_of(clean_logits, target, foil)
-    m_corrupt = metric_of(corrupt_logits, target, foil)
     n_pos, L = clean.shape[1], info.n_layers
+    # The analyzer reads the clean and corrupt outputs through the same float32 readout as the
+    # patched passes (issue 15), so a patch that changes nothing scores exactly 0; the model's
+    # own logits agree with it to float32 rounding, which the normalisation can amplify.
+    readout = final_readout(model)
+    m_clean = metric_of(readout.logits(clean_cache[info.resid(L)][:, -1])[:, None], target, foil)
+    m_corrupt = metric_of(readout.logits(corrupt_cache[info.resid(L)][:, -1])[:, None], target,
+                          foil)
+    for own, ours_ in ((clean_logits, m_clean), (corrupt_logits, m_corrupt)):
+        torch.testing.assert_close(metric_of(own, target, foil), ours_, atol=1e-5, rtol=1e-5)
     assert (clean != corrupt).sum(0).nonzero().flatten().tolist() == [6, 7]  # the entity
 
     # Ours: every (layer, position) of every site, batched and resumed.

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import math
 import os
@@ -16,6 +15,8 @@ from typing import Any
 
 import pytest
 
+from tests.helpers import pip_install
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "plugins" / "lensdiv-attention"
 TOL = 1e-6
@@ -24,20 +25,12 @@ TOL = 1e-6
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The plugin installed (wheel build, no dependencies, offline) into a private folder."""
-    if importlib.util.find_spec("pip") is None:
-        pytest.skip("pip is not installed in this interpreter, so the plugin cannot be installed")
     root = tmp_path_factory.mktemp("plugin")
     # Build from a copy: an in-tree build leaves build/ and *.egg-info in the repository.
     source = root / "src"
     shutil.copytree(PACKAGE, source, ignore=shutil.ignore_patterns("build", "*.egg-info"))
     target = root / "site"
-    proc = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation",
-         "--no-index", "--disable-pip-version-check", "--quiet", "--target", str(target),
-         str(source)],
-        capture_output=True, text=True, timeout=180,
-    )
-    assert proc.returncode == 0, f"pip install failed:\n{proc.stdout}\n{proc.stderr}"
+    pip_install(source, target)
     assert (target / "lensdiv_attention" / "__init__.py").is_file()
     return target
 

@@ -105,3 +105,22 @@ def test_run_saves_and_loads(native_model: Any, tmp_path: Path) -> None:
     assert loaded.ok and set(loaded.results) == {"lens", "contrib"}
     for name, result in run.results.items():
         assert_results_equal(loaded.results[name], result)
+
+
+def test_threads_are_set_and_recorded(native_model: Any, tmp_path: Path) -> None:
+    from lensdiv.core.errors import OptionError
+
+    before = torch.get_num_threads()
+    spec = DataSpec(max_tokens=32, seq_len=16, batch_size=2)
+    try:
+        run = analyze(native_model, data=spec, plugins="contrib", threads=1, out=tmp_path,
+                      progress=False)
+        assert run.ok and torch.get_num_threads() == 1
+        assert run.manifest["threads"] == 1
+        assert load_run(tmp_path).manifest["threads"] == 1
+        assert run.manifest["model"]["dtype"] == run.manifest["model"]["readout_dtype"] == "float32"
+    finally:
+        torch.set_num_threads(before)
+    for bad in (0, -2, True):
+        with pytest.raises(OptionError, match="threads"):
+            analyze(native_model, data=spec, plugins="contrib", threads=bad, progress=False)

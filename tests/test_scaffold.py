@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -13,23 +12,16 @@ from typer.testing import CliRunner
 
 from lensdiv.cli import app
 from lensdiv.scaffold import plugin_names
+from tests.helpers import pip_install
 
 
 def test_generated_package_installs_and_passes_its_tests(tmp_path: Path) -> None:
-    if importlib.util.find_spec("pip") is None:
-        pytest.skip("pip is not installed in this interpreter, so the package cannot be installed")
     result = CliRunner().invoke(app, ["plugins", "new", "resid-norm", "--dir", str(tmp_path)])
     assert result.exit_code == 0, result.output
     package = tmp_path / "lensdiv-resid-norm"
     assert (package / "lensdiv_resid_norm" / "__init__.py").is_file()
     site = tmp_path / "site"
-    install = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation",
-         "--no-index", "--disable-pip-version-check", "--quiet", "--target", str(site),
-         str(package)],
-        capture_output=True, text=True, timeout=180,
-    )
-    assert install.returncode == 0, install.stderr
+    pip_install(package, site)
     env = {**os.environ, "PYTHONPATH": str(site), "HF_HUB_OFFLINE": "1", "COLUMNS": "250"}
     # Its own tests, run from outside the source folder so the installed copy is what runs.
     tests = subprocess.run(

@@ -186,6 +186,12 @@ def test_merge_refuses_a_folder_that_is_no_shard(shards: list[Path], tmp_path: P
     (plain / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(StateError, match="is not a shard"):
         merge_runs([plain, shards[1]])
+    # A damaged manifest is one line naming the file (read as `lensdiv report` reads one).
+    for text, message in [("{", "is not valid JSON"), ("[]", "is not a lensdiv manifest"),
+                          ('{"analyzers": []}', "'analyzers' is a JSON array")]:
+        (plain / "manifest.json").write_text(text)
+        with pytest.raises(ResultError, match=message):
+            merge_runs([plain, shards[1]])
 
 
 def test_first_difference() -> None:

@@ -15,27 +15,19 @@ import pytest
 import torch
 
 from lensdiv.analyzers.skip import LayerSkip
-from lensdiv.core.analyzer import Batch, ModelInfo, Step
-from lensdiv.ops.capture import capture
+from lensdiv.core.analyzer import ModelInfo, Step
 from lensdiv.ops.resume import Resumer
 from lensdiv.ops.skipping import later_effect, skip_effects, split_intervals
 from lensdiv.run.runner import analyze
-from tests.helpers import naive_effects
+from tests.helpers import naive_effects, random_step
 
 
 def make_step(model: Any, seed: int = 0, width: int = 40) -> Step:
     """Two rows of random tokens after BOS; the second is right-padded (pads never measured)."""
     info = ModelInfo.from_model(model)
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(4, min(info.d_vocab, 250), (2, width), generator=g)
-    tokens[:, 0] = model.tokenizer.bos_token_id or 0
-    mask = torch.ones_like(tokens, dtype=torch.bool)
-    mask[1, width - 9 :] = False
-    tokens[1, width - 9 :] = model.tokenizer.pad_token_id or 0
     names = [info.resid(layer) for layer in range(info.n_layers + 1)]
     names += [f"blocks.{i}.hook_{p}_out" for i in range(info.n_layers) for p in ("attn", "mlp")]
-    logits, cache = capture(model, tokens, names, need_logits=True)
-    return Step(Batch(tokens, mask), cache, logits, model, info)
+    return random_step(model, names, rows=2, width=width, pad=9, seed=seed)
 
 
 CASES = [
@@ -80,14 +72,45 @@ def test_resumer_reproduces_the_clean_pass_from_every_layer(model: Any) -> None:
         logits = resumer.run(step.batch.tokens, start, step.resid(start))
         torch.testing.assert_close(logits, step.logits, atol=1e-5, rtol=1e-5)
     assert resumer.mode == "resume"
-    # The direct readout (final norm + unembedding) is the model's own output head.
+    # The readout (decomposed final norm + unembedding, float32) is the model's own output head,
+    # as TransformerLens' chunked readout is.
+    from transformer_lens.tools.analysis.logit_lens import logit_readout
+
     L = step.info.n_layers
-    assert resumer._direct_readout
-    torch.testing.assert_close(resumer.readout(step.resid(L)[0]), step.logits[0])
-    resumer._direct_readout = False  # TransformerLens' chunked readout agrees too
-    torch.testing.assert_close(
-        resumer.readout(step.resid(L)[0]), step.logits[0], atol=1e-5, rtol=1e-5
-    )
+    assert resumer.readout_error is not None and resumer.readout_error < 1e-5
+    ours = resumer.readout(step.resid(L)[0])
+    assert ours.dtype == torch.float32
+    torch.testing.assert_close(ours, step.logits[0], atol=1e-5, rtol=1e-5)
+    theirs = logit_readout(model, step.resid(L)[0][None], return_type="logits").values[0]
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_resumer_decides_once_per_model_and_weights(native_model: Any,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first-use check is a property of the model: a second resumer (the next run) reuses
+    it, and new weights (a new readout) or other settings check again."""
+    from lensdiv.ops import readout as readout_module
+
+    step = make_step(native_model)
+    probes: list[int] = []
+    real = Resumer._probe
+
+    def counted(self: Resumer, tokens: torch.Tensor) -> None:
+        probes.append(1)
+        real(self, tokens)
+
+    monkeypatch.setattr(Resumer, "_probe", counted)
+    readout_module._READOUTS.pop(native_model, None)  # as if the weights had just changed
+    first, second = Resumer(native_model), Resumer(native_model)
+    first.prepare(step.batch.tokens)
+    second.prepare(step.batch.tokens)
+    assert len(probes) == 1 and second.mode == first.mode == "resume"
+    assert second.readout_error == first.readout_error
+    Resumer(native_model, tolerance=1e-3).prepare(step.batch.tokens)
+    assert len(probes) == 2
+    readout_module._READOUTS.pop(native_model, None)
+    Resumer(native_model).prepare(step.batch.tokens)
+    assert len(probes) == 3
 
 
 def test_rerun_fallback_is_exact(model: Any) -> None:

@@ -39,7 +39,7 @@ from lensdiv.run.engine import Engine
 from lensdiv.run.runner import analyze
 from lensdiv.testing.contract import assert_results_close, assert_states_close
 from lensdiv.testing.models import boot_native_tiny
-from tests.helpers import assert_results_equal
+from tests.helpers import assert_results_equal, random_step
 
 ARCHS = ["gpt2", "llama", "neox", "native"]
 
@@ -169,15 +169,7 @@ def test_plan_covers_every_needed_subset_once() -> None:
 
 def make_step(model: Any, hooks: list[str], seed: int = 0, width: int = 24) -> Step:
     """Three rows of random tokens after BOS; the last one right-padded."""
-    info = ModelInfo.from_model(model)
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(4, min(info.d_vocab, 250), (3, width), generator=g)
-    tokens[:, 0] = model.tokenizer.bos_token_id or 0
-    mask = torch.ones_like(tokens, dtype=torch.bool)
-    mask[2, width - 7 :] = False
-    tokens[2, width - 7 :] = model.tokenizer.pad_token_id or 0
-    logits, cache = capture(model, tokens, hooks, need_logits=True)
-    return Step(Batch(tokens, mask), cache, logits, model, info)
+    return random_step(model, hooks, rows=3, width=width, pad=7, seed=seed)
 
 
 def kept_targets(step: Step, metric: str = "neg_ce") -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,13 +18,13 @@ mean is exactly the model's logits ``z``. Two exact identities are accumulated p
       CE(y, softmax z) = (1/M) Σ_i CE(y, q_i) − (1/M) Σ_i KL(softmax z ‖ q_i)
 
   This needs every member's full-vocabulary softmax (``M × d_vocab`` per position), so on the
-  corpus it is computed at positions ``t`` with ``t mod ce_every = 0`` only.
+  corpus it is computed at positions ``t`` with ``t mod every = 0`` only.
 
 Depth: for every block boundary ``h_l`` the same decomposition is taken for the prefix ensemble
 of the ``2l + 1`` members written so far (embedding and blocks ``< l``), read on the final norm's
 scale like the full ensemble (the direct path: its last row is the model itself). The squared form
 gets it at every position for a few dot products; the cross-entropy form only with ``ce_depth``
-(at the ``ce_every`` positions) or in label mode.
+(at the ``every`` positions) or in label mode.
 
 Targets: the next token over the full vocabulary (default), or a label set: ``tasks`` is a JSONL
 file of ``{"prompt": ..., "label": ...}`` rows; the target is the label at the last prompt position
@@ -55,6 +55,7 @@ from lensdiv.ops.members import (
     member_layers,
     member_names,
 )
+from lensdiv.ops.readout import log_partition
 
 Weighting = Literal["mean", "sum"]
 
@@ -152,8 +153,8 @@ def ce_terms(f: Float[Tensor, "member n vocab"], y: Int[Tensor, " n"]) -> dict[s
     :func:`direct_decomposition`'s ``ce``, ``kl``, ``ce_ens``, ``correct``, ``correct_ens``.
     """
     z = f.mean(0)
-    lse_f = torch.logsumexp(f, -1).double()
-    lse_z = torch.logsumexp(z, -1).double()
+    lse_f = log_partition(f)
+    lse_z = log_partition(z)
     p = torch.softmax(z, -1)
     pf = torch.einsum("mnv,nv->mn", f, p).double()
     pz = (p * z).sum(-1).double()
@@ -166,6 +167,21 @@ def ce_terms(f: Float[Tensor, "member n vocab"], y: Int[Tensor, " n"]) -> dict[s
         "correct": (f.argmax(-1) == y).double(),
         "correct_ens": (z.argmax(-1) == y).double(),
     }
+
+
+# The x axis of each table the plots draw: (column, label).
+_AXES = {
+    "depth": ("layer", "residual state h_l (prefix ensemble of the members before it)"),
+    "members": ("member", "member i (0 = embedding, then attention and MLP of each block)"),
+}
+
+
+def _line(
+    name: str, title: str, table: str, y: tuple[str, ...], ylabel: str, caption: str = ""
+) -> Plot:
+    """A line plot of ``table``'s ``y`` columns along depth or along the members."""
+    x, xlabel = _AXES[table]
+    return Plot("line", name, title, table, x=x, y=y, xlabel=xlabel, ylabel=ylabel, caption=caption)
 
 
 # -- the analyzer ----------------------------------------------------------------------------------
@@ -184,8 +200,8 @@ class BiasDiversity(Analyzer):
             every row), else the file's distinct labels in order of first appearance.
         weighting: ``mean`` (bias and diversity are averages over members, the ensemble loss is
             the model's) or ``sum`` (sums over members; everything scales by ``M``).
-        ce_every: Next-token mode: the cross-entropy form (full-vocabulary member softmaxes,
-            ``M × d_vocab`` per position) runs at positions ``t`` with ``t mod ce_every = 0``;
+        every: Next-token mode: the cross-entropy form (full-vocabulary member softmaxes,
+            ``M × d_vocab`` per position) runs at positions ``t`` with ``t mod every = 0``;
             1 = every position. Label mode always uses every example.
         ce_depth: Next-token mode: also take the cross-entropy form for every prefix ensemble
             ``h_0 .. h_L`` at those positions (about ``(L + 1) / 2`` times the cost of the
@@ -203,14 +219,14 @@ class BiasDiversity(Analyzer):
     tasks: str = ""
     labels: tuple[str, ...] = ()
     weighting: Weighting = "mean"
-    ce_every: int = 16
+    every: int = 16
     ce_depth: bool = False
     exclude_bos: bool = False
     batch_size: int = 16
 
     def __post_init__(self) -> None:
-        if self.ce_every < 1:
-            raise ValueError(f"ce_every must be at least 1, got {self.ce_every}")
+        if self.every < 1:
+            raise ValueError(f"every must be at least 1, got {self.every}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {self.batch_size}")
         if self.weighting not in ("mean", "sum"):
@@ -354,7 +370,7 @@ class BiasDiversity(Analyzer):
         w_c = readout.W_U @ const
         c_sq = float(const.double().pow(2).sum())
         state.add("n", int(keep.sum()))
-        state.add("n_ce", int((keep & (pos % self.ce_every == 0)).sum()))
+        state.add("n_ce", int((keep & (pos % self.every == 0)).sum()))
         # Chunks of kept positions bound the [member, rows, d_model] float64 Gram terms.
         for mask in keep_chunks(keep, max(1, _GRAM_ELEMENTS // (n_members * info.d_model))):
             u, _ = member_inputs(step.model, step.cache, info, mask)
@@ -367,7 +383,7 @@ class BiasDiversity(Analyzer):
             state.add("depth/sq_ens", ens.sum(-1))
             state.add("sq_bias", bias[-1].sum(-1))
             state.add("sq_div", div[-1].sum(-1))
-            sub = (pos % self.ce_every == 0)[mask]
+            sub = (pos % self.every == 0)[mask]
             u_sub, y_sub = u[:, sub], y[sub]
             per_chunk = max(1, _LOGIT_ELEMENTS // (n_members * d_vocab))
             for start in range(0, y_sub.shape[0], per_chunk):
@@ -492,50 +508,38 @@ class BiasDiversity(Analyzer):
         )
         summary = self._summary(forms, members, depth, target, n_ce, ce_depth)
         plots = [
-            Plot(
-                "line",
+            _line(
                 "bias_depth",
                 "Bias, diversity and ensemble loss along depth (squared)",
                 "depth",
-                x="layer",
-                y=("bias", "diversity", "ensemble_loss"),
-                xlabel="residual state h_l (prefix ensemble of the members before it)",
-                ylabel="squared error (logits²)",
+                ("bias", "diversity", "ensemble_loss"),
+                "squared error (logits²)",
                 caption="Ensemble loss = bias − diversity (Krogh–Vedelsby), for the members "
                 "written before h_l.",
             ),
-            Plot(
-                "line",
+            _line(
                 "bias_members",
                 "Per-member bias and diversity (squared)",
                 "members",
-                x="member",
-                y=("sq_bias", "sq_diversity"),
-                xlabel="member i (0 = embedding, then attention and MLP of each block)",
-                ylabel="squared error (logits²)",
+                ("sq_bias", "sq_diversity"),
+                "squared error (logits²)",
             ),
-            Plot(
-                "line",
+            _line(
                 "bias_members_ce",
                 "Per-member CE and KL (cross-entropy form)",
                 "members",
-                x="member",
-                y=("ce_bias", "ce_diversity"),
-                xlabel="member i (0 = embedding, then attention and MLP of each block)",
-                ylabel="cross-entropy, KL (nats)",
+                ("ce_bias", "ce_diversity"),
+                "cross-entropy, KL (nats)",
             ),
         ]
         if ce_depth:
             plots.append(
-                Plot(
-                    "line",
+                _line(
                     "bias_depth_ce",
                     "Bias, diversity and loss along depth (CE)",
                     "depth",
-                    x="layer",
-                    y=("ce_bias", "ce_diversity", "ce_loss"),
-                    xlabel="residual state h_l (prefix ensemble of the members before it)",
-                    ylabel="cross-entropy, KL (nats)",
+                    ("ce_bias", "ce_diversity", "ce_loss"),
+                    "cross-entropy, KL (nats)",
                 )
             )
         return Result(
@@ -557,9 +561,9 @@ class BiasDiversity(Analyzer):
                 "member_scale": "final residual's norm scale sigma(h_L) for every member",
                 "weighting": self.weighting,
                 "target": target,
-                "ce_every": 1 if labelled else self.ce_every,
+                "every": 1 if labelled else self.every,
                 "ce_depth": labelled or self.ce_depth,
-                "ce_positions": "every example" if labelled else "t mod ce_every = 0",
+                "ce_positions": "every example" if labelled else "t mod every = 0",
                 "exclude_bos": self.exclude_bos,
                 "positions": int(n),
                 "positions_ce": int(n_ce),

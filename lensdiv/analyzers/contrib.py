@@ -4,7 +4,8 @@ Per layer, averaged over tokens: ``r_attn = ||a_l||/||h_l||``, ``r_mlp = ||m_l||
 (``||m_l||/||h_l||`` for parallel-residual models, whose MLP reads ``h_l``),
 ``r_block = ||a_l + m_l||/||h_l||``; cosines of each write with what it was added to, of the
 update ``Δ_l = h_{l+1} - h_l`` with ``h_l`` and of ``h_{l+1}`` with ``h_l``; mean and max norms.
-Denominators are clamped at 1e-6.
+Denominators are clamped at 1e-6. Computed in float32 whatever the model's dtype (float64 for a
+float64 model), summed in float64.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from lensdiv.core.analyzer import Analyzer, ModelInfo, Step
 from lensdiv.core.devices import masked_stack
 from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
+from lensdiv.ops.readout import readout_dtype
 
 EPS = 1e-6
 RATIOS = ("r_attn", "r_mlp", "r_block")
@@ -59,10 +61,15 @@ class Contribution(Analyzer):
         if not keep.any():
             return
         L = info.n_layers
-        # Layers of a model split across devices: rows gathered on the batch's device.
-        h = masked_stack([step.resid(layer) for layer in range(L + 1)], keep).float()
-        a = masked_stack([step.cache[f"blocks.{i}.hook_attn_out"] for i in range(L)], keep).float()
-        m = masked_stack([step.cache[f"blocks.{i}.hook_mlp_out"] for i in range(L)], keep).float()
+        # Layers of a model split across devices: rows gathered on the batch's device, in the
+        # readout dtype (float32; float64 for a float64 model): norms never in half precision.
+        h = masked_stack([step.resid(layer) for layer in range(L + 1)], keep)
+        dtype = readout_dtype(h.dtype)
+        h = h.to(dtype)
+        a = masked_stack([step.cache[f"blocks.{i}.hook_attn_out"] for i in range(L)], keep).to(
+            dtype
+        )
+        m = masked_stack([step.cache[f"blocks.{i}.hook_mlp_out"] for i in range(L)], keep).to(dtype)
         h_in, h_next = h[:-1], h[1:]
         mlp_in = h_in if info.parallel_residual else h_in + a
         norms = {"resid": _norm(h_in), "attn": _norm(a), "mlp": _norm(m)}

@@ -18,9 +18,11 @@ is exact without holding the tokens), the layer at which each token stops updati
 scored by next-token cross-entropy (at ``l = L − 1`` this is the model's own loss).
 
 The last-block lens reuses the clean residuals: every ``h_l`` goes through the final block alone
-(:class:`~lensdiv.ops.resume.Resumer`, stacked along the batch), and its readout is taken at every
-``lens_every``-th scored position, recorded in the result. Everything else is elementwise work
-on the cached residuals, so ``dynamics`` rides along with ``lens`` in one forward pass.
+(:class:`~lensdiv.ops.resume.Resumer`, stacked along the batch, in the model's dtype), and is read
+out (:mod:`lensdiv.ops.readout`: float32 final norm and unembedding) at the scored positions ``t``
+with ``t mod every = 0``, recorded in the result. Everything else is elementwise work on the
+cached residuals (in float32, float64 for a float64 model), so ``dynamics`` rides along with
+``lens`` in one forward pass.
 """
 
 from __future__ import annotations
@@ -38,14 +40,14 @@ from lensdiv.core.analyzer import Analyzer, ModelInfo, Step
 from lensdiv.core.errors import HookError
 from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
-from lensdiv.ops.resume import Resumer, resumer_for
+from lensdiv.ops.readout import cross_entropy, final_readout, readout_dtype, workspace
+from lensdiv.ops.resume import resumer_for
 
 FinalState = Literal["pre", "post"]
 
 EPS = 1e-12
 # Residual elements of the stacked last-block inputs run at once (64 MiB in fp32).
 _STACK_ELEMENTS = 1 << 24
-_READOUT_ROWS = 512
 
 
 def angle(a: Float[Tensor, "*batch d"], b: Float[Tensor, "*batch d"]) -> Float[Tensor, "*batch"]:
@@ -81,8 +83,9 @@ class TokenDynamics:
 
 
 def token_dynamics(states: Float[Tensor, "state n d"]) -> TokenDynamics:
-    """Angles, norms and progress of ``n`` trajectories ``h_0..h_L`` (``states[l]`` = ``h_l``)."""
-    states = states.float()
+    """Angles, norms and progress of ``n`` trajectories ``h_0..h_L`` (``states[l]`` = ``h_l``),
+    computed in the readout dtype (float32; float64 for float64 states)."""
+    states = states.to(readout_dtype(states.dtype))
     updates = states[1:] - states[:-1]
     chord = states[-1] - states[0]
     progress = torch.einsum("lnd,nd->nl", states - states[0], chord)
@@ -120,8 +123,9 @@ class Dynamics(Analyzer):
         final_state: ``pre``: ``h_L`` is the last block's output; ``post``: the final norm's
             output (Hugging Face's ``hidden_states[-1]``, as in the source paper).
         exclude_bos: Leave the BOS position out of every statistic.
-        lens_every: Score the last-block lens at every k-th position with a next token (1 = all,
-            0 = no lens; its readouts cost a full-vocabulary matmul per layer).
+        every: Score the last-block lens at positions ``t`` with ``t mod every = 0`` that have
+            a next token (1 = all, 0 = no lens; its readouts cost a full-vocabulary matmul per
+            layer).
         settle: A token has stopped updating once at most ``1 − settle`` of its rotation is
             left; "early" means by the middle block.
         components: Principal components of the angle profiles to report.
@@ -138,14 +142,14 @@ class Dynamics(Analyzer):
 
     final_state: FinalState = "pre"
     exclude_bos: bool = False
-    lens_every: int = 8
+    every: int = 8
     settle: float = 0.9
     components: int = 3
     bins: int = 90
 
     def __post_init__(self) -> None:
-        if self.lens_every < 0:
-            raise ValueError(f"lens_every must be 0 (no lens) or positive, got {self.lens_every}")
+        if self.every < 0:
+            raise ValueError(f"every must be 0 (no lens) or positive, got {self.every}")
         if not 0 < self.settle <= 1:
             raise ValueError(f"settle must be in (0, 1], got {self.settle}")
         if self.components < 1 or self.bins < 1:
@@ -162,21 +166,21 @@ class Dynamics(Analyzer):
         states.append(self._final(step))
         with torch.no_grad():
             self._accumulate(state, token_dynamics(torch.stack([h[keep] for h in states])))
-            if self.lens_every:
+            if self.every:
                 self._last_block_lens(state, step, keep)
 
     def _final(self, step: Step) -> Float[Tensor, "batch pos d_model"]:
         h_last = step.resid(step.info.n_layers)
         if self.final_state == "pre":
             return h_last
-        norm = getattr(step.model, "ln_final", None)
-        if norm is None:
+        if getattr(step.model, "ln_final", None) is None:
             raise HookError(
                 "final_state=post needs the model's final norm (ln_final), which it does not have",
                 hint="use -O dynamics.final_state=pre",
             )
-        with torch.no_grad():
-            return norm(h_last)
+        # The final norm in the readout dtype (the model's own norm, decomposed and verified).
+        normed = final_readout(step.model).normalize(h_last.reshape(-1, h_last.shape[-1]))
+        return normed.to(h_last.device).view(*h_last.shape[:-1], -1)
 
     def _accumulate(self, state: Stats, token: TokenDynamics) -> None:
         n, L = token.theta.shape
@@ -204,14 +208,17 @@ class Dynamics(Analyzer):
         state.max("triangle_gap", gap.max() if n else torch.tensor(-math.inf))
 
     def _last_block_lens(self, state: Stats, step: Step, keep: Bool[Tensor, "b p"]) -> None:
-        """Next-token CE of ``readout(f_{L-1}(h_l))`` at every ``lens_every``-th scored row."""
+        """Next-token CE of ``readout(f_{L-1}(h_l))`` at the scored positions ``t`` with
+        ``t mod every = 0``."""
         info, batch = step.info, step.batch
         L = info.n_layers
         targets, has_target = batch.next_tokens()
-        rows = (keep & has_target).flatten().nonzero()[:, 0][:: self.lens_every]
+        pos = torch.arange(keep.shape[1], device=keep.device)
+        rows = (keep & has_target & (pos % self.every == 0)).flatten().nonzero()[:, 0]
         if rows.numel() == 0:
             return
         resumer = resumer_for(step)
+        readout, ws = final_readout(step.model), workspace(step)
         tokens = batch.tokens
         n_seq, n_pos = tokens.shape
         wanted = targets.flatten()[rows]
@@ -235,15 +242,19 @@ class Dynamics(Analyzer):
                 [(f"blocks.{L - 1}.hook_resid_post", keep_final)],
                 logits=False,
             )
-            final = out["h"].reshape(len(layers), n_seq * n_pos, -1)
-            for i, layer in enumerate(layers):
-                ce[layer] = _cross_entropy(resumer, final[i, rows], wanted)
+            # Every state's scored rows in one readout: large unembedding blocks.
+            final = out["h"].reshape(len(layers), n_seq * n_pos, -1)[:, rows]
+            losses = cross_entropy(
+                readout, final.flatten(0, 1), wanted.repeat(len(layers)), workspace=ws
+            )
+            ce[lo : lo + len(layers)] = losses.view(len(layers), -1).sum(1).to(ce.device)
         last = step.resid(L).reshape(n_seq * n_pos, -1)[rows]
-        ce[L - 1] = _cross_entropy(resumer, last, wanted)
+        ce[L - 1] = cross_entropy(readout, last, wanted, workspace=ws).sum().to(ce.device)
         state.add("lens_ce", ce)
         state.add("lens_n", rows.numel())
         state.add("lens_blocks", len(inputs) * n_seq)
         state.put("resume_mode", resumer.mode)
+        state.put("readout", readout.precision)
 
     def finalize(self, state: Stats, info: ModelInfo) -> Result:
         L = info.n_layers
@@ -303,7 +314,8 @@ class Dynamics(Analyzer):
         meta = {
             "positions": int(n),
             "lens_positions": int(lens_n),
-            "lens_every": self.lens_every,
+            "every": self.every,
+            "readout": state.get("readout"),
             "final_state": self.final_state,
             "middle_blocks": [middle[0], middle[-1]],
             "mean_middle_update": _mean_of(updates["update"], middle),
@@ -447,18 +459,6 @@ def _histogram(values: Float[Tensor, "n k"], bins: int) -> Int[Tensor, "k bins"]
     index = (values / math.pi * bins).long().clamp(0, bins - 1)
     index = index + torch.arange(k, device=values.device) * bins
     return torch.bincount(index.flatten(), minlength=k * bins).reshape(k, bins)
-
-
-def _cross_entropy(
-    resumer: Resumer, final: Float[Tensor, "n d_model"], targets: Int[Tensor, " n"]
-) -> Tensor:
-    """Summed next-token cross-entropy of final residual vectors, a block of rows at a time."""
-    total = final.new_zeros((), dtype=torch.float64)
-    for lo in range(0, final.shape[0], _READOUT_ROWS):
-        logits = resumer.readout(final[lo : lo + _READOUT_ROWS]).float()
-        logp = torch.log_softmax(logits, dim=-1)
-        total += -logp.gather(-1, targets[lo : lo + _READOUT_ROWS, None]).double().sum()
-    return total
 
 
 def _mean_sem(state: Stats, key: str, n: float) -> tuple[list[float], list[float]]:

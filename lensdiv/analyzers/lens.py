@@ -3,9 +3,10 @@ unembedding and compare with the model's output.
 
 Per residual state ``h_l`` (``l = 0..L``): ``KL(p_l ‖ p_out)``, top-k overlap with the output's
 top-k, entropy, and the cross-entropy, probability, rank and top-1 accuracy of the true next
-token. Built on TransformerLens' ``logit_readout`` (the kernel under its ``logit_lens``), which
-recomputes the final norm per vector and applies the adapter's output transform; at ``h_L`` the
-lens is the model's own output, so KL = 0 and overlap = 1 there.
+token. The readout is :mod:`lensdiv.ops.readout`: the final norm (decomposed and verified against
+the model's own module) and the unembedding in float32 whatever the model's dtype (float64 for a
+float64 model), and every statistic from the logits and one log-partition per row. At ``h_L``
+the lens is the model's own output, so KL = 0 and overlap = 1 there.
 """
 
 from __future__ import annotations
@@ -15,16 +16,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from jaxtyping import Bool, Float, Int
-from torch import Tensor
 
 from lensdiv.core.analyzer import Analyzer, ModelInfo, Step
 from lensdiv.core.errors import OptionError
 from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
-
-# Elements of the [layers, rows, vocab] log-prob block held at once (~256 MB in fp32).
-_BLOCK_ELEMENTS = 1 << 26
+from lensdiv.ops.readout import final_readout, lens_statistics, workspace
 
 
 @dataclass(frozen=True)
@@ -34,6 +31,8 @@ class LogitLens(Analyzer):
     Args:
         top_k: Size of the top-k sets whose overlap with the output's is reported.
         exclude_bos: Leave the BOS position out of every statistic.
+        every: Read out positions ``t`` with ``t mod every = 0`` only (1 = every position; the
+            readouts are the lens's whole cost, so ``every=K`` costs about ``1/K`` of it).
     """
 
     name = "lens"
@@ -44,10 +43,13 @@ class LogitLens(Analyzer):
 
     top_k: int = 5
     exclude_bos: bool = False
+    every: int = 1
 
     def __post_init__(self) -> None:
         if self.top_k < 1:
             raise ValueError(f"top_k must be at least 1, got {self.top_k}")
+        if self.every < 1:
+            raise ValueError(f"every must be at least 1, got {self.every}")
 
     def hooks(self, info: ModelInfo) -> list[str]:
         return [info.resid(layer) for layer in range(info.n_layers + 1)]
@@ -61,53 +63,34 @@ class LogitLens(Analyzer):
             )
 
     def update(self, state: Stats, step: Step) -> None:
-        from transformer_lens.tools.analysis.logit_lens import logit_readout
-
         info = step.info
         keep = step.batch.positions(exclude_bos=self.exclude_bos)
+        if self.every > 1:
+            pos = torch.arange(keep.shape[1], device=keep.device)
+            keep = keep & (pos % self.every == 0)
         targets, has_target = step.batch.next_tokens()
-        stack = torch.stack([step.resid(layer)[keep] for layer in range(info.n_layers + 1)])
-        targets, has_target = targets[keep], has_target[keep]
-        n_states, n_rows = stack.shape[0], stack.shape[1]
-        k = min(self.top_k, info.d_vocab)
-        rows_per_block = max(1, _BLOCK_ELEMENTS // (n_states * info.d_vocab))
-        for start in range(0, n_rows, rows_per_block):
-            rows = slice(start, start + rows_per_block)
-            readout = logit_readout(
-                step.model, stack[:, rows], return_type="log_probs", chunk_size=4096
-            )
-            logp: Float[Tensor, "layer row d_vocab"] = readout.values.float()
-            entropy = readout.entropy.float()  # full-vocabulary, computed by the readout
-            self._accumulate(state, logp, entropy, targets[rows], has_target[rows], k)
-
-    @staticmethod
-    def _accumulate(
-        state: Stats,
-        logp: Float[Tensor, "layer row d_vocab"],
-        entropy: Float[Tensor, "layer row"],
-        targets: Int[Tensor, " row"],
-        has_target: Bool[Tensor, " row"],
-        k: int,
-    ) -> None:
-        # Full-vocabulary passes dominate the lens's cost: einsum reduces without a product
-        # temporary, and the rank count sums in int32 (a bool sum upcasts to int64).
-        probs = logp.exp()
-        kl = torch.einsum("lrv,lrv->lr", probs, logp - logp[-1:]).clamp_min(0.0)
-        top = logp.topk(k, dim=-1).indices
-        overlap = (top.unsqueeze(-1) == top[-1:].unsqueeze(-2)).any(-1).sum(-1).double() / k
-        target_logp = logp.gather(-1, targets.view(1, -1, 1).expand(logp.shape[0], -1, 1))[..., 0]
-        rank = (logp > target_logp.unsqueeze(-1)).sum(-1, dtype=torch.int32).double()
-        w = has_target.double()
-        state.add("n", logp.shape[1])
-        state.add("kl", kl.sum(1))
-        state.add("kl_sq", (kl.double() ** 2).sum(1))
-        state.add("overlap", overlap.sum(1))
-        state.add("entropy", entropy.sum(1))
+        rows = keep.reshape(-1).nonzero()[:, 0]
+        readout = final_readout(step.model)
+        lens = lens_statistics(
+            readout,
+            [step.resid(layer) for layer in range(info.n_layers + 1)],
+            rows,
+            targets.reshape(-1)[rows],
+            k=min(self.top_k, info.d_vocab),
+            workspace=workspace(step),
+        )
+        w = has_target.reshape(-1)[rows].double()
+        state.put("readout", readout.precision)
+        state.add("n", rows.numel())
+        state.add("kl", lens.kl.sum(1))
+        state.add("kl_sq", (lens.kl**2).sum(1))
+        state.add("overlap", lens.overlap.sum(1))
+        state.add("entropy", lens.entropy.sum(1))
         state.add("n_target", w.sum())
-        state.add("ce", -(target_logp * w).sum(1))
-        state.add("target_prob", (target_logp.exp() * w).sum(1))
-        state.add("top1", ((rank == 0) * w).sum(1))
-        state.add("rank", (rank * w).sum(1))
+        state.add("ce", -(lens.target_logp * w).sum(1))
+        state.add("target_prob", (lens.target_logp.exp() * w).sum(1))
+        state.add("top1", ((lens.rank == 0) * w).sum(1))
+        state.add("rank", (lens.rank * w).sum(1))
 
     def finalize(self, state: Stats, info: ModelInfo) -> Result:
         n = float(state["n"])
@@ -145,42 +128,43 @@ class LogitLens(Analyzer):
             summary=summary,
             tables={"lens": table},
             plots=(
-                Plot(
-                    "line",
+                _line(
                     "lens_kl",
                     "Logit lens: KL to the output",
-                    "lens",
-                    x="layer",
-                    y=("kl",),
-                    xlabel="residual state h_l (0 = embedding, L = final)",
-                    ylabel="KL(p_l ‖ p_out) (nats)",
-                    caption="p_l: h_l read through the final norm and unembedding; mean over "
+                    ("kl",),
+                    "KL(p_l ‖ p_out) (nats)",
+                    "p_l: h_l read through the final norm and unembedding; mean over "
                     "positions. 0 at h_L by definition.",
                 ),
-                Plot(
-                    "line",
+                _line(
                     "lens_agreement",
                     "Logit lens: agreement",
-                    "lens",
-                    x="layer",
-                    y=(f"top{self.top_k}_overlap", "top1_acc", "target_prob"),
-                    xlabel="residual state h_l (0 = embedding, L = final)",
-                    ylabel="fraction (0 to 1)",
-                    caption=f"top{self.top_k}_overlap: share of the output's top {self.top_k} "
+                    (f"top{self.top_k}_overlap", "top1_acc", "target_prob"),
+                    "fraction (0 to 1)",
+                    f"top{self.top_k}_overlap: share of the output's top {self.top_k} "
                     "tokens in p_l's; top1_acc: p_l's top token is the true next token; "
                     "target_prob: p_l of the true next token.",
                 ),
-                Plot(
-                    "line",
+                _line(
                     "lens_ce",
                     "Logit lens: loss and entropy",
-                    "lens",
-                    x="layer",
-                    y=("ce", "entropy"),
-                    xlabel="residual state h_l (0 = embedding, L = final)",
-                    ylabel="cross-entropy, entropy (nats)",
-                    caption="ce: −log p_l(next token); entropy: H(p_l). Means over positions.",
+                    ("ce", "entropy"),
+                    "cross-entropy, entropy (nats)",
+                    "ce: −log p_l(next token); entropy: H(p_l). Means over positions.",
                 ),
             ),
-            meta={"positions": int(n), "positions_with_target": int(nt)},
+            meta={
+                "positions": int(n),
+                "positions_with_target": int(nt),
+                "every": self.every,
+                "readout": state.get("readout"),
+            },
         )
+
+
+def _line(name: str, title: str, y: tuple[str, ...], ylabel: str, caption: str) -> Plot:
+    """A line plot of the ``lens`` table's ``y`` columns along the residual states."""
+    xlabel = "residual state h_l (0 = embedding, L = final)"
+    return Plot(
+        "line", name, title, "lens", x="layer", y=y, xlabel=xlabel, ylabel=ylabel, caption=caption
+    )

@@ -61,6 +61,15 @@ _GB = 1024**3
 _CHUNK_ELEMENTS = 1 << 24
 # Eigenvalues below this fraction of the largest count as zero in the minimum-norm fallback.
 _PINV_RTOL = 1e-12
+# The source-state × target-state heatmaps: (array, title, colour-bar label).
+_HEATMAPS = (
+    ("r2", "R² of the affine map h_s (source) → h_j (target)", "R² on held-out tokens (1 = exact)"),
+    (
+        "rel_error",
+        "Relative error of the affine map h_s → h_j",
+        "‖ŷ − y‖ / ‖y‖ (relative, 0 = exact)",
+    ),
+)
 
 
 # -- the closed-form core (pure functions, tested on synthetic data) ----------------------------
@@ -435,6 +444,11 @@ class LinearMaps(Analyzer):
             },
             f"Best target state of {target['label']} for each source state h_s",
         )
+        hatched = (
+            "Hatched columns: target states not fitted (target_stride)."
+            if len(cols) < n_tgt + 1
+            else ""
+        )
         train_n = float(state["xtx"][0, -1, -1])
         docs = self._documents(state)
         meta: dict[str, Any] = {
@@ -461,29 +475,18 @@ class LinearMaps(Analyzer):
             tables={"linmap": table},
             arrays={"r2": r2, "rel_error": rel_error},
             plots=(
-                Plot(
-                    "heatmap",
-                    "linmap_r2",
-                    "R² of the affine map h_s (source) → h_j (target)",
-                    "r2",
-                    xlabel="target residual state j",
-                    ylabel="source residual state s",
-                    clabel="R² on held-out tokens (1 = exact)",
-                    caption="Hatched columns: target states not fitted (target_stride)."
-                    if len(cols) < n_tgt + 1
-                    else "",
-                ),
-                Plot(
-                    "heatmap",
-                    "linmap_rel_error",
-                    "Relative error of the affine map h_s → h_j",
-                    "rel_error",
-                    xlabel="target residual state j",
-                    ylabel="source residual state s",
-                    clabel="‖ŷ − y‖ / ‖y‖ (relative, 0 = exact)",
-                    caption="Hatched columns: target states not fitted (target_stride)."
-                    if len(cols) < n_tgt + 1
-                    else "",
+                *(
+                    Plot(
+                        "heatmap",
+                        f"linmap_{array}",
+                        title,
+                        array,
+                        xlabel="target residual state j",
+                        ylabel="source residual state s",
+                        clabel=clabel,
+                        caption=hatched,
+                    )
+                    for array, title, clabel in _HEATMAPS
                 ),
                 Plot(
                     "line",

@@ -66,6 +66,7 @@ from lensdiv.core.stats import Stats
 from lensdiv.data.pairs import ANSWER_RULE, builtin_pairs, pair_batches, read_pairs
 from lensdiv.ops.capture import capture
 from lensdiv.ops.patching import integrated_gradients, run_patches, run_variants, site_hook
+from lensdiv.ops.readout import final_readout
 from lensdiv.ops.resume import Resumer, resumer_for
 
 SITES = ("resid_pre", "attn_out", "mlp_out")
@@ -109,8 +110,10 @@ def metric_values(
     foil: Int[Tensor, " row"],
     metric: str,
 ) -> Float[Tensor, " row"]:
-    """``logit[target] - logit[foil]`` (``logit_diff``) or ``p(target)`` (``prob``)."""
-    logits = logits.float()
+    """``logit[target] - logit[foil]`` (``logit_diff``) or ``p(target)`` (``prob``), in float32
+    (float64 logits stay float64)."""
+    if logits.dtype != torch.float64:
+        logits = logits.float()
     if metric == "logit_diff":
         return logits.gather(-1, target[:, None])[:, 0] - logits.gather(-1, foil[:, None])[:, 0]
     return logits.log_softmax(-1).gather(-1, target[:, None])[:, 0].exp()
@@ -143,7 +146,6 @@ class Patching(Analyzer):
         "Activation patching (resid/attn/mlp x position), residual erasure and integrated "
         "gradients on clean/corrupt pairs"
     )
-    needs_logits = True
     extra_forwards = True
     needs_grad = True
     passes: ClassVar[int] = 2
@@ -228,18 +230,16 @@ class Patching(Analyzer):
         target = batch.extra["target"].to(device)
         foil = batch.extra["foil"].to(device)
         clean = {k: v.detach() for k, v in step.cache.items()}
-        assert step.logits is not None
-        clean_last = step.logits[:, -1].detach().to(device)  # split models: logits elsewhere
+        readout = final_readout(model)
+        clean_last = readout.logits(clean[info.resid(L)][:, -1]).to(device)
         keep = torch.ones(n_pos, dtype=torch.bool, device=device)
         if self.exclude_bos and batch.bos:
             keep[0] = False
         corrupt_tokens = batch.extra["corrupt"].to(device)
-        corrupt_logits, corrupt = capture(model, corrupt_tokens, self.hooks(info), need_logits=True)
-        assert corrupt_logits is not None
+        _, corrupt = capture(model, corrupt_tokens, self.hooks(info), need_logits=False)
+        corrupt_last = readout.logits(corrupt[info.resid(L)][:, -1]).to(device)
         m_clean = metric_values(clean_last, target, foil, self.metric).double()
-        m_corrupt = metric_values(
-            corrupt_logits[:, -1].to(device), target, foil, self.metric
-        ).double()
+        m_corrupt = metric_values(corrupt_last, target, foil, self.metric).double()
         gap = m_clean - m_corrupt
         ok = gap.abs() >= EPS
         state.include("lengths", str(n_pos))
@@ -329,8 +329,8 @@ class Patching(Analyzer):
         tokens, info = step.batch.tokens, step.info
         n_batch, n_pos = tokens.shape
         L = info.n_layers
-        assert step.logits is not None
-        p_clean = step.logits[:, -1].detach().float().softmax(-1).to(tokens.device)
+        final = step.cache[info.resid(L)].detach()[:, -1]
+        p_clean = final_readout(step.model).probabilities(final).to(tokens.device)
         mean = state["erase/mean"]
         eye = torch.eye(n_pos, dtype=torch.bool, device=tokens.device)
         dist = torch.zeros(L + 1, n_pos, n_batch, dtype=torch.float64, device=tokens.device)
@@ -338,7 +338,7 @@ class Patching(Analyzer):
             h = step.cache[info.resid(layer)].detach()
             values = mean[layer].to(h).expand_as(h)
             logits = run_variants(resumer, tokens, layer, h, eye, values).to(tokens.device)
-            dist[layer] = (logits.float().softmax(-1) - p_clean).norm(dim=-1)
+            dist[layer] = (logits.softmax(-1) - p_clean).norm(dim=-1)
         state.add(f"erase/{n_pos}/sum", dist.sum(-1))
         state.add(f"erase/{n_pos}/sq", (dist**2).sum(-1))
         state.add(f"erase/{n_pos}/n", n_batch)

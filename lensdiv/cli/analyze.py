@@ -33,6 +33,10 @@ from lensdiv.core.errors import OptionError, SaveError
 
 # Options of `analyze` and `compare` alone.
 MaxTokens = Annotated[int, typer.Option(help="Stop after this many tokens.")]
+Threads = Annotated[
+    int | None,
+    typer.Option(help="Torch threads for this run (recorded in the manifest). Default: torch's."),
+]
 Seed = Annotated[int, typer.Option(help="Random seed (recorded in every result).")]
 Overwrite = Annotated[
     bool,
@@ -107,6 +111,7 @@ def analyze(
     out: Annotated[str | None, out_option("MODEL-TIME")] = None,
     device: Device = None,
     dtype: Dtype = None,
+    threads: Threads = None,
     seed: Seed = 0,
     trust_remote_code: TrustRemoteCode = False,
     progress: Progress = True,
@@ -138,6 +143,7 @@ def analyze(
     More: lensdiv analyze toy --plugins skip,depth-score -O skip.mode=current;
     lensdiv analyze toy:d4 --plugins linmap --ref toy:d8;
     lensdiv analyze toy:d8 --plugins lens,dynamics -O dynamics.final_state=post;
+    lensdiv analyze MODEL --dtype bfloat16 --plugins lens -O lens.every=4 --threads 8;
     lensdiv plugins show patch
 
     Scaling out: torchrun --nproc-per-node 8 -m lensdiv analyze MODEL ... (every GPU of a node);
@@ -168,6 +174,7 @@ def analyze(
             bos=bos,
             device=device,
             dtype=dtype,
+            threads=threads,
             seed=seed,
             trust_remote_code=trust_remote_code,
             progress=progress,

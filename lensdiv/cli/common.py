@@ -33,7 +33,10 @@ SeqLen = Annotated[int, typer.Option(help="Tokens per sequence (BOS included).")
 BatchSize = Annotated[int, typer.Option(help="Sequences per forward pass.")]
 Bos = Annotated[str, typer.Option(help="BOS policy: prepend | none.")]
 Device = Annotated[str | None, typer.Option(help="cpu, cuda, cuda:1 ... Default: best available.")]
-Dtype = Annotated[str | None, typer.Option(help="float32 (default), bfloat16, float16.")]
+Dtype = Annotated[
+    str | None,
+    typer.Option(help="float32 (default), bfloat16, float16, float64. Readouts are float32."),
+]
 TrustRemoteCode = Annotated[
     bool, typer.Option("--trust-remote-code", help="Allow hub models that ship their own code.")
 ]

@@ -148,7 +148,7 @@ def family(
     with user_errors():
         check_writable(out)  # before every model is evaluated
         spec = DataSpec(
-            source=data or "builtin",
+            source="builtin" if data is None else data,  # "" is an error, as in analyze
             field=field,
             split=split,
             seq_len=seq_len,

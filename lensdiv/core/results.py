@@ -17,12 +17,19 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 from rich.jupyter import JupyterMixin
 
 from lensdiv.core.errors import ResultError, SaveError
+
+# Re-exported: a result's plots are drawn by lensdiv.core.plots, where Plot now lives.
+from lensdiv.core.plots import BLANK_NOTE as BLANK_NOTE
+from lensdiv.core.plots import DIVERGING_CMAP as DIVERGING_CMAP
+from lensdiv.core.plots import SEQUENTIAL_CMAP as SEQUENTIAL_CMAP
+from lensdiv.core.plots import Plot as Plot
+from lensdiv.core.plots import agg_figure as agg_figure
 
 SCHEMA = 1
 # Width of plain text when there is no terminal to ask (a log file, a pipe, a notebook's print).
@@ -140,255 +147,6 @@ class Table(Rendered):
             for row in zip(*(cells[c] for c in [key, *group]), strict=False):
                 table.add_row(*row)
             yield table
-
-
-# How a masked cell rule reads: cells (row, col) of a heatmap drawn blank.
-_MASKS: dict[str, Any] = {
-    "col<=row": lambda r, c: c <= r,
-    "col<row": lambda r, c: c < r,
-    "col>=row": lambda r, c: c >= r,
-    "col>row": lambda r, c: c > r,
-}
-# Heatmaps label every column or row with its own tick up to this many; beyond, every k-th.
-_MAX_TICKS = 32
-# Colour maps: one-directional for magnitudes, diverging (white = 0) for signed quantities.
-SEQUENTIAL_CMAP = "viridis"
-DIVERGING_CMAP = "RdBu_r"
-BLANK_NOTE = "Hatched cells have no value."
-
-
-@dataclass(frozen=True)
-class Plot:
-    """A declarative plot of a table (``line``) or an array (``heatmap``).
-
-    The spec is data (it round-trips through JSON with the result), so ``lensdiv report``
-    redraws a saved run without the analyzer that made it. Rules every figure follows: integer
-    ticks on integer axes (layers, blocks, positions), axes and colour bars labelled with their
-    quantity and unit, a diverging colour map centred at 0 for signed quantities, and cells
-    without a value (NaN, or blanked by ``mask``) left blank over a hatched background and said
-    so in the caption.
-
-    Args:
-        kind: ``"line"`` draws ``y`` columns against ``x``; ``"heatmap"`` draws array ``source``
-            (rows on the y axis from the bottom, columns on the x axis).
-        name: File stem of the PNG.
-        title: Figure title (short; details go in ``caption``).
-        source: Table name (line) or array name (heatmap).
-        x: Column for the x axis (line).
-        y: Columns drawn as lines (line).
-        xlabel, ylabel: Axis labels: quantity and unit, e.g. ``"KL (nats)"``.
-        logy: Logarithmic y axis.
-        logx: Logarithmic x axis (with ``logy``: a log-log plot of a power law).
-        group: Column whose values split the rows into separate lines (one per value, in
-            order of appearance), e.g. one line per teacher type.
-        points: Lines (``y`` columns, or ``group`` values) drawn as points without connecting
-            lines, e.g. ``("data",)`` for measurements around a fitted curve.
-        clabel: Colour-bar label of a heatmap: quantity and unit.
-        signed: The quantity has a sign: a diverging colour map centred at 0 with symmetric
-            limits (heatmap), a zero line (line).
-        xticklabels, yticklabels: One label per heatmap column / row (e.g. the tokens of a
-            prompt); empty: integer ticks.
-        extent: Heatmap cell edges in data coordinates ``(left, right, bottom, top)``, e.g.
-            ``(-11.5, 0.5, -0.5, 3.5)`` for end-aligned positions; default: indices.
-        mask: Heatmap cells drawn blank because they are undefined, by row and column index:
-            ``"col<=row"`` (e.g. skip's ``E[s, l]`` for ``l ≤ s``), ``"col<row"``,
-            ``"col>=row"`` or ``"col>row"``.
-        caption: A sentence under the figure: what a cell or line is, why cells are blank.
-    """
-
-    kind: Literal["line", "heatmap"]
-    name: str
-    title: str
-    source: str
-    x: str | None = None
-    y: tuple[str, ...] = ()
-    xlabel: str = ""
-    ylabel: str = ""
-    logy: bool = False
-    logx: bool = False
-    group: str | None = None
-    points: tuple[str, ...] = ()
-    clabel: str = ""
-    signed: bool = False
-    xticklabels: tuple[str, ...] = ()
-    yticklabels: tuple[str, ...] = ()
-    extent: tuple[float, float, float, float] | None = None
-    mask: str = ""
-    caption: str = ""
-
-    def __post_init__(self) -> None:
-        if self.mask and self.mask not in _MASKS:
-            raise ValueError(f"plot {self.name!r}: mask must be one of {sorted(_MASKS)}")
-        for key in ("y", "points", "xticklabels", "yticklabels"):
-            object.__setattr__(self, key, tuple(getattr(self, key)))
-        if self.extent is not None:
-            object.__setattr__(self, "extent", tuple(float(v) for v in self.extent))
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain JSON data (tuples as lists); :meth:`from_dict` inverts it."""
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Plot:
-        """A spec from :meth:`to_dict` output (or from a result of an earlier version)."""
-        fields: dict[str, Any] = {
-            k: tuple(v) if isinstance(v, list) else v for k, v in data.items()
-        }
-        return cls(**fields)
-
-    def data(self, result: Result) -> np.ndarray:
-        """The heatmap's array as drawn: float, with masked cells set to NaN."""
-        values = np.array(result.arrays[self.source], dtype=float, ndmin=2)
-        if self.mask:
-            rows, cols = np.indices(values.shape)
-            values[_MASKS[self.mask](rows, cols)] = np.nan
-        return values
-
-    def figure(self, result: Result, *, caption: bool = True) -> tuple[Any, Any]:
-        """A ``(Figure, Axes)`` on a private Agg canvas with this plot drawn.
-
-        Args:
-            result: The result whose table or array the plot draws.
-            caption: Write the caption under the axes (a PNG file carries its own; a page
-                shows it as text instead).
-        """
-        fig, ax = agg_figure()
-        self.draw(result, ax)
-        text = self.full_caption(result) if caption else ""
-        if text:
-            import textwrap
-
-            lines = textwrap.wrap(text, 110)
-            fig.text(0.01, 0.01, "\n".join(lines), fontsize=7.5, ha="left", va="bottom")
-            fig.tight_layout(rect=(0, 0.035 * len(lines) + 0.01, 1, 1))
-        else:
-            fig.tight_layout()
-        return fig, ax
-
-    def full_caption(self, result: Result) -> str:
-        """The caption, plus a note on blank cells when the heatmap has some and says nothing."""
-        caption = self.caption
-        if (
-            self.kind == "heatmap"
-            and self.source in result.arrays
-            and "hatched" not in caption.lower()
-            and np.isnan(self.data(result)).any()
-        ):
-            caption = f"{caption} {BLANK_NOTE}".strip()
-        return caption
-
-    def draw(self, result: Result, ax: Any) -> None:
-        """Draw onto a matplotlib ``Axes``."""
-        from matplotlib.ticker import MaxNLocator
-
-        if self.kind == "line":
-            table = result.tables[self.source]
-            xs = table[self.x] if self.x else np.arange(len(table))
-            group = self.group
-            groups = [None] if group is None else list(dict.fromkeys(table[group]))
-            for value in groups:
-                rows = (
-                    np.ones(len(table), dtype=bool)
-                    if value is None or group is None
-                    else np.asarray(table[group] == value)
-                )
-                for col in self.y:
-                    label = col if value is None else f"{self.group}={value}"
-                    if value is not None and len(self.y) > 1:
-                        label = f"{col}, {label}"
-                    dots = col in self.points or str(value) in self.points
-                    style = {"marker": "o", "markersize": 5 if dots else 3}
-                    if dots:
-                        style["linestyle"] = "none"
-                    ax.plot(
-                        np.asarray(xs)[rows], np.asarray(table[col])[rows], label=label, **style
-                    )
-            if len(self.y) * len(groups) > 1:
-                ax.legend(fontsize=8)
-            if self.logy:
-                ax.set_yscale("log")
-                _plain_log_labels(ax.yaxis)
-            if self.logx:
-                ax.set_xscale("log")
-                _plain_log_labels(ax.xaxis)
-            elif _integers(xs):
-                # Layers, blocks, grades and steps: a half layer does not exist.
-                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            if self.signed:
-                ax.axhline(0.0, color="0.5", linewidth=0.8, zorder=0)
-        else:
-            self._heatmap(result, ax)
-        ax.set_title(self.title)
-        ax.set_xlabel(self.xlabel or (self.x or ""))
-        ax.set_ylabel(self.ylabel)
-
-    def _heatmap(self, result: Result, ax: Any) -> None:
-        import matplotlib
-        from matplotlib.colors import Normalize
-        from matplotlib.ticker import MaxNLocator
-
-        values = self.data(result)
-        if values.size == 0:
-            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
-            return
-        # NaN cells transparent: the hatching of the background shows through.
-        cmap = matplotlib.colormaps[DIVERGING_CMAP if self.signed else SEQUENTIAL_CMAP]
-        cmap = cmap.with_extremes(bad=(0.0, 0.0, 0.0, 0.0))
-        finite = values[np.isfinite(values)]
-        if self.signed:
-            bound = float(np.abs(finite).max()) if finite.size else 1.0
-            norm = Normalize(-(bound or 1.0), bound or 1.0)  # centred: white is exactly 0
-        else:
-            low = float(finite.min()) if finite.size else 0.0
-            high = float(finite.max()) if finite.size else 1.0
-            norm = Normalize(low, high if high > low else low + 1.0)
-        image = ax.imshow(
-            values,
-            aspect="auto",
-            origin="lower",
-            cmap=cmap,
-            norm=norm,
-            extent=self.extent,
-            interpolation="nearest",
-        )
-        if np.isnan(values).any():
-            ax.patch.set_facecolor("white")
-            ax.patch.set_hatch("///")
-            ax.patch.set_edgecolor("0.75")
-        bar = ax.figure.colorbar(image, ax=ax)
-        bar.set_label(self.clabel)
-        n_rows, n_cols = values.shape
-        for axis, labels, count, edges in (
-            (ax.xaxis, self.xticklabels, n_cols, self.extent[:2] if self.extent else None),
-            (ax.yaxis, self.yticklabels, n_rows, self.extent[2:] if self.extent else None),
-        ):
-            if labels:
-                start, stop = edges if edges is not None else (-0.5, count - 0.5)
-                step = (stop - start) / max(count, 1)
-                every = max(1, -(-count // _MAX_TICKS))
-                index = list(range(0, count, every))
-                axis.set_ticks([start + (i + 0.5) * step for i in index])
-                axis.set_ticklabels([labels[i] for i in index])
-            else:
-                axis.set_major_locator(MaxNLocator(integer=True))
-        if self.xticklabels:
-            widest = max(len(line) for label in self.xticklabels for line in label.split("\n"))
-            lines = max(label.count("\n") + 1 for label in self.xticklabels)
-            if lines == 1 and widest > 3:  # long single-line labels (tokens) slant to fit
-                ax.tick_params(axis="x", labelrotation=45)
-            elif widest * min(n_cols, _MAX_TICKS) > 60:
-                ax.tick_params(axis="x", labelsize=7)
-
-
-def _integers(values: Any) -> bool:
-    """Whether every finite value is a whole number (an axis of layers, blocks, steps)."""
-    array = np.asarray(values)
-    if array.dtype.kind in "iu":
-        return True
-    if array.dtype.kind != "f":
-        return False
-    finite = array[np.isfinite(array)]
-    return bool(finite.size) and bool(np.all(finite == np.round(finite)))
 
 
 @dataclass(frozen=True)
@@ -569,25 +327,6 @@ class Result(Rendered):
             )
         if self.tables:
             yield self.table()
-
-
-def _plain_log_labels(axis: Any) -> None:
-    """Label a log axis with plain numbers (``2``, ``30``, ``0.5``) rather than matplotlib's
-    ``2×10⁰`` style; minor ticks are labelled only where the axis spans few decades."""
-    from matplotlib.ticker import LogFormatter
-
-    axis.set_major_formatter(LogFormatter(labelOnlyBase=False))
-    axis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(1, 0.4)))
-
-
-def agg_figure() -> tuple[Any, Any]:
-    """A ``(Figure, Axes)`` pair on a private Agg canvas (no pyplot, no global backend)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(6.4, 4.0), dpi=100)
-    FigureCanvasAgg(fig)
-    return fig, fig.add_subplot()
 
 
 def _plain(value: Any) -> Any:

@@ -10,9 +10,10 @@ once its scale is fixed, so each member is read through the *final* residual's s
     z_i = u_i · W_U,    const = β · W_U + b_U,    z = Σ_i z_i + const   (exactly)
 
 ``γ``, ``β`` and ``eps`` are read off the model's own final norm and *verified* against it on probe
-vectors (:func:`final_readout`); a norm that does not match either form (or an adapter whose logit
-transform is not a scalar multiple) raises :class:`~lensdiv.core.errors.HookError` rather than being
-decomposed wrongly. Activations are read in float32.
+vectors (:func:`lensdiv.ops.readout.final_readout`); a norm that does not match either form (or an
+adapter whose logit transform is not a scalar multiple) raises :class:`~lensdiv.core.errors.HookError`
+rather than being decomposed wrongly. Activations are read in the readout dtype (float32, float64
+for a float64 model: :func:`lensdiv.ops.readout.readout_dtype`).
 
 The constant has no member of its own. ``constant="shared"`` gives every member ``const / M``,
 so the members' mean times ``M`` is exactly the model's logits (what the bias–diversity identities
@@ -32,51 +33,44 @@ from torch import Tensor
 
 from lensdiv.core.analyzer import ModelInfo
 from lensdiv.core.errors import HookError
+from lensdiv.ops.readout import FinalReadout, NormKind, norm_error
+from lensdiv.ops.readout import final_readout as readout_of
 
 Constant = Literal["shared", "separate"]
-NormKind = Literal["LN", "RMS", "none"]
 
-# Relative error allowed when checking the decomposed norm against the model's own module, per
-# parameter dtype (fp32 agrees to ~1e-7; half precision rounds every output).
-_PROBE_RTOL = {torch.float32: 1e-4, torch.float64: 1e-8}
-_PROBE_RTOL_LOW = 2e-2
-
-_READOUTS: weakref.WeakKeyDictionary[Any, tuple[tuple[bool, int], Readout]] = (
+_READOUTS: weakref.WeakKeyDictionary[Any, tuple[FinalReadout, Readout]] = (
     weakref.WeakKeyDictionary()
 )
 
 
-@dataclass
+@dataclass(eq=False)
 class Readout:
-    """The model's final norm and unembedding, decomposed (float32, on the model's device).
+    """The model's :class:`~lensdiv.ops.readout.FinalReadout` (final norm and unembedding in the
+    readout dtype, where the unembedding runs) and what the members add to it.
 
     Args:
-        kind: ``"LN"`` (centre, then scale), ``"RMS"`` (scale only) or ``"none"`` (no final norm).
-        weight: ``γ`` (ones for a non-learnable norm).
-        bias: ``β`` (zeros when the norm has none).
-        eps: The norm's own epsilon.
-        W_U: Unembedding ``[d_model, d_vocab]``, times the adapter's logit scale (if any).
+        full: The shared readout (its norm is an LN or RMSNorm and its output transform at most
+            a scalar, folded into ``W_U``: :func:`final_readout` checks both).
         const: ``β · W_U + b_U``: the part of the logits no member writes.
-        logit_scale: The adapter's scalar output transform (1.0 for almost every model).
     """
 
-    kind: NormKind
-    weight: Float[Tensor, " d_model"]
-    bias: Float[Tensor, " d_model"]
-    eps: float
-    W_U: Float[Tensor, "d_model d_vocab"]
+    full: FinalReadout
     const: Float[Tensor, " d_vocab"]
-    logit_scale: float = 1.0
     _gram: Tensor | None = field(default=None, repr=False)
+
+    @property
+    def W_U(self) -> Float[Tensor, "d_model d_vocab"]:
+        """Unembedding ``[d_model, d_vocab]``, times the adapter's logit scale (if any)."""
+        return self.full.W_U
+
+    @property
+    def weight(self) -> Float[Tensor, " d_model"]:
+        """``γ`` (ones for a non-learnable norm)."""
+        return self.full.weight
 
     def scale(self, h_last: Float[Tensor, "n d_model"]) -> Float[Tensor, " n"]:
         """``σ(h_L)`` per row, with the norm's own epsilon (1 when there is no final norm)."""
-        h = h_last.float()
-        if self.kind == "LN":
-            return (h.var(-1, unbiased=False) + self.eps).sqrt()
-        if self.kind == "RMS":
-            return (h.pow(2).mean(-1) + self.eps).sqrt()
-        return torch.ones(h.shape[:-1], dtype=h.dtype, device=h.device)
+        return self.full.scale(h_last)
 
     def normalise(
         self,
@@ -87,21 +81,23 @@ class Readout:
     ) -> Float[Tensor, "member n d_model"]:
         """``u_i = γ ⊙ (c_i − mean(c_i)) / σ`` (no mean for RMS; ``c_i`` for no final norm).
 
-        ``inplace=True`` overwrites ``c`` (which must then be float32) instead of copying it.
+        ``inplace=True`` overwrites ``c`` (which must then be in the readout dtype) instead of
+        copying it.
         """
-        c = c.float() if inplace else c.float().clone()
-        if self.kind == "LN":
+        kind = self.full.kind
+        c = c.to(self.W_U.dtype) if inplace else c.to(self.W_U.dtype, copy=True)
+        if kind == "LN":
             c.sub_(c.mean(-1, keepdim=True))
-        if self.kind != "none":
+        if kind != "none":
             c.mul_(self.weight / sigma.unsqueeze(-1))
         return c
 
     @property
     def gram(self) -> Float[Tensor, "d_model d_model"]:
-        """``G = W_U W_Uᵀ`` (computed once, in float64 then stored as float32)."""
+        """``G = W_U W_Uᵀ`` (computed once in float64, stored in the readout dtype)."""
         if self._gram is None:
             w = self.W_U.double()
-            self._gram = (w @ w.T).float()
+            self._gram = (w @ w.T).to(self.W_U.dtype)
         return self._gram
 
 
@@ -134,11 +130,11 @@ def final_readout(model: Any) -> Readout:
             the epsilon it declares, or the adapter's logit transform is not a scalar multiple:
             the members' contributions would not add up to the logits.
     """
-    # Folding (compatibility mode) rewrites the norm and unembedding in place: rebuild then.
-    key = (bool(getattr(model, "compatibility_mode", False)), model.W_U.data_ptr())
+    # Rebuilt whenever the full readout is (folding rewrites the norm and unembedding in place).
+    full = readout_of(model)
     cached = _READOUTS.get(model)
-    if cached is None or cached[0] != key:
-        cached = _READOUTS[model] = (key, _build_readout(model))
+    if cached is None or cached[0] is not full:
+        cached = _READOUTS[model] = (full, _members_readout(model, full))
     return cached[1]
 
 
@@ -165,13 +161,18 @@ def member_inputs(
     hooks = member_hooks(info)
     h_last = cache[hooks[-1]]
     d_model = h_last.shape[-1]
-    rows = keep.reshape(-1).nonzero().squeeze(-1).to(h_last.device)
-    # One gather per hook straight into a preallocated float32 block (no boolean-mask scans,
-    # no stack copy); the norm is then applied in place.
-    c = torch.empty(len(hooks) - 1, rows.shape[0], d_model, device=h_last.device)
+    rows = keep.reshape(-1).nonzero().squeeze(-1)
+    # One gather per hook straight into a preallocated readout-dtype block where the
+    # unembedding runs (no boolean-mask scans, no stack copy); the norm is then applied in place.
+    W_U = readout.W_U
+    c = torch.empty(len(hooks) - 1, rows.shape[0], d_model, dtype=W_U.dtype, device=W_U.device)
     for i, hook in enumerate(hooks[:-1]):
-        c[i].copy_(cache[hook].reshape(-1, d_model).index_select(0, rows))
-    sigma = readout.scale(h_last.reshape(-1, d_model).index_select(0, rows))
+        act = cache[hook].reshape(-1, d_model)
+        if act.device == c.device and act.dtype == c.dtype:
+            torch.index_select(act, 0, rows.to(act.device), out=c[i])
+        else:
+            c[i].copy_(act.index_select(0, rows.to(act.device)))
+    sigma = readout.scale(h_last.reshape(-1, d_model).index_select(0, rows.to(h_last.device)))
     return readout.normalise(c, sigma, inplace=True), readout.const
 
 
@@ -220,13 +221,12 @@ def iter_member_logits(
 ) -> Iterator[tuple[slice, Float[Tensor, "member chunk d_vocab"]]]:
     """:func:`member_logits` in chunks of kept rows: ``(rows, logits)`` with at most
     ``max_elements`` logits (``M × rows × d_vocab``) alive at once."""
-    readout = final_readout(model)
-    per_chunk = max(1, max_elements // ((2 * info.n_layers + 1) * readout.W_U.shape[1]))
+    d_vocab = final_readout(model).W_U.shape[1]
     start = 0
-    for mask in keep_chunks(keep, per_chunk):
-        u, _ = member_inputs(model, cache, info, mask)
-        yield slice(start, start + u.shape[1]), logits_from_inputs(u, readout, constant=constant)
-        start += u.shape[1]
+    for mask in keep_chunks(keep, max(1, max_elements // ((2 * info.n_layers + 1) * d_vocab))):
+        z = member_logits(model, cache, info, mask, constant=constant)
+        yield slice(start, start + z.shape[1]), z
+        start += z.shape[1]
 
 
 def keep_chunks(
@@ -241,118 +241,30 @@ def keep_chunks(
         yield (flat & (order >= start) & (order < start + max_rows)).view_as(keep)
 
 
-# -- reading the final norm off the model ---------------------------------------------------------
+# -- the final norm, decomposed ---------------------------------------------------------------------
 
 
-def _build_readout(model: Any) -> Readout:
+def _members_readout(model: Any, full: FinalReadout) -> Readout:
     name = str(getattr(model.cfg, "model_name", "this model"))
-    norm_type = getattr(model.cfg, "normalization_type", None)
-    W_U = model.W_U.detach()
-    dtype, device = W_U.dtype, W_U.device
-    d_model = int(W_U.shape[0])
-    W_U = W_U.float()
-    b_U = getattr(model, "b_U", None)
-    b_U = torch.zeros(W_U.shape[1], device=device) if b_U is None else b_U.detach().float()
-    ones = torch.ones(d_model, device=device)
-    zeros = torch.zeros(d_model, device=device)
-    ln_final = getattr(model, "ln_final", None)
-    if norm_type is None and ln_final is None:
-        kind: NormKind = "none"
-        weight, bias, eps = ones, zeros, 0.0
-    elif norm_type in ("LN", "LNPre", "RMS", "RMSPre") and isinstance(ln_final, torch.nn.Module):
-        kind = "RMS" if norm_type.startswith("RMS") else "LN"
+    if full.kind == "module":
+        ln_final = model.ln_final
         inner = getattr(ln_final, "original_component", None) or ln_final
-        weight = _param(inner, "weight", ones)
-        bias = _param(inner, "bias", zeros)
-        eps = _eps(inner, model.cfg)
-        weight = _verify_norm(model, ln_final, kind, weight, bias, eps, dtype, name)
-    else:
-        raise HookError(
-            f"{name}'s final norm ({norm_type!r}, {type(ln_final).__name__}) cannot be "
-            "decomposed into member contributions",
-            hint="members need a LayerNorm or RMSNorm before the unembedding",
+        norm_type = str(getattr(model.cfg, "normalization_type", ""))
+        kind: NormKind = "RMS" if norm_type.startswith("RMS") else "LN"
+        worst = min(
+            norm_error(ln_final, kind, gamma, full.bias, full.eps, full.model_dtype)
+            for gamma in (full.weight, full.weight + 1.0)
         )
-    scale = _logit_scale(model, W_U.shape[1], device, dtype, name)
-    W_U, b_U = W_U * scale, b_U * scale
-    return Readout(
-        kind=kind,
-        weight=weight,
-        bias=bias,
-        eps=eps,
-        W_U=W_U,
-        const=bias @ W_U + b_U,
-        logit_scale=scale,
-    )
-
-
-def _param(module: torch.nn.Module, attr: str, default: Tensor) -> Tensor:
-    value = getattr(module, attr, None)
-    if not isinstance(value, Tensor):
-        return default
-    return value.detach().float().to(default.device).reshape(default.shape)
-
-
-def _eps(module: torch.nn.Module, cfg: Any) -> float:
-    for attr in ("eps", "variance_epsilon", "epsilon"):
-        value = getattr(module, attr, None)
-        if isinstance(value, (int, float)):
-            return float(value)
-    return float(getattr(cfg, "eps", 1e-5))
-
-
-def _verify_norm(
-    model: Any,
-    ln_final: torch.nn.Module,
-    kind: NormKind,
-    weight: Tensor,
-    bias: Tensor,
-    eps: float,
-    dtype: torch.dtype,
-    name: str,
-) -> Tensor:
-    """Check ``γ ⊙ normalise(x) + β`` against the module on probe vectors (small ones make
-    ``eps`` visible); try ``1 + γ`` (Gemma's convention) before giving up. Returns ``γ``."""
-    gen = torch.Generator().manual_seed(0)
-    d_model = weight.shape[0]
-    scales = torch.tensor([1e-3, 3e-2, 1.0, 30.0]).repeat_interleave(4).unsqueeze(-1)
-    probe = torch.randn(scales.shape[0], d_model, generator=gen) * scales + 0.1 * scales
-    probe = probe.to(device=weight.device, dtype=dtype)
-    with torch.no_grad():
-        theirs = ln_final(probe.unsqueeze(0)).squeeze(0).float()
-    rtol = _PROBE_RTOL.get(dtype, _PROBE_RTOL_LOW)
-    worst = float("inf")
-    for gamma in (weight, weight + 1.0):
-        trial = Readout(kind, gamma, bias, eps, weight.new_zeros(d_model, 1), weight.new_zeros(1))
-        x = probe.float()
-        ours = trial.normalise(x.unsqueeze(0), trial.scale(x))[0] + bias
-        err = float(((ours - theirs).norm(dim=-1) / theirs.norm(dim=-1).clamp_min(1e-12)).max())
-        if err <= rtol:
-            return gamma
-        worst = min(worst, err)
-    raise HookError(
-        f"{name}'s final norm ({type(ln_final).__name__}) is not a {kind} with the weight, bias "
-        f"and eps it declares (eps={eps:g}; relative error {worst:.2g} on probe vectors), so "
-        "member contributions would not add up to the logits",
-        hint="this analyzer does not support this architecture",
-    )
-
-
-def _logit_scale(model: Any, d_vocab: int, device: Any, dtype: torch.dtype, name: str) -> float:
-    """The adapter's post-unembedding transform as a scalar, or an error if it is not one."""
-    transform = getattr(getattr(model, "adapter", None), "apply_output_logits_transform", None)
-    if not callable(transform):
-        return 1.0
-    gen = torch.Generator().manual_seed(1)
-    probe = (torch.randn(2, d_vocab, generator=gen) * 3.0).to(device=device, dtype=dtype)
-    with torch.no_grad():
-        out = transform(probe)
-    out, probe = out.float(), probe.float()
-    scale = float((out * probe).sum() / (probe * probe).sum())
-    err = float((out - scale * probe).norm() / out.norm().clamp_min(1e-12))
-    if err > _PROBE_RTOL.get(dtype, _PROBE_RTOL_LOW):
+        raise HookError(
+            f"{name}'s final norm ({type(inner).__name__}) is not a {kind} with the weight, bias "
+            f"and eps it declares (eps={full.eps:g}; relative error {worst:.2g} on probe "
+            "vectors), so member contributions would not add up to the logits",
+            hint="this analyzer does not support this architecture",
+        )
+    if full.transform is not None:
         raise HookError(
             f"{name} transforms its logits non-linearly after the unembedding (e.g. a softcap), "
             "so member contributions cannot add up to the logits",
             hint="this analyzer does not support this architecture",
         )
-    return scale
+    return Readout(full=full, const=full.bias @ full.W_U + full.b_U)

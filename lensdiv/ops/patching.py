@@ -6,7 +6,8 @@ patch of a layer into one pass, chunked to stay within a fixed memory budget: a 
 ``L`` passes of ``sites x T x pairs`` rows that run ``L/2`` blocks on average, where
 TransformerLens' ``get_act_patch_*`` runs ``3·L·T`` full passes. :func:`integrated_gradients`
 needs gradients; it batches the integration steps the same way and unembeds only the answer
-position. Both read logits at the last position only (the answer position of a prompt).
+position. Both read logits at the last position only (the answer position of a prompt), through
+the resumer's readout: float32 logits whatever the model's dtype (:mod:`lensdiv.ops.readout`).
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ def site_hook(site: str, layer: int) -> str:
 
 
 def last_position(model: Any) -> list[Hook]:
-    """A hook that unembeds only the last position (the answer position), where the model has
-    the hook: the final norm and unembedding are per position, so the answer's logits are
-    unchanged, and the largest matmul of a small model shrinks ``pos``-fold."""
+    """A hook that keeps only the last position (the answer position) for the readout, where
+    the model has the hook (a resumed pass applies it to the final residual): the final norm
+    and unembedding are per position, so the answer's logits are unchanged, and the largest
+    matmul of a small model shrinks ``pos``-fold."""
     if "unembed.hook_in" not in model.hook_dict:
         return []
 

@@ -11,9 +11,9 @@ Three readings of the same grid (:class:`~lensdiv.view.prompt.PromptView`):
   current mode); the KL compares each cell with the *unskipped* model's output, so the top row
   shows what skipping the block changed.
 
-Readouts are float32 whatever the model's dtype: the final norm and unembedding are applied to
-float32 copies of the residual states with float32 weights (:func:`lensdiv.ops.members.final_readout`,
-checked against the model's own output when it is built).
+Readouts are float32 whatever the model's dtype (:mod:`lensdiv.ops.readout`, the readout every
+analyzer shares): the final norm and unembedding are applied to float32 copies of the residual
+states with float32 weights.
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from lensdiv.core.analyzer import ModelInfo
-from lensdiv.core.errors import DataError, HookError, OptionError
+from lensdiv.core.errors import DataError, OptionError
 from lensdiv.core.provenance import versions
 from lensdiv.models.load import load_model
 from lensdiv.ops.capture import capture
-from lensdiv.ops.members import final_readout
+from lensdiv.ops.readout import final_readout, readout_dtype
 from lensdiv.ops.resume import Resumer
 from lensdiv.view.prompt import PromptView
 
@@ -102,7 +102,9 @@ def prompt_view(
             "lens": "skip" if skip is not None else lens,
             "top_k": top_k,
             "prepend_bos": prepend_bos,
-            "readout_dtype": "float32",
+            "readout_dtype": str(readout_dtype(next(model.parameters()).dtype)).replace(
+                "torch.", ""
+            ),
             "readout": how,
             "model_dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
             **({"skip": skip, "part": part} if skip is not None else {}),
@@ -111,29 +113,18 @@ def prompt_view(
 
 
 def float32_readout(model: Any) -> tuple[Callable[[Tensor], Tensor], str]:
-    """A function from residual vectors ``[n, d_model]`` to float32 logits ``[n, d_vocab]``.
+    """A function from residual vectors ``[n, d_model]`` to readout-dtype logits ``[n, d_vocab]``
+    (float32; float64 for a float64 model), and a description of the readout.
 
-    Uses the model's final norm and unembedding decomposed into float32 weights (exact for
-    LayerNorm and RMSNorm models, checked against the model's output); models whose final norm
-    cannot be decomposed fall back to TransformerLens' ``logit_readout`` in the model's dtype,
-    cast to float32 (the returned description says which).
+    The shared readout of :func:`lensdiv.ops.readout.final_readout`: the model's final norm
+    decomposed and verified against its own module, and the unembedding, in the readout dtype.
     """
-    try:
-        weights = final_readout(model)
-    except HookError:
-        from transformer_lens.tools.analysis.logit_lens import logit_readout
-
-        def fallback(h: Tensor) -> Tensor:
-            return logit_readout(model, h[None], return_type="logits").values[0].float()
-
-        return fallback, "TransformerLens logit_readout (model dtype), cast to float32"
+    readout = final_readout(model)
 
     def read(h: Float[Tensor, "n d_model"]) -> Float[Tensor, "n d_vocab"]:
-        h = h.float()
-        u = weights.normalise(h[None], weights.scale(h), inplace=True)[0]
-        return u @ weights.W_U + weights.const
+        return readout.logits(h).to(h.device)
 
-    return read, "final norm and unembedding in float32"
+    return read, f"final norm and unembedding in {readout.precision}"
 
 
 def skip_hooks(skip: int, part: str) -> list[tuple[str, Callable[..., Tensor]]]:

@@ -12,11 +12,14 @@ usual; hooks of the stubbed blocks see the stub's output and should not be used.
 On first use :class:`Resumer` checks itself on the real batch: resuming at ``L // 2`` from the
 clean residual must reproduce the clean logits. Where it does not (a family whose layers do not
 run as a plain sequence), it falls back to an exact but slower full re-run that overwrites the
-residual with a hook (``mode == "rerun"``); the mode is recorded in results.
+residual with a hook (``mode == "rerun"``); the mode is recorded in results. The decision is a
+property of the model, so it is kept per model (and its readout, which is rebuilt when the
+weights change) and the next run on the same model does not pay the check again.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager, suppress
 from typing import Any
@@ -26,9 +29,17 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from lensdiv.core.analyzer import Step
+from lensdiv.core.errors import HookError
 from lensdiv.ops.capture import stop_hook_name
+from lensdiv.ops.readout import final_readout
 
 Hook = tuple[str, Callable[..., Any]]
+
+# First-use decisions per model and settings: the readout they were taken with (a new one after
+# the weights change) and (mode, reason, tuple output, readout error).
+_DECISIONS: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], tuple[Any, tuple[Any, ...]]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 class _Stop(Exception):
@@ -57,7 +68,7 @@ class Resumer:
         self.mode: str | None = None  # "resume" or "rerun", decided on first use
         self.reason = ""
         self._tuple_output: bool | None = None
-        self._direct_readout = False  # ln_final + unembed called directly (checked on first use)
+        self.readout_error: float | None = None  # the readout against the model's logits
         self.blocks_run = 0  # block executions, for cost accounting
 
     # -- public --------------------------------------------------------------------------------
@@ -74,10 +85,13 @@ class Resumer:
         """Forward ``tokens`` with ``h_start := resid`` (``0 ≤ start ≤ L``; ``L`` = final residual).
 
         Blocks ``start..L-1`` execute with ``fwd_hooks``; blocks before ``start`` do not run.
-        With ``logits=False`` the pass stops at the final norm (read what you need by hooks on
-        ``blocks.{l}.hook_resid_post``) and returns ``None``. With ``grad=True`` autograd
-        records the pass (gradients flow back to ``resid``). A hook on ``unembed.hook_in`` may
-        keep only some positions; the logits then have only those.
+        The pass stops at the final norm: with ``logits=False`` it returns ``None`` (read what
+        you need by hooks on ``blocks.{l}.hook_resid_post``); with ``logits=True`` the final
+        residual is read out by :meth:`readout` (the precision policy: float32 logits whatever
+        the model's dtype). With ``grad=True`` autograd records the pass (gradients flow back
+        to ``resid``). A hook on ``unembed.hook_in`` may keep only some positions (it is
+        applied to the final residual, before the readout's final norm, which acts per
+        position); the logits then have only those.
         """
         if not 0 <= start <= self.n_layers:
             raise ValueError(f"start {start} outside 0..{self.n_layers}")
@@ -101,35 +115,55 @@ class Resumer:
             self._decide(tokens)
 
     def readout(self, resid: Float[Tensor, "n d_model"]) -> Float[Tensor, "n d_vocab"]:
-        """Logits of final residual vectors: the model's own final norm and unembedding.
+        """Logits of final residual vectors in the readout dtype (float32; float64 for a float64
+        model): :func:`lensdiv.ops.readout.final_readout`, on ``resid``'s device.
 
-        Called directly where the first-use check found that it reproduces the model's logits
-        (about twice as fast as TransformerLens' chunked ``logit_readout``, which is used
-        otherwise, e.g. for adapters with an output transform).
+        Raises:
+            HookError: The first-use check found that this readout does not reproduce the
+                model's own logits.
         """
-        from transformer_lens.tools.analysis.logit_lens import logit_readout
-
+        if self.readout_error is not None and self.readout_error > _readout_tolerance(resid.dtype):
+            raise HookError(
+                f"reading the final residual through the final norm and unembedding does not "
+                f"give {getattr(self.model.cfg, 'model_name', 'the model')}'s logits "
+                f"({self.readout_error:.2g} relative)",
+                hint="this analyzer does not support this architecture",
+            )
         with torch.no_grad():
-            if self._direct_readout:
-                return self.model.unembed(self.model.ln_final(resid[None]))[0]
-            return logit_readout(self.model, resid[None], return_type="logits").values[0]
+            return final_readout(self.model).logits(resid).to(resid.device)
 
     # -- internals -----------------------------------------------------------------------------
     def _forward(
         self, tokens: Tensor, fwd_hooks: Sequence[Hook], logits: bool, grad: bool = False
     ) -> Float[Tensor, "batch out_pos d_vocab"] | None:
         hooks = list(fwd_hooks)
-        stop = None if logits else stop_hook_name(self.model.hook_dict)
+        stop = stop_hook_name(self.model.hook_dict)
+        if logits and stop != "ln_final.hook_in":  # no final residual to read: the model's own
+            stop = None
+        select = [fn for name, fn in hooks if name == "unembed.hook_in"] if stop else []
+        hooks = [(name, fn) for name, fn in hooks if not (select and name == "unembed.hook_in")]
+        final: dict[str, Tensor] = {}
         if stop is not None:
 
             def halt(tensor: Tensor, *, hook: Any) -> Tensor:
+                final["h"] = tensor
                 raise _Stop
 
             hooks.append((stop, halt))
         out = None
         with torch.set_grad_enabled(grad), self.model.hooks(fwd_hooks=hooks), suppress(_Stop):
             out = self.model(tokens)
-        return out if logits else None
+        if not logits:
+            return None
+        if stop is None:
+            assert out is not None
+            return out.to(final_readout(self.model).dtype)
+        h = final["h"]
+        for fn in select:
+            h = fn(h, hook=None)
+        with torch.set_grad_enabled(grad):
+            flat = final_readout(self.model).logits(h.reshape(-1, h.shape[-1]))
+        return flat.to(h.device).view(*h.shape[:-1], -1)
 
     @contextmanager
     def _stubbed(self, start: int, resid: Tensor) -> Any:
@@ -150,7 +184,20 @@ class Resumer:
                     del layer.forward
 
     def _decide(self, tokens: Tensor) -> None:
-        """Probe the block output structure and check the fast path against a full pass."""
+        """Probe the block output structure and check the fast path against a full pass, once
+        per model, readout and settings."""
+        readout, settings = final_readout(self.model), (self.fast, self.check, self.tolerance)
+        known = _DECISIONS.setdefault(self.model, {})
+        if settings in known and known[settings][0] is readout:
+            self.mode, self.reason, self._tuple_output, self.readout_error = known[settings][1]
+            return
+        self._probe(tokens)
+        known[settings] = (
+            readout,
+            (self.mode, self.reason, self._tuple_output, self.readout_error),
+        )
+
+    def _probe(self, tokens: Tensor) -> None:
         self.mode = "rerun"
         if not self.fast:
             self.reason = "fast resume disabled"
@@ -182,10 +229,14 @@ class Resumer:
         ]
         try:
             with torch.no_grad(), self.model.hooks(fwd_hooks=sites):
-                clean = self.model(probe)
+                model_logits = self.model(probe)
         finally:
             handle.remove()
-        self._check_readout(store["final"], clean)
+        self._check_readout(store["final"], model_logits)
+        final = store["final"]
+        with torch.no_grad():
+            flat = final_readout(self.model).logits(final.reshape(-1, final.shape[-1]))
+        clean = flat.to(final.device).view(*final.shape[:-1], -1)
         out = seen.get("out")
         if isinstance(out, tuple) and out and isinstance(out[0], Tensor):
             self._tuple_output = True
@@ -212,17 +263,21 @@ class Resumer:
         self.blocks_run = 0
 
     def _check_readout(self, final: Tensor, clean: Tensor) -> None:
-        """Use the direct readout only where it gives the model's own logits."""
-        try:
-            with torch.no_grad():
-                flat = final.reshape(-1, final.shape[-1])
-                direct = self.model.unembed(self.model.ln_final(flat[None]))[0]
-        except Exception:  # no such components: keep TransformerLens' readout
+        """Measure how far the readout of the final residual is from the model's own logits."""
+        with torch.no_grad():
+            ours = final_readout(self.model).logits(final.reshape(-1, final.shape[-1]))
+        want = clean.reshape(-1, clean.shape[-1]).to(device=ours.device, dtype=ours.dtype)
+        if ours.shape != want.shape:
+            self.readout_error = float("inf")
             return
-        want = clean.reshape(-1, clean.shape[-1])
-        if direct.shape == want.shape:
-            scale = want.abs().max().clamp_min(1e-6)
-            self._direct_readout = bool(((direct - want).abs().max() / scale) < self.tolerance)
+        scale = want.abs().max().clamp_min(1e-6)
+        self.readout_error = float((ours - want).abs().max() / scale)
+
+
+def _readout_tolerance(dtype: torch.dtype) -> float:
+    """How far the float32 readout may be from the model's own logits: a model that computes in
+    half precision rounds its logits (and its final norm) to 8 or 11 bits."""
+    return 1e-4 if dtype in (torch.float32, torch.float64) else 5e-2
 
 
 def resumer_for(step: Step, *, fast: bool = True) -> Resumer:

@@ -23,6 +23,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from lensdiv.core.analyzer import Step
+from lensdiv.ops.readout import FinalReadout, final_readout
 from lensdiv.ops.resume import Resumer
 
 EPS = 1e-6
@@ -134,7 +135,7 @@ def skip_effects(
         measure = intervals.measure[sel]
         tokens = step.batch.tokens[rows]
         clean_h = [x[rows] for x in h]
-        clean_p = _probs(resumer, clean_h[L][measure])
+        clean_p = _probs(final_readout(model), clean_h[L][measure])
         for s in layers:
             e, o = _one_skip(
                 resumer, step, tokens, clean_h, clean_p, rows, skip, measure, s, part, local
@@ -144,14 +145,15 @@ def skip_effects(
     return effect, output
 
 
-def _probs(resumer: Resumer, final: Float[Tensor, "n d_model"]) -> Float[Tensor, "n d_vocab"]:
-    """Output distributions of final residual vectors, a block of rows at a time."""
+def _probs(readout: FinalReadout, final: Float[Tensor, "n d_model"]) -> Float[Tensor, "n d_vocab"]:
+    """Output distributions of final residual vectors (readout dtype, on the readout's device),
+    a block of rows at a time."""
     blocks = [
-        torch.softmax(resumer.readout(final[lo : lo + _READOUT_ROWS]).float(), dim=-1)
+        readout.probabilities(final[lo : lo + _READOUT_ROWS])
         for lo in range(0, final.shape[0], _READOUT_ROWS)
     ]
     if not blocks:
-        return final.new_zeros(0, int(resumer.model.cfg.d_vocab))
+        return torch.zeros(0, readout.d_vocab, dtype=readout.dtype, device=readout.device)
     return torch.cat(blocks)
 
 
@@ -204,8 +206,10 @@ def _one_skip(
 
     def measure_update(layer: int, new: Tensor, old: Tensor) -> None:
         new, old = new.to(tokens.device), old.to(tokens.device)
-        clean = (h[layer + 1] - h[layer]).double()
-        diff = (clean - (new - old).double()).norm(dim=-1)
+        # In float64 before any difference: the updates of a half-precision model are small
+        # against the states they are taken from.
+        clean = h[layer + 1].double() - h[layer].double()
+        diff = (clean - (new.double() - old.double())).norm(dim=-1)
         ratio = diff / clean.norm(dim=-1).clamp_min(EPS)
         effect[:, layer] = ratio.masked_fill(~measure, 0.0).amax(dim=1)
 
@@ -225,14 +229,15 @@ def _one_skip(
     resumer.run(tokens, start, resid, hooks, logits=False)
     last = final.get("h", resid).to(tokens.device)
 
-    # Output effect: read out only the measured positions (L2 of probability vectors: float32
-    # is exact enough, the entries are at most 1).
+    # Output effect: read out only the measured positions, in the readout dtype (L2 of
+    # probability vectors: float32 is exact enough, the entries are at most 1).
+    readout = final_readout(step.model)
     vectors = last[measure]
     dist = torch.empty(vectors.shape[0], dtype=torch.float64, device=tokens.device)
     for lo in range(0, vectors.shape[0], _READOUT_ROWS):
         hi = lo + _READOUT_ROWS
-        probs = torch.softmax(resumer.readout(vectors[lo:hi]).float(), dim=-1)
-        dist[lo:hi] = (clean_p[lo:hi] - probs).norm(dim=-1).double()
+        probs = readout.probabilities(vectors[lo:hi])
+        dist[lo:hi] = (clean_p[lo:hi] - probs).norm(dim=-1).double().to(dist.device)
     per_pos = torch.zeros(measure.shape, dtype=torch.float64, device=tokens.device)
     per_pos[measure] = dist
     return effect, per_pos.amax(dim=1)

@@ -94,7 +94,7 @@ def direct_scores(
         per = max(1, max_elements // max(n_rows * d_vocab, 1))
         flat = z.reshape(n_members, -1)
         for lo in range(0, len(masks), per):
-            w = weights[lo : lo + per]
+            w = weights[lo : lo + per].to(flat.dtype)  # float64 member logits: float64 sums
             logits = (w @ flat).view(w.shape[0], n_rows, d_vocab)
             if share is None:
                 logits = logits + const
@@ -195,8 +195,8 @@ def removal_scores(
     max_elements: int = _BLOCK_ELEMENTS,
 ) -> Float[Tensor, " subset"]:
     """Sum over kept positions of each block subset's score, by true removal of the other
-    blocks (see :func:`removal_finals`); read out with the model's own final norm and
-    unembedding."""
+    blocks (see :func:`removal_finals`); read out through the model's final norm and
+    unembedding in the readout dtype (:meth:`~lensdiv.ops.resume.Resumer.readout`)."""
     out = torch.zeros(len(masks), dtype=torch.float64, device=keep.device)
     if not masks or not keep.any():
         return out
@@ -211,7 +211,7 @@ def removal_scores(
         which = torch.tensor(indices, device=out.device).repeat_interleave(n)
         goal = flat_targets.repeat(len(indices))
         for lo in range(0, flat.shape[0], rows_per):
-            logits = resumer.readout(flat[lo : lo + rows_per]).float()
+            logits = resumer.readout(flat[lo : lo + rows_per])  # float32 (float64 model: 64)
             scores = _scores(logits[None], goal[lo : lo + rows_per], metric)[0]
             out.index_add_(0, which[lo : lo + rows_per], scores.double())
     return out

@@ -359,8 +359,9 @@ def _fail_everywhere(engine: Engine, analyzer: Analyzer, message: str) -> None:
 class Feed:
     """How a run's batches reach its engine: here, every batch in this process.
 
-    Subclasses split the batches between processes (:class:`DataParallelFeed`) or shards
-    (:class:`~lensdiv.run.shards.ShardFeed`).
+    Subclasses split the batches into shards (:class:`~lensdiv.run.shards.ShardFeed`: its own
+    :meth:`share`, the states saved by :meth:`settle`) or between the processes of a group
+    (:class:`DataParallelFeed`: its own :meth:`feed`, in lock-step rounds).
     """
 
     #: This process finalizes the analyzers (and writes results).
@@ -376,8 +377,17 @@ class Feed:
         states: Mapping[str, Stats],
         on_batch: Callable[[Batch], None] | None = None,
     ) -> None:
-        """Pass ``index`` over ``batches``."""
-        engine.feed(index, batches, states, on_batch=on_batch)
+        """Pass ``index`` over this process's :meth:`share` of ``batches``, then :meth:`settle`
+        the states."""
+        engine.feed(index, self.share(batches), states, on_batch=on_batch)
+        self.settle(engine, states)
+
+    def share(self, batches: Iterable[Batch]) -> Iterable[Batch]:
+        """The batches this process runs: all of them."""
+        return batches
+
+    def settle(self, engine: Engine, states: Mapping[str, Stats]) -> None:
+        """After a pass, what becomes of the states: nothing (they finalize here)."""
 
     def manifest(self) -> dict[str, Any]:
         """What the manifest records of how the work was split (nothing for one process)."""

@@ -22,30 +22,16 @@ from lensdiv.core.registry import make_analyzers
 from lensdiv.core.results import write_json_atomic
 from lensdiv.core.stats import Stats, merge_all
 from lensdiv.run.engine import describe
-from lensdiv.run.outcome import save_result
+from lensdiv.run.outcome import MANIFEST, read_manifest, save_result
 from lensdiv.run.report import write_report
-from lensdiv.run.runner import MANIFEST, Run
+from lensdiv.run.runner import Run
 
 # What shards must agree on, in the order a difference is reported.
 AGREE = ("model", "model_info", "data", "analyzers", "seed", "versions")
 # Per-shard facts that may differ (where each shard ran).
 _PLACEMENT = {"device", "device_map"}
-
-
-def _read_manifest(folder: Path) -> dict[str, Any]:
-    path = folder / MANIFEST
-    if not path.is_file():
-        raise ResultError(
-            f"{str(folder)!r} is not a lensdiv run folder (no {MANIFEST})",
-            hint="pass the --out folders of `lensdiv analyze ... --shard I/N`",
-        )
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise ResultError(f"cannot read {path}: {err}") from None
-    if not isinstance(data, dict):
-        raise ResultError(f"{path} is not a lensdiv manifest")
-    return data
+# What a folder that is not a run should have been.
+_HINT = "pass the --out folders of `lensdiv analyze ... --shard I/N`"
 
 
 def _comparable(manifest: Mapping[str, Any], key: str) -> Any:
@@ -162,7 +148,7 @@ def merge_runs(folders: Sequence[str | Path], out: str | Path | None = None) -> 
     """
     started = time.time()
     paths = [Path(f) for f in folders]
-    manifests = [_read_manifest(p) for p in paths]
+    manifests = [read_manifest(p, hint=_HINT) for p in paths]
     count = check_shards(paths, manifests)
     order = sorted(range(len(paths)), key=lambda i: manifests[i]["shard"]["index"])
     paths, manifests = [paths[i] for i in order], [manifests[i] for i in order]

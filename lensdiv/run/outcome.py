@@ -10,6 +10,7 @@ ends ``complete``, ``partial`` (finished on part of the data), ``saved`` (a shar
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,24 @@ def finish(manifest: dict[str, Any], stopped: BaseException | None) -> str:
         status = "partial"
     manifest["status"] = status
     return status
+
+
+def read_manifest(folder: Path, hint: str) -> dict[str, Any]:
+    """The manifest of the run folder ``folder``, checked by :func:`check_manifest`.
+
+    Raises:
+        ResultError: No manifest there (with ``hint``: which folders to pass), or one that cannot
+            be read, is not JSON or has the wrong shape.
+    """
+    path = folder / MANIFEST
+    if not path.is_file():
+        raise ResultError(f"{str(folder)!r} is not a lensdiv run folder (no {MANIFEST})", hint=hint)
+    try:
+        return check_manifest(json.loads(path.read_text()), path)
+    except json.JSONDecodeError as err:
+        raise ResultError(f"{path} is not valid JSON: {err.msg}") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ResultError(f"cannot read {path}: {err}") from None
 
 
 def check_manifest(data: Any, path: Path) -> dict[str, Any]:

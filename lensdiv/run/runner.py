@@ -5,7 +5,6 @@ write each result as soon as it is final, and leave a manifest that says what is
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -29,10 +28,11 @@ from lensdiv.core.registry import make_analyzers
 from lensdiv.core.results import Rendered, Result
 from lensdiv.data.sources import DataSpec, check_source, token_batches
 from lensdiv.models.load import load_model
-from lensdiv.run.distributed import DataParallelFeed, Feed, World, current_world
+from lensdiv.ops.readout import readout_dtype
+from lensdiv.run.distributed import DataParallelFeed, Feed, World, current_world, gather_objects
 from lensdiv.run.engine import Engine, describe, input_device
 from lensdiv.run.interrupts import handle_signals, interruption, shielded, signals_received
-from lensdiv.run.outcome import MANIFEST, check_manifest, finish, save_result, write_manifest
+from lensdiv.run.outcome import finish, read_manifest, save_result, write_manifest
 from lensdiv.run.report import write_report
 from lensdiv.run.shards import ShardFeed, check_shardable, parse_shard
 from lensdiv.run.validate import (
@@ -109,6 +109,7 @@ def analyze(
     bos: str = "prepend",
     device: Any = None,
     dtype: Any = None,
+    threads: int | None = None,
     seed: int = 0,
     trust_remote_code: bool = False,
     progress: bool = True,
@@ -131,7 +132,11 @@ def analyze(
         options: ``{analyzer: {option: value}}``.
         seq_len, max_tokens, batch_size, field, split, bos: How data is read and packed
             (see :class:`DataSpec`); ignored when ``data`` is a ``DataSpec``.
-        device, dtype: Where and in which precision the model runs.
+        device, dtype: Where and in which precision the model runs (residual states are read
+            out in float32 whatever the dtype, float64 for a float64 model: see the README's
+            precision policy).
+        threads: Set torch's intra-op threads (``torch.set_num_threads``, for this process)
+            before the run; ``None`` keeps torch's setting. Recorded in the manifest.
         seed: Seeds torch and the built-in corpus; recorded in every result.
         trust_remote_code: Allow hub models with custom code.
         progress: Show progress bars (``False`` silences every bar of the run, model loading
@@ -166,6 +171,10 @@ def analyze(
             "overwrite": overwrite,
         },
     )
+    if threads is not None and (
+        isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
+    ):
+        raise OptionError(f"threads must be a whole number of at least 1, not {threads!r}")
     analyzers = make_analyzers(plugins, options)
     world, part = _split(shard)
     if device is None and world.parallel:
@@ -181,7 +190,7 @@ def analyze(
         seed=seed,
     )
     check_source(spec)
-    check_output(out_dir, analyzers, overwrite=overwrite)
+    _check_output_once(world, out_dir, analyzers, overwrite=overwrite)
     with handle_signals(), progress_allowed(progress):
         return _run(
             model,
@@ -190,6 +199,7 @@ def analyze(
             out_dir,
             device=device,
             dtype=dtype,
+            threads=threads,
             seed=seed,
             trust_remote_code=trust_remote_code,
             progress=progress and world.main,
@@ -212,6 +222,7 @@ def _run(
     *,
     device: Any,
     dtype: Any,
+    threads: int | None,
     seed: int,
     trust_remote_code: bool,
     progress: bool,
@@ -223,6 +234,8 @@ def _run(
     import torch
 
     started = time.time()
+    if threads is not None:
+        torch.set_num_threads(threads)
     torch.manual_seed(seed)
     folded_only = all(a.numerics == "folded" for a in analyzers)
     bridge = load_model(
@@ -274,7 +287,11 @@ def _run(
             "parallel_residual": info.parallel_residual,
             "device": str(input_device(bridge)),
             "dtype": str(next(bridge.parameters()).dtype).replace("torch.", ""),
+            "readout_dtype": str(readout_dtype(next(bridge.parameters()).dtype)).replace(
+                "torch.", ""
+            ),
         },
+        "threads": torch.get_num_threads(),
         "data": spec.describe(),
         "seed": seed,
         "analyzers": {
@@ -514,6 +531,29 @@ def _wrap_up(
     save_manifest()
 
 
+def _check_output_once(
+    world: World, out_dir: Path | None, analyzers: list[Analyzer], *, overwrite: bool
+) -> None:
+    """``check_output`` on the rank that writes, its verdict shared with every rank.
+
+    Only rank 0 writes ``--out``, so only it may judge it: a rank that started late would
+    otherwise find rank 0's fresh manifest and refuse the folder as "already holds a run".
+    The exchange is also the barrier that keeps rank 0 from writing before every rank is here.
+    """
+    if not world.parallel:
+        check_output(out_dir, analyzers, overwrite=overwrite)
+        return
+    problem: LensdivError | None = None
+    if world.main:
+        try:
+            check_output(out_dir, analyzers, overwrite=overwrite)
+        except LensdivError as err:
+            problem = err
+    verdict = gather_objects(world, problem, "the check of --out")[0]
+    if verdict is not None:
+        raise verdict
+
+
 def _split(shard: str | tuple[int, int] | None) -> tuple[World, tuple[int, int] | None]:
     """The process group this run is part of (if any), and the shard to run (if any)."""
     world, split = current_world(), parse_shard(shard)
@@ -570,18 +610,7 @@ def load_run(out: str | Path) -> Run:
     if isinstance(out, bool) or not isinstance(out, (str, os.PathLike)):
         raise ResultError(f"a run folder is a path, not {out!r} ({type(out).__name__})")
     out = Path(out)
-    path = out / MANIFEST
-    if not path.is_file():
-        raise ResultError(
-            f"{str(out)!r} is not a lensdiv run folder (no {MANIFEST})",
-            hint="pass the --out folder of `lensdiv analyze`",
-        )
-    try:
-        manifest = check_manifest(json.loads(path.read_text()), path)
-    except json.JSONDecodeError as err:
-        raise ResultError(f"{path} is not valid JSON: {err.msg}") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise ResultError(f"cannot read {path}: {err}") from None
+    manifest = read_manifest(out, hint="pass the --out folder of `lensdiv analyze`")
     run = Run(manifest=manifest, out=out)
     for name, entry in manifest.get("analyzers", {}).items():
         if (

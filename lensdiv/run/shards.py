@@ -16,7 +16,7 @@ collectives, so they run there (:mod:`lensdiv.run.distributed`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -93,16 +93,12 @@ class ShardFeed(Feed):
         self.out = out
         self.entries = manifest["analyzers"]
 
-    def feed(
-        self,
-        engine: Engine,
-        index: int,
-        batches: Iterable[Batch],
-        states: Mapping[str, Stats],
-        on_batch: Callable[[Batch], None] | None = None,
-    ) -> None:
-        """Pass ``index`` over this shard's batches, then save every state."""
-        engine.feed(index, shard_batches(batches, self.index, self.count), states, on_batch)
+    def share(self, batches: Iterable[Batch]) -> Iterator[Batch]:
+        """This shard's batches."""
+        return shard_batches(batches, self.index, self.count)
+
+    def settle(self, engine: Engine, states: Mapping[str, Stats]) -> None:
+        """Save every state (a failed save fails its analyzer)."""
         for a in list(engine.active):
             if self.out is not None:
                 try:
