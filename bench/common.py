@@ -9,8 +9,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -204,3 +206,45 @@ def lens_plus_main(
     report(
         {**describe(args), **figures(args), option: getattr(extra, option), **timings}, args.json
     )
+
+
+def trials_main(
+    doc: str,
+    trials: dict[str, tuple[Any, ...]],
+    run_trial: Callable[[str], dict[str, Any]],
+    markdown: Callable[[dict[str, Any]], str],
+) -> None:
+    """The command line of a recorded search (``teacher_student_cpu.py``, ``toy_kb_search.py``):
+    list the trials, run some (each record merged into ``--json`` by trial name), or print the
+    table of a records file (``--markdown``)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("trials", nargs="*", help="trial names (none: list them)")
+    parser.add_argument("--json", help="merge the records into this file")
+    parser.add_argument("--markdown", help="print the table of the records in this file")
+    args = parser.parse_args()
+    if args.markdown:
+        print(markdown(json.loads(Path(args.markdown).read_text())))
+        return
+    if not args.trials:
+        for name, (what, *settings) in trials.items():
+            print(f"{name}: {what}  {' '.join(map(str, settings))}")
+        return
+    for name in args.trials:
+        if name not in trials:
+            sys.exit(f"unknown trial {name!r}; known: {', '.join(trials)}")
+        record = run_trial(name)
+        print(json.dumps(record), flush=True)
+        if args.json:
+            _merge_record(Path(args.json), name, record)
+
+
+def _merge_record(path: Path, name: str, record: dict[str, Any]) -> None:
+    """Put ``record`` under ``name`` in the JSON file (locked: two trials may end together)."""
+    import fcntl
+    import tempfile
+
+    with open(Path(tempfile.gettempdir()) / f"{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        records = json.loads(path.read_text()) if path.exists() else {}
+        records[name] = record
+        path.write_text(json.dumps(records, indent=1) + "\n")

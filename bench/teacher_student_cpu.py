@@ -16,14 +16,12 @@ processes at once on two cores). ``bench/README.md`` has the table and what was 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import os
-import sys
 import time
-from pathlib import Path
 from typing import Any
+
+from common import trials_main
 
 #: name -> (what the trial tests, overrides of the fast preset). Append; never rewrite a trial
 #: that has been run (its figures in the JSON file would no longer match its settings).
@@ -137,37 +135,7 @@ def markdown(records: dict[str, dict[str, Any]]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("trials", nargs="*", help="trial names (none: list them)")
-    parser.add_argument("--json", help="merge the records into this file")
-    parser.add_argument("--markdown", help="print the table of the records in this file")
-    args = parser.parse_args()
-    if args.markdown:
-        print(markdown(json.loads(Path(args.markdown).read_text())))
-        return
-    if not args.trials:
-        for name, (what, overrides) in TRIALS.items():
-            print(f"{name}: {what}  {overrides}")
-        return
-    for name in args.trials:
-        if name not in TRIALS:
-            sys.exit(f"unknown trial {name!r}; known: {', '.join(TRIALS)}")
-        record = run_trial(name)
-        print(json.dumps(record), flush=True)
-        if args.json:
-            _merge(Path(args.json), name, record)
-
-
-def _merge(path: Path, name: str, record: dict[str, Any]) -> None:
-    """Put ``record`` under ``name`` in the JSON file (locked: two trials may end together)."""
-    import fcntl
-    import tempfile
-
-    with open(Path(tempfile.gettempdir()) / f"{path.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        records = json.loads(path.read_text()) if path.exists() else {}
-        records[name] = record
-        path.write_text(json.dumps(records, indent=1) + "\n")
+    trials_main(__doc__ or "", TRIALS, run_trial, markdown)
 
 
 if __name__ == "__main__":
