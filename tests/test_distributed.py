@@ -168,6 +168,7 @@ def test_two_ranks_give_the_results_of_one_process(llama_dir: Path, tmp_path: Pa
         assert manifest["status"] == "complete"
         dist = manifest["distributed"]
         assert (dist["world_size"], dist["backend"], dist["devices"]) == (2, "gloo", ["cpu"] * 2)
+        assert manifest["world_size"] == 2
         ranks = dist["ranks"]
         assert [r["rank"] for r in ranks] == [0, 1]
         own = sum(e.get("tokens", 0) for e in manifest["analyzers"].values())  # task examples
@@ -348,6 +349,7 @@ def test_manifest_of_one_process_records_the_model_facts(tmp_path: Path) -> None
                   progress=False)
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert "distributed" not in manifest and "shard" not in manifest
+    assert manifest["world_size"] == 1
     assert manifest["model"]["device_map"] is None
     assert manifest["model_info"]["n_layers"] == run["contrib"].tables["contrib"].columns[
         "layer"][-1] + 1

@@ -292,6 +292,7 @@ def _run(
             ),
         },
         "threads": torch.get_num_threads(),
+        "world_size": world.size,  # processes of a torchrun group (details under "distributed")
         "data": spec.describe(),
         "seed": seed,
         "analyzers": {
