@@ -942,7 +942,10 @@ def render(findings: list[Finding], run: dict[str, Any]) -> str:
         lines += [
             f"- **Command:** `{f.command}`",
             f"- **Verdict: {f.verdict}** — {f.why}. Rule: {RULES[f.key]}.",
-            f"- Measured in {run['seconds'][f.key]:.0f} s.",
+            f"- Measured in {run['seconds'][f.key]:.0f} s."
+            if not str(f.values.get("source", "")).startswith("recorded")
+            else f"- Refitted in {run['seconds'][f.key]:.0f} s from the recorded trial "
+            f"(training took {f.values['cpu_seconds']:.0f} CPU seconds).",
             "",
             f"![{f.title}]({f.figure})",
         ]
