@@ -51,6 +51,16 @@ TRIALS: dict[str, tuple[str, dict[str, Any]]] = {
         "for every depth (T6, T7: a lower rate leaves the deep students behind)",
         {"steps": 6000, "batch_size": 128, "lr": 3e-3},
     ),
+    # The budget is about 15 minutes of wall time on 2 cores, not 300 CPU seconds: one trial
+    # alone on a quiet machine runs at about one CPU second per second, so ~700 CPU s fit.
+    "T9": (
+        "students 4-24 with 3.1 M inputs (the dropped T4): deeper range than T2, converged further",
+        {"steps": 12000, "batch_size": 256, "depths": (4, 6, 8, 12, 16, 24)},
+    ),
+    "T10": (
+        "as T9 at batch 128, 22000 steps (the dropped T5): more, smaller steps",
+        {"steps": 22000, "batch_size": 128, "depths": (4, 6, 8, 12, 16, 24)},
+    ),
 }
 
 
