@@ -832,7 +832,12 @@ def _teacher_student_why(
     if not (ind["ci_low"] <= 1 <= ind["ci_high"] or 0.8 <= ind["alpha"] <= 1.2):
         parts.append(f"the independent teacher's α_ℓ is {ind['alpha']:.2f}")
     if not (tied["alpha"] > ind["alpha"] and tied["ci_low"] > ind["ci_high"]):
-        parts.append("the tied teacher is not clearly steeper")
+        parts.append(
+            f"the tied teacher is steeper ({tied['alpha']:.2f}) but the 95 % intervals overlap "
+            f"({tied['ci_low']:.2f} < {ind['ci_high']:.2f})"
+            if tied["alpha"] > ind["alpha"]
+            else "the tied teacher is not steeper"
+        )
     text = "; ".join(parts) + " (training losses still falling: students not converged)"
     # The other recorded trials: does any meet both criteria, and what do the source's student
     # depths (6-48) give?
@@ -849,9 +854,11 @@ def _teacher_student_why(
     source = [n for n in fits if min(trials[n]["config"]["depths"]) >= 6]
     late = [float(r["late_drop_max"]) for r in trials.values() if "late_drop_max" in r]
     if fits:
-        text += f". Of the {len(fits)} recorded trials of about 300 CPU seconds, " + (
-            f"{', '.join(both)} meet both criteria" if both else "none meets both criteria"
-        )
+        cost = [float(r["cpu_seconds"]) for r in trials.values() if "cpu_seconds" in r]
+        text += (
+            f". Of the {len(fits)} recorded trials ({min(cost):.0f}–{max(cost):.0f} CPU "
+            "seconds each), "
+        ) + (f"{', '.join(both)} meet both criteria" if both else "none meets both criteria")
     if source:
         best = max(source, key=lambda n: fits[n][0]["alpha"])
         text += (

@@ -220,8 +220,8 @@ def test_cpu_preset_is_a_recorded_trial() -> None:
         assert (refit.alpha, refit.ci_low, refit.ci_high) == pytest.approx(
             (fit["alpha"], fit["ci_low"], fit["ci_high"]), abs=1e-4
         )
-    # Its own depths (cheaper per input than the source's); the other settings' defaults.
-    assert config.depths == (2, 4, 6, 8, 12, 16) and config.teacher_depth == 128
+    # Its own depths (shallower, cheaper per input than the source's); the other settings' defaults.
+    assert config.depths == (4, 6, 8, 12, 16, 24) and config.teacher_depth == 128
 
 
 def test_cli_writes_result(tmp_path: Path) -> None:

@@ -28,8 +28,8 @@ def teacher_student(
         str,
         typer.Option(
             help="fast (4 minutes on one CPU core: a smoke run, students not converged), cpu "
-            "(about 15 minutes on 2 busy cores; students of depth 2-16, the best found at that "
-            "budget, see bench/README.md) or paper (the source's 40k steps of 1024: hours, a "
+            "(about 12 minutes on one free core; students of depth 4-24, the best found within "
+            "15 minutes, see bench/README.md) or paper (the source's 40k steps of 1024: hours, a "
             "GPU)."
         ),
     ] = "fast",

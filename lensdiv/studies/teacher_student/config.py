@@ -17,19 +17,20 @@ PRESETS: dict[str, dict[str, Any]] = {
     # source's inputs, so the students are still improving (most of all the deep ones). A full
     # linear decay and a lower rate than 3e-3 gave the largest α_ℓ at this budget.
     "fast": {"steps": 1800, "batch_size": 128, "lr": 2e-3, "decay": 1.0, "test_size": 4096},
-    # The best of the trials of bench/teacher_student_cpu.py within about 300 CPU seconds
-    # (15 minutes of wall time on 2 busy cores; trial T2): 1.28 M inputs to students of depth
-    # 2-16, about a third of the cost per input of depths 6-48. The tied teacher's α_ℓ comes out
-    # steeper than the independent one's with non-overlapping intervals, but the independent
-    # teacher's stays well below 1 (0.58); with the source's depths 6-48 no trial at this budget
-    # gave a steeper tied teacher (its deep students stall). bench/README.md has every trial.
+    # The best of the trials of bench/teacher_student_cpu.py within about 15 minutes of wall time
+    # on 2 cores (trial T9: 690 CPU seconds, 12 minutes alone on a quiet machine): 3.1 M inputs
+    # to students of depth 4-24. The independent teacher's α_ℓ comes out at 0.84 (95 % 0.70-0.98)
+    # and the tied teacher's steeper, 1.45 (0.95-1.94), but the two intervals still touch; the
+    # deep students are still improving (up to 52 % over the last quarter). With depths 2-16
+    # (T2) the intervals separate but the independent α_ℓ falls to 0.58; with 6-48 the tied
+    # teacher's deep students stall. bench/README.md has every trial.
     "cpu": {
-        "steps": 5000,
+        "steps": 12_000,
         "batch_size": 256,
         "lr": 2e-3,
         "decay": 1.0,
         "test_size": 4096,
-        "depths": (2, 4, 6, 8, 12, 16),
+        "depths": (4, 6, 8, 12, 16, 24),
     },
 }
 # The source's MSE runs (exp-9-2): learning rate 6e-4 · 2/√ℓ, linear decay over the last 20 %.
