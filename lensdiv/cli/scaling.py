@@ -147,8 +147,8 @@ def family(
     out = out or default_out(f"scaling-{models.split(',')[0]}")
     with user_errors():
         check_writable(out)  # before every model is evaluated
-        spec = DataSpec(
-            source="builtin" if data is None else data,  # "" is an error, as in analyze
+        spec = DataSpec.from_data(  # the API's own reading of --data ("" is an error)
+            data,
             field=field,
             split=split,
             seq_len=seq_len,
