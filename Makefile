@@ -22,8 +22,9 @@ demo: setup
 test: setup check
 	HF_HUB_OFFLINE=1 MPLBACKEND=Agg $(BIN)/python -m pytest -q
 
-# The architecture (ARCHITECTURE.md: layers import one way) and the types (strict on lensdiv.core).
-check: setup
+# The checks `make test` (so CI) runs first: the linter, the architecture (ARCHITECTURE.md:
+# layers import one way) and the types (strict on lensdiv.core).
+check: setup lint
 	$(BIN)/lint-imports
 	$(BIN)/mypy
 
@@ -44,7 +45,7 @@ findings: setup
 	HF_HUB_OFFLINE=1 MPLBACKEND=Agg $(BIN)/python docs/findings.py
 
 lint: setup
-	$(BIN)/ruff check lensdiv tests bench plugins
+	$(BIN)/ruff check lensdiv tests bench plugins docs
 	$(BIN)/ruff format --check lensdiv
 
 clean:

@@ -87,15 +87,8 @@ def main() -> None:
             t0 = time.perf_counter()
             _, cache = capture(source, batch.tokens, hooks, need_logits=False)
             t1 = time.perf_counter()
-            step = Step(
-                batch=batch,
-                cache=cache,
-                logits=None,
-                model=source,
-                info=info,
-                pass_index=index,
-                context=context,
-            )
+            context.pass_index = index
+            step = Step(batch, cache, None, context=context)
             analyzer.update(state, step)
             t2 = time.perf_counter()
             if index == 0:

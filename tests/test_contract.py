@@ -13,6 +13,7 @@ import pytest
 from rich.console import Console
 
 from lensdiv.core.analyzer import Analyzer, ModelInfo, Step
+from lensdiv.core.errors import LensdivError
 from lensdiv.core.registry import PluginEntry, get_analyzer, list_plugins
 from lensdiv.core.results import Result, Table
 from lensdiv.core.stats import Stats
@@ -114,15 +115,44 @@ class _DependsOnBatching(_Counting):
     def update(self, state: Stats, step: Step) -> None:
         super().update(state, step)
         if "first" not in state:
-            state.put("first", step.batch.n_tokens)
+            state.fix("first", step.batch.n_tokens)
 
     def finalize(self, state: Stats, info: ModelInfo) -> Result:
         return Result(self.name, "", {"n": Table("n", {"n": [float(state["first"])]})})
 
 
+@dataclass(frozen=True)
+class _CountsPads(_Counting):
+    """Counts every position of a batch, pads included."""
+
+    def update(self, state: Stats, step: Step) -> None:
+        state.add("n", step.batch.mask.numel())
+
+
+@dataclass(frozen=True)
+class _ReadsPads(_Counting):
+    """Sums the embedding over every position, pads included."""
+
+    def update(self, state: Stats, step: Step) -> None:
+        super().update(state, step)
+        state.add("sum", step.resid(0).double().sum())
+
+
+@dataclass(frozen=True)
+class _DeclinesWithTheWrongError(_Counting):
+    """Refuses the model with a plain LensdivError: a run would stop, not skip it."""
+
+    def hooks(self, info: ModelInfo) -> list[str]:
+        raise LensdivError("not for this model")
+
+
 @pytest.mark.parametrize(
     ("broken", "message"),
     [
+        (_CountsPads, r"pad positions \(a padded batch vs its rows cut"),
+        (_ReadsPads, r"pad positions \(their content\)"),
+        (_DeclinesWithTheWrongError, "raised LensdivError: not for this model .*raise "
+         "UnsupportedModelError"),
         (_AttributeOnState, "no examples were processed"),
         (_RecountsInPassTwo, "earlier pass"),
         (_ChangesItself, "changed itself"),

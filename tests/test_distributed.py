@@ -2,7 +2,7 @@
 
 The multi-process tests start real processes (``multiprocessing`` from a fork server, a real
 gloo process group through a file store, one thread each), as ``torchrun`` would, plus one run
-of ``torchrun`` itself. The reduction logic (``plan_reduce``) is also tested on its own.
+of ``torchrun`` itself. The reduction logic (``plan_reduce`` of the state summaries) is also tested on its own.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import torch
 from lensdiv.core.analyzer import Analyzer, ModelInfo, Step
 from lensdiv.core.errors import LensdivError, RankError, StateError
 from lensdiv.core.results import Result
-from lensdiv.core.stats import Stats
+from lensdiv.core.stats import Stats, plan_reduce
 from lensdiv.data.sources import DataSpec
-from lensdiv.run.distributed import World, current_world, plan_reduce, state_summary
+from lensdiv.run.distributed import World, current_world
 from lensdiv.run.runner import analyze, load_run
 from lensdiv.testing.contract import assert_results_close
 from lensdiv.testing.models import save_tiny_model
@@ -272,7 +272,7 @@ def test_ctrl_c_under_torchrun_stops_every_rank_and_keeps_partial_results(
 def _state(**entries: Any) -> Stats:
     state = Stats()
     for name, (kind, value) in entries.items():
-        getattr(state, {"sum": "add", "max": "max", "min": "min", "fixed": "put"}[kind])(name, value)
+        getattr(state, {"sum": "add", "max": "max", "min": "min", "fixed": "fix"}[kind])(name, value)
     return state
 
 
@@ -283,42 +283,44 @@ def test_plan_reduce_creates_what_an_idle_rank_lacks_and_unites_the_rest() -> No
     other = _state(n=("sum", 1.0), k=("fixed", {"mode": "a"}))
     other.include("grades", "2-hop")
     other.append("pairs", 7, {"x": 2})
-    plan = plan_reduce([state_summary(s) for s in (busy, Stats(), other)])
+    plan = plan_reduce([s.summary() for s in (busy, Stats(), other)])
     assert plan.tensors == [("max", "top", (2,)), ("sum", "n", ())]
-    assert plan.fixed == {"k": {"mode": "a"}}
-    assert plan.sets == {"grades": {"1-hop", "2-hop"}}
-    assert plan.rows == {"pairs": {4: {"x": 1}, 7: {"x": 2}}}
+    assert plan.values == {
+        "k": ("fixed", {"mode": "a"}),
+        "grades": ("set", {"1-hop", "2-hop"}),
+        "pairs": ("rows", {4: {"x": 1}, 7: {"x": 2}}),
+    }
 
 
 @pytest.mark.parametrize("a, b, message", [
     (_state(n=("sum", 1.0)), _state(n=("max", 1.0)), "'n' is a sum on rank 0 and a max on rank 1"),
     (_state(v=("sum", torch.ones(2))), _state(v=("sum", torch.ones(3))),
      "'v' has shape (2,) on rank 0 and (3,) on rank 1"),
-    (_state(k=("fixed", 1)), _state(k=("fixed", 2)), "fixed statistic 'k' differs"),
+    (_state(k=("fixed", 1)), _state(k=("fixed", 2)), "ranks 0 and 1 disagree on 'k'"),
 ])
 def test_plan_reduce_refuses_states_that_disagree(a: Stats, b: Stats, message: str) -> None:
     with pytest.raises(StateError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        plan_reduce([state_summary(a), state_summary(b)])
+        plan_reduce([a.summary(), b.summary()])
 
 
 def test_plan_reduce_refuses_a_row_on_two_ranks_and_different_passes() -> None:
     a, b = Stats(), Stats()
     a.append("rows", 1, 0)
     b.append("rows", 1, 0)
-    with pytest.raises(StateError, match="row 1 of 'rows' was recorded on two ranks"):
-        plan_reduce([state_summary(a), state_summary(b)])
+    with pytest.raises(StateError, match=r"row 1 of 'rows' is on two ranks \(0\.\.1\)"):
+        plan_reduce([a.summary(), b.summary()])
     a.freeze()
     c = _state(other=("sum", 1.0))
     with pytest.raises(StateError, match="finished different passes"):
-        plan_reduce([state_summary(a), state_summary(c)])
+        plan_reduce([a.summary(), c.summary()])
 
 
 def test_frozen_entries_are_not_exchanged() -> None:
     state = _state(n=("sum", 2.0), fit=("fixed", torch.ones(3)))
     state.freeze()
     state.add("m", 1.0)
-    summary = state_summary(state)
-    assert summary["kinds"] == {"m": "sum"} and summary["fixed"] == {}
+    summary = state.summary()
+    assert summary["entries"] == {"m": ("sum", (), None)}
 
 
 def test_one_process_is_a_world_of_one() -> None:

@@ -35,7 +35,7 @@ class TwoPassCount(Analyzer):
         state.add(f"n{step.pass_index}", step.batch.n_tokens)
 
     def start_pass(self, state: Stats, info: ModelInfo, index: int) -> None:
-        state.put(f"seen_before_{index}", float(state[f"n{index - 1}"]))
+        state.fix(f"seen_before_{index}", float(state[f"n{index - 1}"]))
 
     def finalize(self, state: Stats, info: ModelInfo) -> Result:
         counts = [float(state["n0"]), float(state["n1"])]

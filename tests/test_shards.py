@@ -17,9 +17,10 @@ from lensdiv.core.analyzer import Batch
 from lensdiv.core.errors import LensdivError, ResultError, StateError
 from lensdiv.core.stats import Stats
 from lensdiv.data.sources import DataSpec
+from lensdiv.run.feed import every_nth
 from lensdiv.run.merge import first_difference, merge_runs
 from lensdiv.run.runner import analyze
-from lensdiv.run.shards import parse_shard, shard_batches
+from lensdiv.run.shards import parse_shard
 from lensdiv.testing.contract import assert_results_close
 from lensdiv.testing.models import save_tiny_model
 
@@ -79,9 +80,9 @@ def test_a_shard_saves_states_not_results(shards: list[Path]) -> None:
 def test_the_shards_partition_the_batches() -> None:
     batches = [Batch(torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.bool),
                      index=i) for i in range(7)]
-    parts = [[b.index for b in shard_batches(batches, i, 3)] for i in range(3)]
+    parts = [[b.index for b in every_nth(batches, i, 3)] for i in range(3)]
     assert parts == [[0, 3, 6], [1, 4], [2, 5]]
-    assert list(shard_batches([], 0, 2)) == []
+    assert list(every_nth([], 0, 2)) == []
 
 
 @pytest.mark.parametrize("text, expected", [("3/16", (3, 16)), (" 0/1 ", (0, 1)), ((1, 2), (1, 2)),

@@ -120,8 +120,8 @@ def _every_kind(seed: int, keys: range) -> Stats:
     state.add("count", len(keys))
     state.max("max", x)
     state.min("min", x)
-    state.put("map", torch.arange(6.0).reshape(2, 3))  # a fit every shard agrees on
-    state.put("setting", {"top_k": 5, "layers": (0, 1)})
+    state.fix("map", torch.arange(6.0).reshape(2, 3))  # a fit every shard agrees on
+    state.fix("setting", {"top_k": 5, "layers": (0, 1)})
     state.include("grades", *(str(k % 3) for k in keys))
     for k in keys:
         state.append("per_example", k, {"key": k, "value": float(x[0, k % 4])})
@@ -146,7 +146,7 @@ WRITERS: dict[str, Callable[[Stats, str], None]] = {
     "sum": lambda s, name: s.add(name, torch.ones(3, 4)),
     "max": lambda s, name: s.max(name, torch.ones(3, 4)),
     "min": lambda s, name: s.min(name, torch.ones(3, 4)),
-    "fixed": lambda s, name: s.put(name, "another value"),
+    "fixed": lambda s, name: s.fix(name, "another value"),
     "set": lambda s, name: s.include(name, "another"),
     "rows": lambda s, name: s.append(name, 99, {"another": True}),
 }
@@ -174,8 +174,8 @@ def test_fixed_values_that_agree_are_kept() -> None:
     assert merged["setting"] == {"top_k": 5, "layers": [0, 1]}  # JSON data: tuples are lists
     # Tensors agree up to the float64 round-off of the same computation.
     x, y = Stats(), Stats()
-    x.put("w", torch.tensor([0.1 + 0.2], dtype=torch.float64))
-    y.put("w", torch.tensor([0.3], dtype=torch.float64))
+    x.fix("w", torch.tensor([0.1 + 0.2], dtype=torch.float64))
+    y.fix("w", torch.tensor([0.3], dtype=torch.float64))
     assert x.merge(y)["w"].item() == 0.1 + 0.2
 
 
@@ -193,14 +193,14 @@ def test_fixed_values_that_agree_are_kept() -> None:
 )
 def test_fixed_values_that_disagree_raise(mine: Any, theirs: Any) -> None:
     a, b = Stats(), Stats()
-    a.put("f", mine)
-    b.put("f", theirs)
+    a.fix("f", mine)
+    b.fix("f", theirs)
     with pytest.raises(StateError, match="disagree on 'f'"):
         a.merge(b)
     with pytest.raises(StateError, match="disagree on 'f'"):
         b.merge(a)
     with pytest.raises(StateError, match="'f' changed"):
-        a.put("f", theirs)
+        a.fix("f", theirs)
 
 
 @pytest.mark.parametrize(
@@ -209,19 +209,19 @@ def test_fixed_values_that_disagree_raise(mine: Any, theirs: Any) -> None:
      np.float64(0.5)],
     ids=["tensor", "int", "float", "str", "none", "tuple", "nested", "dict", "ndarray", "np-float"],
 )
-def test_putting_an_equal_value_again_is_fine(value: Any) -> None:
+def test_fixing_an_equal_value_again_is_fine(value: Any) -> None:
     state = Stats()
-    state.put("f", value)
-    state.put("f", value)
-    state.put("f", copy.deepcopy(value))
+    state.fix("f", value)
+    state.fix("f", value)
+    state.fix("f", copy.deepcopy(value))
 
 
 def test_fixed_nan_agrees_with_itself() -> None:
     """As in tensors (``equal_nan``): a setting that is NaN on every shard agrees."""
     state = Stats()
-    state.put("f", math.nan)
-    state.put("g", {"x": [1.0, math.nan]})
-    state.put("f", math.nan)
+    state.fix("f", math.nan)
+    state.fix("g", {"x": [1.0, math.nan]})
+    state.fix("f", math.nan)
     merged = state.merge(state.copy())
     assert math.isnan(merged["f"]) and math.isnan(merged["g"]["x"][1])
     other = Stats()
@@ -261,7 +261,7 @@ def test_names_of_one_shard_are_kept() -> None:
     a, b = Stats(), Stats()
     a.include("only_a", "x")
     b.append("only_b", 0, 1)
-    b.put("fit_b", [1, 2])
+    b.fix("fit_b", [1, 2])
     merged = a.merge(b)
     assert merged.names() == ["fit_b", "only_a", "only_b"]
     assert merged["only_a"] == {"x"} and merged["only_b"] == [1] and merged["fit_b"] == [1, 2]
@@ -476,13 +476,13 @@ def test_to_moves_every_tensor_and_keeps_the_rest() -> None:
 def _state_for_disk() -> Stats:
     nan, inf = math.nan, math.inf
     state = _every_kind(0, range(3))
-    state.put("ints", torch.arange(4))
-    state.put("mask", torch.tensor([True, False]))
-    state.put("half", torch.tensor(2.5, dtype=torch.float32))
-    state.put("transposed", torch.arange(6.0).reshape(2, 3).T)  # not contiguous
-    state.put("odd", {"nan": nan, "inf": inf, "-inf": -inf, "none": None, "flag": True,
+    state.fix("ints", torch.arange(4))
+    state.fix("mask", torch.tensor([True, False]))
+    state.fix("half", torch.tensor(2.5, dtype=torch.float32))
+    state.fix("transposed", torch.arange(6.0).reshape(2, 3).T)  # not contiguous
+    state.fix("odd", {"nan": nan, "inf": inf, "-inf": -inf, "none": None, "flag": True,
                       "text": "café 日本", "nested": [[1, 2.5], {"x": nan}]})
-    state.put("nan", nan)
+    state.fix("nan", nan)
     state.include("empty")
     state.append("special_rows", 5, [nan, -inf, None])
     state.max("with_nan", torch.tensor([nan, 1.0]))
@@ -568,18 +568,25 @@ def test_states_of_different_passes_do_not_merge_in_either_order() -> None:
 def test_copies_share_nothing() -> None:
     state = Stats()
     state.append("r", 0, {"v": [1]})
-    state.put("f", {"v": [1]})
+    state.fix("f", {"v": [1]})
     state.include("s", "a")
     copy = state.copy()
     copy["r"][0]["v"].append(2)
-    copy.fixed["f"]["v"].append(2)
-    copy.sets["s"].add("b")
+    copy["f"]["v"].append(2)
+    copy.include("s", "b")
     assert state["r"] == [{"v": [1]}] and state["f"] == {"v": [1]} and state["s"] == {"a"}
 
 
-def test_put_never_aliases_a_live_statistic() -> None:
+def test_fix_never_aliases_a_live_statistic() -> None:
     state = Stats()
     state.add("a", torch.ones(3))
-    state.put("b", state["a"])
+    state.fix("b", state["a"])
     state.add("a", torch.ones(3))
     assert state["b"].tolist() == [1.0, 1.0, 1.0]
+
+
+def test_put_is_the_deprecated_name_of_fix() -> None:
+    state = Stats()
+    with pytest.warns(DeprecationWarning, match="Stats.fix"):
+        state.put("f", {"k": 1})
+    assert state.kind("f") == "fixed" and state["f"] == {"k": 1}

@@ -48,12 +48,12 @@ from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
 from lensdiv.data.sources import read_task_jsonl
 from lensdiv.ops.members import (
-    final_readout,
     keep_chunks,
     member_hooks,
     member_inputs,
     member_layers,
     member_names,
+    member_readout,
 )
 from lensdiv.ops.readout import log_partition
 
@@ -239,7 +239,7 @@ class BiasDiversity(Analyzer):
 
     # -- examples (label-set mode) -------------------------------------------------------------
     def examples(self, model: Any, info: ModelInfo) -> list[Batch] | None:
-        final_readout(model)  # an undecomposable final norm fails here, before any forward
+        member_readout(model)  # an undecomposable final norm fails here, before any forward
         if not self.tasks:
             return None
 
@@ -341,9 +341,9 @@ class BiasDiversity(Analyzer):
         keep[rows, batch.extra["last"].to(device)] = True
         keep &= batch.mask
         ids = batch.extra["label_ids"].to(device)
-        state.put("label_words", list(batch.extra["label_words"]))
+        state.fix("label_words", list(batch.extra["label_words"]))
         u, const = member_inputs(step.model, step.cache, info, keep)
-        readout = final_readout(step.model)
+        readout = member_readout(step.model)
         z = u @ readout.W_U[:, ids]  # [M, n, K]
         c = const[ids]
         y = batch.extra["target"].to(device)  # one kept position (the last) per row
@@ -363,7 +363,7 @@ class BiasDiversity(Analyzer):
         targets, has_target = batch.next_tokens()
         keep = batch.positions(exclude_bos=self.exclude_bos) & has_target
         pos = torch.arange(batch.tokens.shape[1], device=keep.device).expand_as(keep)
-        readout = final_readout(step.model)
+        readout = member_readout(step.model)
         const = readout.const
         n_members, d_vocab = 2 * info.n_layers + 1, readout.W_U.shape[1]
         sizes = _prefix_sizes(info)

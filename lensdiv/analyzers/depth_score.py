@@ -52,7 +52,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from lensdiv.core.analyzer import Analyzer, Batch, ModelInfo, Step
+from lensdiv.core.analyzer import Analyzer, Batch, ModelInfo, RunContext, Step
 from lensdiv.core.errors import DataError, LensdivError, OptionError
 from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
@@ -282,9 +282,13 @@ class DepthScore(Analyzer):
             # The example batches ran through the analysed model; score the other one here.
             names = [scored.info.resid(layer) for layer in range(scored.info.n_layers + 1)]
             _, cache = capture(scored.model, batch.tokens, names, need_logits=False)
-            step = Step(
-                batch, cache, None, scored.model, scored.info, step.pass_index, step.context
+            # The scored model's own context, kept for the run (its resumer is built once).
+            context = step.cached(
+                (self.name, "context"),
+                lambda: RunContext(scored.model, scored.info, step.context.resources),
             )
+            context.pass_index = step.pass_index
+            step = Step(batch, cache, None, context=context)
             resumer = step.cached((self.name, "resumer"), lambda: Resumer(scored.model))
             label = scored.label
         device = batch.tokens.device
@@ -299,9 +303,9 @@ class DepthScore(Analyzer):
         correct = _answered(resumer, step, intervals.measure)
         layer_e = torch.stack([later_effect(e) for e in effect])  # [example, skipped]
         scores = {"layer": depth_score(layer_e), "output": depth_score(output)}
-        state.put("tasks", batch.extra.get("tasks"))
-        state.put("scored_model", label)
-        state.put("n_layers", step.info.n_layers)
+        state.fix("tasks", batch.extra.get("tasks"))
+        state.fix("scored_model", label)
+        state.fix("n_layers", step.info.n_layers)
         baseline = batch.extra["baseline"].to(device)
         for grade in dict.fromkeys(batch.extra["grade"]):
             rows = torch.tensor([g == grade for g in batch.extra["grade"]], device=device)

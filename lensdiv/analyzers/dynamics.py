@@ -253,8 +253,8 @@ class Dynamics(Analyzer):
         state.add("lens_ce", ce)
         state.add("lens_n", rows.numel())
         state.add("lens_blocks", len(inputs) * n_seq)
-        state.put("resume_mode", resumer.mode)
-        state.put("readout", readout.precision)
+        state.fix("resume_mode", resumer.mode)
+        state.fix("readout", readout.precision)
 
     def finalize(self, state: Stats, info: ModelInfo) -> Result:
         L = info.n_layers

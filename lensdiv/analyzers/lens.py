@@ -80,7 +80,7 @@ class LogitLens(Analyzer):
             workspace=workspace(step),
         )
         w = has_target.reshape(-1)[rows].double()
-        state.put("readout", readout.precision)
+        state.fix("readout", readout.precision)
         state.add("n", rows.numel())
         state.add("kl", lens.kl.sum(1))
         state.add("kl_sq", (lens.kl**2).sum(1))

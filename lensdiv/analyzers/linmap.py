@@ -314,7 +314,7 @@ class LinearMaps(Analyzer):
         keep = batch.positions(exclude_bos=self.exclude_bos)
         held = heldout_mask(batch, self.seed, self.heldout)
         if step.pass_index == 0:
-            state.put("target", target.facts())
+            state.fix("target", target.facts())
             state.add("heldout_positions", (keep & held).sum())
             if batch.doc is not None and bool((batch.doc >= 0).any()):
                 real = batch.doc[batch.doc >= 0]
@@ -404,10 +404,10 @@ class LinearMaps(Analyzer):
             lambdas.append(lam)
             if not exact:
                 inexact.append(s)
-        state.put("maps", maps)
-        state.put("lambdas", lambdas)
-        state.put("inexact", inexact)
-        state.put("on_heldout", float(state.get("heldout_positions", 0.0)) > 0)
+        state.fix("maps", maps)
+        state.fix("lambdas", lambdas)
+        state.fix("inexact", inexact)
+        state.fix("on_heldout", float(state.get("heldout_positions", 0.0)) > 0)
 
     # -- results ----------------------------------------------------------------------------------
     def finalize(self, state: Stats, info: ModelInfo) -> Result:

@@ -217,7 +217,7 @@ class Patching(Analyzer):
 
     def start_pass(self, state: Stats, info: ModelInfo, index: int) -> None:
         if index == 1 and self.erasure and "resid_n" in state:
-            state.put("erase/mean", state["resid_sum"] / state["resid_n"])
+            state.fix("erase/mean", state["resid_sum"] / state["resid_n"])
             state.drop("resid_sum")
             state.drop("resid_n")
 

@@ -102,7 +102,7 @@ class LayerSkip(Analyzer):
             resumer=resumer,
             chunk=self.chunk,
         )
-        state.put("resume", {"mode": resumer.mode, "note": resumer.reason})
+        state.fix("resume", {"mode": resumer.mode, "note": resumer.reason})
         state.add("block_runs", resumer.blocks_run - runs_before)
         # Max over the split points of each prompt, then max and mean over prompts.
         prompts, inverse = intervals.rows.unique(return_inverse=True)

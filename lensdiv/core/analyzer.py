@@ -178,41 +178,70 @@ class RunContext:
         return self._cache[key]
 
 
-@dataclass
 class Step:
     """What ``Analyzer.update`` sees for one batch: the clean pass and a way to run more.
+
+    The model, its facts and the pass index belong to the run, so a step reads them from its
+    :class:`RunContext`; a step made by hand (in a test) may give ``model`` and ``info``
+    instead, and gets a private context.
 
     Args:
         batch: The tokens and mask.
         cache: Activations of the clean pass for the union of declared hooks.
         logits: Output logits, when some analyzer declared ``needs_logits``.
-        model: The ``TransformerBridge`` (for readouts and interventions).
-        info: Model facts.
-        pass_index: Which pass over the data this is (``0`` unless the analyzer asked for
-            more, see :attr:`Analyzer.passes`).
-        context: The run's :class:`RunContext` (a private one when a step is made by hand).
+        model: The ``TransformerBridge``, when no ``context`` is given.
+        info: Its facts, when no ``context`` is given.
+        pass_index: Which pass over the data this is, when no ``context`` is given.
+        context: The run's :class:`RunContext`.
     """
 
-    batch: Batch
-    cache: Any  # {hook name: Tensor}: a dict, or TransformerLens' ActivationCache
-    logits: Float[Tensor, "batch pos d_vocab"] | None
-    model: Any
-    info: ModelInfo
-    pass_index: int = 0
-    context: RunContext | None = None
+    def __init__(
+        self,
+        batch: Batch,
+        cache: Any,  # {hook name: Tensor}: a dict, or TransformerLens' ActivationCache
+        logits: Float[Tensor, "batch pos d_vocab"] | None,
+        model: Any = None,
+        info: ModelInfo | None = None,
+        pass_index: int = 0,
+        *,
+        context: RunContext | None = None,
+    ) -> None:
+        if context is None:
+            if model is None or info is None:
+                raise TypeError("a Step needs the run's context, or a model and its info")
+            context = RunContext(model, info, pass_index=pass_index)
+        elif model is not None or info is not None:
+            raise TypeError("a Step takes the model and its info from its context: give one")
+        self.batch = batch
+        self.cache = cache
+        self.logits = logits
+        self.context = context
 
-    def __post_init__(self) -> None:
-        if self.context is None:
-            self.context = RunContext(self.model, self.info, pass_index=self.pass_index)
+    @property
+    def model(self) -> Any:
+        """The ``TransformerBridge`` (for readouts and interventions)."""
+        return self.context.model
+
+    @property
+    def info(self) -> ModelInfo:
+        """Model facts."""
+        return self.context.info
+
+    @property
+    def pass_index(self) -> int:
+        """Which pass over the data this is (``0`` unless the analyzer asked for more, see
+        :attr:`Analyzer.passes`)."""
+        return self.context.pass_index
+
+    def __repr__(self) -> str:
+        return f"Step(batch {self.batch.index}, pass {self.pass_index}, {self.info.name})"
 
     def cached(self, key: Any, factory: Callable[[], Any]) -> Any:
         """See :meth:`RunContext.cached`."""
-        assert self.context is not None  # set in __post_init__
         return self.context.cached(key, factory)
 
     def resource(self, analyzer: str) -> Any:
         """What ``analyzer``'s :meth:`Analyzer.setup` returned for this run (``None`` if none)."""
-        assert self.context is not None  # set in __post_init__
         return self.context.resources.get(analyzer)
 
     def resid(self, layer: int) -> Float[Tensor, "batch pos d_model"]:

@@ -33,24 +33,23 @@ from torch import Tensor
 
 from lensdiv.core.analyzer import ModelInfo
 from lensdiv.core.errors import HookError
-from lensdiv.ops.readout import FinalReadout, NormKind, norm_error
-from lensdiv.ops.readout import final_readout as readout_of
+from lensdiv.ops.readout import FinalReadout, NormKind, final_readout, norm_error
 
 Constant = Literal["shared", "separate"]
 
-_READOUTS: weakref.WeakKeyDictionary[Any, tuple[FinalReadout, Readout]] = (
+_READOUTS: weakref.WeakKeyDictionary[Any, tuple[FinalReadout, MemberReadout]] = (
     weakref.WeakKeyDictionary()
 )
 
 
 @dataclass(eq=False)
-class Readout:
+class MemberReadout:
     """The model's :class:`~lensdiv.ops.readout.FinalReadout` (final norm and unembedding in the
     readout dtype, where the unembedding runs) and what the members add to it.
 
     Args:
         full: The shared readout (its norm is an LN or RMSNorm and its output transform at most
-            a scalar, folded into ``W_U``: :func:`final_readout` checks both).
+            a scalar, folded into ``W_U``: :func:`member_readout` checks both).
         const: ``β · W_U + b_U``: the part of the logits no member writes.
     """
 
@@ -72,7 +71,7 @@ class Readout:
         """``σ(h_L)`` per row, with the norm's own epsilon (1 when there is no final norm)."""
         return self.full.scale(h_last)
 
-    def normalise(
+    def normalize(
         self,
         c: Float[Tensor, "member n d_model"],
         sigma: Float[Tensor, " n"],
@@ -122,8 +121,8 @@ def member_hooks(info: ModelInfo) -> list[str]:
     return [*hooks, info.resid(info.n_layers)]
 
 
-def final_readout(model: Any) -> Readout:
-    """The model's final norm and unembedding as a :class:`Readout`, verified, cached per model.
+def member_readout(model: Any) -> MemberReadout:
+    """The model's final norm and unembedding as a :class:`MemberReadout`, verified, cached per model.
 
     Raises:
         HookError: The final norm is neither a LayerNorm nor an RMSNorm (``γ`` or ``1 + γ``) with
@@ -131,10 +130,10 @@ def final_readout(model: Any) -> Readout:
             the members' contributions would not add up to the logits.
     """
     # Rebuilt whenever the full readout is (folding rewrites the norm and unembedding in place).
-    full = readout_of(model)
+    full = final_readout(model)
     cached = _READOUTS.get(model)
     if cached is None or cached[0] is not full:
-        cached = _READOUTS[model] = (full, _members_readout(model, full))
+        cached = _READOUTS[model] = (full, _build_member_readout(model, full))
     return cached[1]
 
 
@@ -154,10 +153,10 @@ def member_inputs(
 
     Returns:
         ``(u, const)``: ``u`` float32 ``[M, n, d_model]`` with ``z_i = u_i · W_U`` (``W_U`` of
-        :func:`final_readout`), and ``const = β · W_U + b_U`` so ``Σ_i z_i + const`` is the
+        :func:`member_readout`), and ``const = β · W_U + b_U`` so ``Σ_i z_i + const`` is the
         model's logits at those positions.
     """
-    readout = final_readout(model)
+    readout = member_readout(model)
     hooks = member_hooks(info)
     h_last = cache[hooks[-1]]
     d_model = h_last.shape[-1]
@@ -173,12 +172,12 @@ def member_inputs(
         else:
             c[i].copy_(act.index_select(0, rows.to(act.device)))
     sigma = readout.scale(h_last.reshape(-1, d_model).index_select(0, rows.to(h_last.device)))
-    return readout.normalise(c, sigma, inplace=True), readout.const
+    return readout.normalize(c, sigma, inplace=True), readout.const
 
 
 def logits_from_inputs(
     u: Float[Tensor, "member n d_model"],
-    readout: Readout,
+    readout: MemberReadout,
     *,
     constant: Constant = "shared",
 ) -> Float[Tensor, "member n d_vocab"]:
@@ -202,12 +201,12 @@ def member_logits(
     """Every member's logit contribution at the kept positions (float32).
 
     With ``constant="shared"`` the sum over members is exactly the model's logits; with
-    ``"separate"`` add :attr:`Readout.const` to the sum. This materialises ``M × n × d_vocab``
+    ``"separate"`` add :attr:`MemberReadout.const` to the sum. This materialises ``M × n × d_vocab``
     floats: pass a ``keep`` that covers a chunk of positions, or use
     :func:`iter_member_logits`.
     """
     u, _ = member_inputs(model, cache, info, keep)
-    return logits_from_inputs(u, final_readout(model), constant=constant)
+    return logits_from_inputs(u, member_readout(model), constant=constant)
 
 
 def iter_member_logits(
@@ -221,7 +220,7 @@ def iter_member_logits(
 ) -> Iterator[tuple[slice, Float[Tensor, "member chunk d_vocab"]]]:
     """:func:`member_logits` in chunks of kept rows: ``(rows, logits)`` with at most
     ``max_elements`` logits (``M × rows × d_vocab``) alive at once."""
-    d_vocab = final_readout(model).W_U.shape[1]
+    d_vocab = member_readout(model).W_U.shape[1]
     start = 0
     for mask in keep_chunks(keep, max(1, max_elements // ((2 * info.n_layers + 1) * d_vocab))):
         z = member_logits(model, cache, info, mask, constant=constant)
@@ -244,7 +243,7 @@ def keep_chunks(
 # -- the final norm, decomposed ---------------------------------------------------------------------
 
 
-def _members_readout(model: Any, full: FinalReadout) -> Readout:
+def _build_member_readout(model: Any, full: FinalReadout) -> MemberReadout:
     name = str(getattr(model.cfg, "model_name", "this model"))
     if full.kind == "module":
         ln_final = model.ln_final
@@ -267,4 +266,4 @@ def _members_readout(model: Any, full: FinalReadout) -> Readout:
             "so member contributions cannot add up to the logits",
             hint="this analyzer does not support this architecture",
         )
-    return Readout(full=full, const=full.bias @ full.W_U + full.b_U)
+    return MemberReadout(full=full, const=full.bias @ full.W_U + full.b_U)

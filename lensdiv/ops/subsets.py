@@ -22,7 +22,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from lensdiv.core.analyzer import Step
-from lensdiv.ops.members import final_readout, iter_member_logits
+from lensdiv.ops.members import iter_member_logits, member_readout
 from lensdiv.ops.resume import Resumer
 
 Metric = Literal["neg_ce", "accuracy"]
@@ -83,7 +83,7 @@ def direct_scores(
     if not masks or not keep.any():
         return out
     weights = _subset_matrix(masks, n_members, device)
-    const = final_readout(step.model).const
+    const = member_readout(step.model).const
     share = weights.sum(1, keepdim=True) / n_members if constant == "shared" else None
     flat_targets = targets[keep]
     chunks = iter_member_logits(

@@ -15,15 +15,16 @@ the same. The run then goes like this:
   stops every rank at the same round, so the states can still be combined and the partial
   results written, as in one process.
 - **States** (:func:`reduce_states`): at the end of every pass, the ranks first exchange what
-  their states hold (names, kinds, shapes, fixed values, sets, rows, and which analyzers
-  failed). An analyzer that failed on any rank fails on all; one whose states disagree (names
-  of one kind here and another there, shapes, fixed values, a row recorded twice) fails with
-  the difference. A name that a rank lacks (a rank without a batch has an empty state) is
-  created as the identity of its rule (0 for sums, -inf for maxima, +inf for minima). Then every
-  sum, maximum and minimum not frozen by earlier passes is all-reduced in float64; fixed values
-  are taken from the ranks that have them, sets united and rows gathered. Every rank ends the
-  pass with the state one process would have had, so ``start_pass`` (a fit) and the next pass
-  work as in one process.
+  their states hold (:meth:`~lensdiv.core.stats.Stats.summary`: names, kinds, shapes, fixed
+  values, sets, rows) and which analyzers failed. An analyzer that failed on any rank fails on
+  all; one whose states disagree (names of one kind here and another there, shapes, fixed
+  values, a row recorded twice) fails with the difference. The rest follows the merge rules of
+  :mod:`lensdiv.core.stats`, the same that merge saved shards: a name that a rank lacks (a rank
+  without a batch has an empty state) is created as its rule's identity, every sum, maximum and
+  minimum not frozen by earlier passes is all-reduced in float64 with its rule's collective,
+  and fixed values, sets and rows are folded with their rule. Every rank ends the pass with the
+  state one process would have had, so ``start_pass`` (a fit) and the next pass work as in
+  one process.
 - **Output**: rank 0 alone shows progress (with the world's tokens/s), finalizes and writes;
   the manifest records the world size, backend, devices and per-rank timings.
 - **Faults**: collectives time out (``timeout_s``) instead of waiting for a dead or stuck rank
@@ -39,17 +40,18 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from itertools import islice
-from typing import Any
+from typing import Any, final
 
 import torch
 
-from lensdiv.core.analyzer import Analyzer, Batch
+from lensdiv.core.analyzer import Batch
 from lensdiv.core.errors import DataError, LensdivError, RankError, StateError
-from lensdiv.core.stats import Stats, same_value
+from lensdiv.core.stats import Stats, plan_reduce
 from lensdiv.run.engine import Engine, describe
+from lensdiv.run.feed import Feed, OnBatch
 from lensdiv.run.interrupts import interruption, signals_received
 
 # Collective timeout of a process group the command line creates: long enough for the slowest
@@ -57,7 +59,6 @@ from lensdiv.run.interrupts import interruption, signals_received
 DEFAULT_TIMEOUT_S = 1800.0
 # Round status codes (all-reduced with MAX: the worst wins).
 OK, INTERRUPTED, STOPPED, FAILED = 0, 1, 2, 3
-_IDENTITY = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}
 
 
 @dataclass(frozen=True)
@@ -214,187 +215,52 @@ def agree(world: World, code: int, message: str = "") -> list[tuple[int, int, st
 # -- states --------------------------------------------------------------------------------------
 
 
-def state_summary(state: Stats) -> dict[str, Any]:
-    """What ranks exchange about a state before reducing it: every entry not frozen by an
-    earlier pass (tensor entries as kind, name and shape; the rest with their values)."""
-    live = [n for n in state.names() if n not in state.frozen]
-    return {
-        "empty": state.empty,
-        "frozen": sorted(state.frozen),
-        "kinds": {n: state.kind(n) for n in live},
-        "shapes": {
-            n: tuple(state[n].shape) for n in live if state.kind(n) in ("sum", "max", "min")
-        },
-        "fixed": {
-            n: (v.detach().cpu() if isinstance(v, torch.Tensor) else v)
-            for n, v in state.fixed.items()
-            if n not in state.frozen
-        },
-        "sets": {n: sorted(v) for n, v in state.sets.items() if n not in state.frozen},
-        "rows": {n: dict(v) for n, v in state.rows.items() if n not in state.frozen},
-    }
-
-
-@dataclass
-class ReducePlan:
-    """How the ranks' states of one analyzer combine, decided identically on every rank.
-
-    Args:
-        tensors: ``(kind, name, shape)`` of every entry to all-reduce, in a fixed order.
-        fixed: Fixed values by name (agreed by every rank that has them).
-        sets: Sets united.
-        rows: Rows gathered.
-    """
-
-    tensors: list[tuple[str, str, tuple[int, ...]]] = field(default_factory=list)
-    fixed: dict[str, Any] = field(default_factory=dict)
-    sets: dict[str, set[str]] = field(default_factory=dict)
-    rows: dict[str, dict[int, Any]] = field(default_factory=dict)
-
-
-def plan_reduce(summaries: list[dict[str, Any]]) -> ReducePlan:
-    """Check that the ranks' state summaries agree and say how they combine.
-
-    Raises:
-        StateError: Different finished passes, a name of two kinds or two shapes, fixed values
-            that differ, a row recorded on two ranks — naming the name and the ranks.
-    """
-    full = [(r, s) for r, s in enumerate(summaries) if not s["empty"]]
-    if full and any(s["frozen"] != full[0][1]["frozen"] for _, s in full):
-        ranks = [r for r, s in full if s["frozen"] != full[0][1]["frozen"]]
-        raise StateError(
-            f"ranks {full[0][0]} and {ranks[0]} finished different passes (states cannot merge)"
-        )
-    kinds: dict[str, tuple[int, str]] = {}
-    shapes: dict[str, tuple[int, tuple[int, ...]]] = {}
-    plan = ReducePlan()
-    for rank, summary in enumerate(summaries):
-        for name, kind in summary["kinds"].items():
-            first = kinds.setdefault(name, (rank, kind))
-            if first[1] != kind:
-                raise StateError(
-                    f"statistic {name!r} is a {first[1]} on rank {first[0]} and a {kind} on "
-                    f"rank {rank}"
-                )
-        for name, shape in summary["shapes"].items():
-            first_shape = shapes.setdefault(name, (rank, tuple(shape)))
-            if first_shape[1] != tuple(shape):
-                raise StateError(
-                    f"statistic {name!r} has shape {first_shape[1]} on rank {first_shape[0]} and "
-                    f"{tuple(shape)} on rank {rank}"
-                )
-        for name, value in summary["fixed"].items():
-            if name in plan.fixed and not same_value(plan.fixed[name], value):
-                raise StateError(f"fixed statistic {name!r} differs between ranks (0..{rank})")
-            plan.fixed.setdefault(name, value)
-        for name, items in summary["sets"].items():
-            plan.sets.setdefault(name, set()).update(items)
-        for name, rows in summary["rows"].items():
-            store = plan.rows.setdefault(name, {})
-            clash = store.keys() & rows.keys()
-            if clash:
-                raise StateError(f"row {min(clash)} of {name!r} was recorded on two ranks")
-            store.update(rows)
-    plan.tensors = sorted((kinds[n][1], n, shape) for n, (_, shape) in shapes.items())
-    return plan
-
-
-def apply_plan(world: World, state: Stats, plan: ReducePlan, what: str) -> None:
-    """All-reduce the tensor entries of ``plan`` into ``state`` and take its other entries:
-    ``state`` becomes the state of all ranks together."""
-    stores = {"sum": state.sums, "max": state.maxs, "min": state.mins}
-    for kind, name, shape in plan.tensors:
-        store = stores[kind]
-        if name not in store:  # this rank never wrote it (no batch): the rule's identity
-            store[name] = torch.full(
-                shape, _IDENTITY[kind], dtype=torch.float64, device=world.comm_device()
-            )
-        all_reduce(world, store[name], kind, what)
-    for name, value in plan.fixed.items():
-        state.fixed.setdefault(name, value)
-    for name, items in plan.sets.items():
-        state.sets[name] = set(items)
-    for name, rows in plan.rows.items():
-        state.rows[name] = dict(rows)
-
-
 def reduce_states(world: World, engine: Engine, index: int, states: Mapping[str, Stats]) -> None:
     """Combine the ranks' states of every analyzer of pass ``index`` (see the module
-    docstring); analyzers that failed on a rank, or whose states disagree, fail on every rank.
+    docstring): one exchange of every analyzer's failure or :meth:`Stats.summary`, then per
+    analyzer the :func:`~lensdiv.core.stats.plan_reduce` every rank derives alike and
+    :meth:`Stats.reduce` with this group's all-reduce. Analyzers that failed on a rank, or
+    whose states disagree, fail on every rank.
     """
     if not world.parallel:
         return
+    # Every analyzer of the pass, failed ones too: every rank sends the same keys.
     group = [a for a in engine.analyzers if a.n_passes(engine.info) > index]
+    failures = engine.failures
     mine: dict[str, Any] = {}
     for a in group:
-        failure = engine.failures.get(a.name)
+        failure = failures.get(a.name)
         state = states.get(a.name)
-        summary = state_summary(state) if failure is None and state is not None else None
+        summary = state.summary() if failure is None and state is not None else None
         mine[a.name] = (failure, summary)
     everyone = gather_objects(world, mine, f"the exchange of states after pass {index + 1}")
     for a in group:
-        failures = [(r, theirs[a.name][0]) for r, theirs in enumerate(everyone)]
-        failures = [(r, message) for r, message in failures if message]
-        if failures:
-            rank, message = failures[0]
-            _fail_everywhere(engine, a, f"{message} (on rank {rank})")
+        failed = [(r, theirs[a.name][0]) for r, theirs in enumerate(everyone)]
+        failed = [(r, message) for r, message in failed if message]
+        if failed:
+            rank, message = failed[0]
+            engine.fail(a, f"{message} (on rank {rank})")
             continue
         try:
             plan = plan_reduce([theirs[a.name][1] for theirs in everyone])
         except StateError as err:
-            _fail_everywhere(engine, a, f"{describe(err)} (end of pass {index + 1})")
+            engine.fail(a, err, f"end of pass {index + 1}")
             continue
-        apply_plan(world, states[a.name], plan, f"the reduction of {a.name!r}")
+        states[a.name].reduce(
+            plan, _all_reduce_in(world, f"the reduction of {a.name!r}"), world.comm_device()
+        )
 
 
-def _fail_everywhere(engine: Engine, analyzer: Analyzer, message: str) -> None:
-    engine.failures[analyzer.name] = message
-    if analyzer in engine.active:
-        engine.active.remove(analyzer)
+def _all_reduce_in(world: World, what: str) -> Callable[[torch.Tensor, str], None]:
+    """:func:`all_reduce` in ``world`` as :meth:`Stats.reduce` calls it."""
+
+    def call(tensor: torch.Tensor, op: str) -> None:
+        all_reduce(world, tensor, op, what)
+
+    return call
 
 
 # -- feeding ---------------------------------------------------------------------------------------
-
-
-class Feed:
-    """How a run's batches reach its engine: here, every batch in this process.
-
-    Subclasses split the batches into shards (:class:`~lensdiv.run.shards.ShardFeed`: its own
-    :meth:`share`, the states saved by :meth:`settle`) or between the processes of a group
-    (:class:`DataParallelFeed`: its own :meth:`feed`, in lock-step rounds).
-    """
-
-    #: This process finalizes the analyzers (and writes results).
-    finalizes = True
-    #: The processes agree on when to stop (a signal is acted on by the feed, not the runner).
-    coordinated = False
-
-    def feed(
-        self,
-        engine: Engine,
-        index: int,
-        batches: Iterable[Batch],
-        states: Mapping[str, Stats],
-        on_batch: Callable[[Batch], None] | None = None,
-    ) -> None:
-        """Pass ``index`` over this process's :meth:`share` of ``batches``, then :meth:`settle`
-        the states."""
-        engine.feed(index, self.share(batches), states, on_batch=on_batch)
-        self.settle(engine, states)
-
-    def share(self, batches: Iterable[Batch]) -> Iterable[Batch]:
-        """The batches this process runs: all of them."""
-        return batches
-
-    def settle(self, engine: Engine, states: Mapping[str, Stats]) -> None:
-        """After a pass, what becomes of the states: nothing (they finalize here)."""
-
-    def manifest(self) -> dict[str, Any]:
-        """What the manifest records of how the work was split (nothing for one process)."""
-        return {}
-
-    def close(self, manifest: dict[str, Any]) -> None:
-        """After the last group: complete the manifest (per-rank timings)."""
 
 
 @dataclass
@@ -414,6 +280,7 @@ class RankTimes:
     batches: int = 0
 
 
+@final
 class DataParallelFeed(Feed):
     """Batch ``i`` on rank ``i mod world``, in lock-step rounds; states reduced every pass.
 
@@ -425,20 +292,23 @@ class DataParallelFeed(Feed):
     def __init__(self, world: World, device: str) -> None:
         self.world = world
         self.device = device
-        self.finalizes = world.main
-        self.coordinated = True
         self.times = RankTimes()
         if world.backend == "nccl" and device.startswith("cuda"):
             # NCCL's collectives of Python objects run on the current device: the rank's own.
             torch.cuda.set_device(torch.device(device))
 
-    def feed(
+    @property
+    def finalizes(self) -> bool:
+        """Rank 0 alone finalizes and writes."""
+        return self.world.main
+
+    def run_pass(
         self,
         engine: Engine,
         index: int,
         batches: Iterable[Batch],
         states: Mapping[str, Stats],
-        on_batch: Callable[[Batch], None] | None = None,
+        on_batch: OnBatch | None = None,
     ) -> None:
         """Pass ``index``: this rank's share of ``batches``, then the reduction of the states.
 
@@ -450,9 +320,7 @@ class DataParallelFeed(Feed):
         try:
             stop, local_error = self._rounds(engine, index, batches, states, on_batch)
         except RankError as err:  # a rank failed, or a collective did: nothing more to reduce
-            for a in engine.members(index):  # analyzers done in earlier passes are still written
-                engine.failures[a.name] = f"stopped: {err}"
-                engine.active.remove(a)
+            engine.fail_pass(index, f"stopped: {err}")  # earlier passes' results are written
             raise
         if stop is None:
             return
@@ -467,12 +335,12 @@ class DataParallelFeed(Feed):
         index: int,
         batches: Iterable[Batch],
         states: Mapping[str, Stats],
-        on_batch: Callable[[Batch], None] | None,
+        on_batch: OnBatch | None,
     ) -> tuple[tuple[int, str] | None, LensdivError | None]:
         """Feed this rank's share round by round, then reduce; return why the ranks stopped
         early (``(code, message)``) and this rank's own data error, if any."""
         world, stream = self.world, iter(batches)
-        own_tokens, tokens_before = 0, engine.tokens
+        own_tokens = 0
         stop: tuple[int, str] | None = None
         local_error: LensdivError | None = None
         with _interrupt_flag() as interrupted:
@@ -512,7 +380,7 @@ class DataParallelFeed(Feed):
                         on_batch(batch)
                 if not round_:
                     break
-        self._reduce(engine, index, states, tokens_before, own_tokens)
+        self._reduce(engine, index, states, own_tokens)
         return stop, local_error
 
     def _reduce(
@@ -520,19 +388,18 @@ class DataParallelFeed(Feed):
         engine: Engine,
         index: int,
         states: Mapping[str, Stats],
-        tokens_before: int,
         own_tokens: int,
     ) -> None:
         started = time.perf_counter()
         if index == 0:  # the world's tokens, as one process would have counted them
             total = torch.tensor([own_tokens], dtype=torch.int64, device=self.world.comm_device())
             all_reduce(self.world, total, "sum", "the count of tokens")
-            engine.tokens = tokens_before + int(total.item())
+            engine.count_tokens(int(total.item()) - own_tokens)  # the other ranks' tokens
             self.times.tokens += own_tokens
         reduce_states(self.world, engine, index, states)
         self.times.wait_s += time.perf_counter() - started
 
-    def manifest(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, Any]:
         return {
             "distributed": {
                 "world_size": self.world.size,

@@ -17,6 +17,7 @@ A failing analyzer is isolated: it is dropped from the group with one line in
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
@@ -52,6 +53,14 @@ def check_hooks(analyzers: Iterable[Analyzer], info: ModelInfo) -> dict[str, lis
     return needed
 
 
+def on_device(batch: Batch, device: torch.device) -> Batch:
+    """``batch`` with its tensors on ``device`` (a new batch: the caller's stays as it is)."""
+    doc = batch.doc.to(device) if batch.doc is not None else None
+    return dataclasses.replace(
+        batch, tokens=batch.tokens.to(device), mask=batch.mask.to(device), doc=doc
+    )
+
+
 def describe(err: BaseException) -> str:
     """``"Type: first line of the message"`` (at most 300 characters)."""
     return f"{type(err).__name__}: {err}".splitlines()[0][:300]
@@ -84,11 +93,32 @@ class Engine:
         if resources is None:
             resources = {a.name: a.setup(model, info) for a in self.analyzers}
         self.context = RunContext(model, info, dict(resources))
-        self.active = list(self.analyzers)
-        self.failures: dict[str, str] = {}
+        self._active = list(self.analyzers)
+        self._failures: dict[str, str] = {}
         self.spent = {a.name: 0.0 for a in self.analyzers}
-        self.tokens = 0  # real tokens of pass 0
+        self._tokens = 0
         self.forward_s = 0.0
+
+    # -- what feeds and the runner read and report ----------------------------------------------
+    @property
+    def active(self) -> list[Analyzer]:
+        """The analyzers still running (a copy)."""
+        return list(self._active)
+
+    @property
+    def failures(self) -> dict[str, str]:
+        """``{analyzer: one line}`` of the analyzers that failed (a copy)."""
+        return dict(self._failures)
+
+    @property
+    def tokens(self) -> int:
+        """Real tokens of pass 0 fed so far (by every process, once a feed counted theirs)."""
+        return self._tokens
+
+    def count_tokens(self, n: int) -> None:
+        """Count ``n`` more real tokens of pass 0: a data-parallel feed adds those that the
+        other processes fed."""
+        self._tokens += int(n)
 
     @property
     def n_passes(self) -> int:
@@ -97,13 +127,21 @@ class Engine:
 
     def members(self, index: int) -> list[Analyzer]:
         """The analyzers still running that take part in pass ``index``."""
-        return [a for a in self.active if a.n_passes(self.info) > index]
+        return [a for a in self._active if a.n_passes(self.info) > index]
 
-    def fail(self, analyzer: Analyzer, err: BaseException, where: str) -> None:
-        """Drop ``analyzer`` from the group, remembering why."""
-        self.failures[analyzer.name] = f"{describe(err)} ({where})"
-        if analyzer in self.active:
-            self.active.remove(analyzer)
+    def fail(self, analyzer: Analyzer, why: BaseException | str, where: str | None = None) -> None:
+        """Drop ``analyzer`` from the group, remembering why: an exception (described in one
+        line) or a line, and where it happened (``"batch 3"``, ``"saving the state"``)."""
+        line = describe(why) if isinstance(why, BaseException) else why
+        self._failures[analyzer.name] = f"{line} ({where})" if where else line
+        if analyzer in self._active:
+            self._active.remove(analyzer)
+
+    def fail_pass(self, index: int, why: str) -> None:
+        """Drop every analyzer still taking part in pass ``index`` (those finished in earlier
+        passes keep their results)."""
+        for analyzer in self.members(index):
+            self.fail(analyzer, why)
 
     def _timed(self, analyzer: Analyzer, where: str, call: Callable[[], Any]) -> Any:
         t0 = time.perf_counter()
@@ -118,7 +156,7 @@ class Engine:
     def init(self) -> dict[str, Stats]:
         """A fresh state per analyzer."""
         states: dict[str, Stats] = {}
-        for a in list(self.active):
+        for a in self.active:
             state = self._timed(a, "init", partial(a.init, self.info))
             if state is not None:
                 states[a.name] = state
@@ -155,28 +193,19 @@ class Engine:
         members = self.members(index)
         if not members:
             return
+        self.context.pass_index = index
         names = list(dict.fromkeys(h for a in members for h in self.hooks[a.name]))
         need_logits = any(a.needs_logits for a in members)
         grad = any(a.needs_grad for a in members)
         device = input_device(self.model)
-        for batch in batches:
-            batch.tokens, batch.mask = batch.tokens.to(device), batch.mask.to(device)
-            if batch.doc is not None:
-                batch.doc = batch.doc.to(device)
+        for given in batches:
+            batch = on_device(given, device)
             t0 = time.perf_counter()
             logits, cache = capture(
                 self.model, batch.tokens, names, need_logits=need_logits, grad=grad
             )
             self.forward_s += time.perf_counter() - t0
-            step = Step(
-                batch=batch,
-                cache=cache,
-                logits=logits,
-                model=self.model,
-                info=self.info,
-                pass_index=index,
-                context=self.context,
-            )
+            step = Step(batch, cache, logits, context=self.context)
             for a in self.members(index):
 
                 def update(a: Analyzer = a, step: Step = step) -> None:
@@ -185,16 +214,16 @@ class Engine:
 
                 self._timed(a, f"batch {batch.index}", update)
             if index == 0:
-                self.tokens += batch.n_tokens
+                self.count_tokens(batch.n_tokens)
             if on_batch is not None:
-                on_batch(batch)
+                on_batch(given)
             if not self.members(index):
                 break
 
     def finalize(self, states: Mapping[str, Stats]) -> dict[str, Result]:
         """Each running analyzer's result (those that fail here are dropped)."""
         results = {}
-        for a in list(self.active):
+        for a in self.active:
             result = self._timed(a, "finalize", partial(a.finalize, states[a.name], self.info))
             if result is not None:
                 results[a.name] = result

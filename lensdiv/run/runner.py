@@ -29,8 +29,9 @@ from lensdiv.core.results import Rendered, Result
 from lensdiv.data.sources import DataSpec, check_source, token_batches
 from lensdiv.models.load import load_model
 from lensdiv.ops.readout import readout_dtype
-from lensdiv.run.distributed import DataParallelFeed, Feed, World, current_world, gather_objects
+from lensdiv.run.distributed import DataParallelFeed, World, current_world, gather_objects
 from lensdiv.run.engine import Engine, describe, input_device
+from lensdiv.run.feed import Feed, LocalFeed
 from lensdiv.run.interrupts import handle_signals, interruption, shielded, signals_received
 from lensdiv.run.outcome import finish, read_manifest, save_result, write_manifest
 from lensdiv.run.report import write_report
@@ -406,7 +407,7 @@ def _stream(
     out_dir: Path | None,
     progress: bool,
     save_manifest: Callable[[], None],
-    feed: Feed | None = None,
+    feed: Feed,
 ) -> BaseException | None:
     """Run a group through all its passes, then finalize and save each analyzer.
 
@@ -416,7 +417,6 @@ def _stream(
     import torch
 
     entries = run.manifest["analyzers"]
-    feed = feed or Feed()
     for a in engine.analyzers:
         entries[a.name]["status"] = "running"
     stopped: BaseException | None = None
@@ -433,28 +433,15 @@ def _stream(
                 label += f" (pass {index + 1}/{n_passes})"
             bar = _progress(progress, label)
             # Ctrl-C and SIGTERM take effect between batches (a second one at once), so every
-            # state holds whole batches.
+            # state holds whole batches: the feed stops the pass (a process group's ranks
+            # agree first).
             with bar, shielded(soft=True):
                 task = bar.add_task("analyzing", total=total)
-                seen = len(signals_received())
 
-                # Ranks of a process group agree on when to stop (the feed's own exchange).
-                alone = not feed.coordinated
-
-                def advance(
-                    batch: Batch,
-                    bar: Any = bar,
-                    task: Any = task,
-                    seen: int = seen,
-                    alone: bool = alone,
-                ) -> None:
+                def advance(batch: Batch, bar: Any = bar, task: Any = task) -> None:
                     bar.update(task, advance=batch.n_tokens)
-                    if alone and len(signals_received()) > seen:
-                        raise interruption(signals_received()[seen])
 
-                feed.feed(engine, index, batches(), states, advance)
-                if alone and len(signals_received()) > seen:  # arrived after the last batch
-                    raise interruption(signals_received()[seen])
+                feed.run_pass(engine, index, batches(), states, advance)
     except (KeyboardInterrupt, LensdivError) as err:
         stopped = err
     except (MemoryError, torch.cuda.OutOfMemoryError) as err:
@@ -488,7 +475,7 @@ def _wrap_up(
     else:
         timings["tokens"] = engine.tokens
     if engine.tokens == 0 and finalizes:
-        for a in list(engine.active):
+        for a in engine.active:
             if isinstance(stopped, KeyboardInterrupt):  # stopped before its first batch
                 entries[a.name]["status"] = "interrupted"
                 continue
@@ -574,18 +561,18 @@ def _feed(
     out_dir: Path | None,
     manifest: dict[str, Any],
 ) -> Feed:
-    """How the batches are split (between ranks, into a shard, or not at all); records in the
+    """How the batches are split (into a shard, between ranks, or not at all); records in the
     manifest the model facts a merge finalizes with, the device map and the split."""
     manifest["model"]["device_map"] = device_map_of(bridge)
     manifest["model_info"] = info.to_dict()
-    feed: Feed
-    if split is not None:
-        feed = ShardFeed(*split, out_dir, manifest)
-    elif world.parallel:
-        feed = DataParallelFeed(world, str(input_device(bridge)))
-    else:
-        feed = Feed()
-    manifest.update(feed.manifest())
+    feed: Feed = (
+        ShardFeed(*split, out_dir, manifest["analyzers"])
+        if split is not None
+        else DataParallelFeed(world, str(input_device(bridge)))
+        if world.parallel
+        else LocalFeed()
+    )
+    manifest.update(feed.describe())
     return feed
 
 

@@ -16,15 +16,15 @@ collectives, so they run there (:mod:`lensdiv.run.distributed`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, final
 
 from lensdiv.core.analyzer import Analyzer, Batch, ModelInfo
 from lensdiv.core.errors import LensdivError
 from lensdiv.core.stats import Stats
-from lensdiv.run.distributed import Feed
 from lensdiv.run.engine import Engine
+from lensdiv.run.feed import Feed, OnBatch, every_nth, feed_locally
 
 
 def parse_shard(shard: str | tuple[int, int] | None) -> tuple[int, int] | None:
@@ -70,36 +70,39 @@ def check_shardable(analyzers: Iterable[Analyzer], info: ModelInfo) -> None:
             )
 
 
-def shard_batches(batches: Iterable[Batch], index: int, count: int) -> Iterator[Batch]:
-    """Batch ``j`` of the stream when ``j mod count == index``."""
-    for position, batch in enumerate(batches):
-        if position % count == index:
-            yield batch
-
-
+@final
 class ShardFeed(Feed):
     """Shard ``index`` of ``count``: its share of the batches; the states saved, not finalized.
 
     Args:
         index, count: Which shard.
         out: The run's folder (states go to ``out/<analyzer>/``); ``None`` saves nothing.
-        manifest: The run's manifest (each analyzer's entry says where its state is).
+        entries: The manifest's analyzer entries (each says where its state is once saved).
     """
 
-    finalizes = False
-
-    def __init__(self, index: int, count: int, out: Path | None, manifest: dict[str, Any]) -> None:
+    def __init__(
+        self, index: int, count: int, out: Path | None, entries: dict[str, dict[str, Any]]
+    ) -> None:
         self.index, self.count = index, count
         self.out = out
-        self.entries = manifest["analyzers"]
+        self.entries = entries
 
-    def share(self, batches: Iterable[Batch]) -> Iterator[Batch]:
-        """This shard's batches."""
-        return shard_batches(batches, self.index, self.count)
+    @property
+    def finalizes(self) -> bool:
+        """A shard only saves its states: ``lensdiv merge`` finalizes."""
+        return False
 
-    def settle(self, engine: Engine, states: Mapping[str, Stats]) -> None:
-        """Save every state (a failed save fails its analyzer)."""
-        for a in list(engine.active):
+    def run_pass(
+        self,
+        engine: Engine,
+        index: int,
+        batches: Iterable[Batch],
+        states: Mapping[str, Stats],
+        on_batch: OnBatch | None = None,
+    ) -> None:
+        """This shard's batches, then every state saved (a failed save fails its analyzer)."""
+        feed_locally(engine, index, every_nth(batches, self.index, self.count), states, on_batch)
+        for a in engine.active:
             if self.out is not None:
                 try:
                     states[a.name].save(self.out / a.name)
@@ -108,5 +111,8 @@ class ShardFeed(Feed):
                     continue
             self.entries[a.name].update(status="saved", state=a.name)
 
-    def manifest(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, Any]:
         return {"shard": {"index": self.index, "count": self.count}}
+
+    def close(self, manifest: dict[str, Any]) -> None:
+        """Nothing to add: each state's entry was written when it was saved."""

@@ -70,7 +70,7 @@ from lensdiv.analyzers.submod.setfunction import (
 from lensdiv.core.analyzer import Analyzer, ModelInfo, Step
 from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
-from lensdiv.ops.members import final_readout, member_hooks, member_names
+from lensdiv.ops.members import member_hooks, member_names, member_readout
 from lensdiv.ops.resume import resumer_for
 from lensdiv.ops.subsets import ConstantMode, Metric, direct_scores, removal_scores
 
@@ -157,7 +157,7 @@ class Submodularity(Analyzer):
 
     def setup(self, model: Any, info: ModelInfo) -> None:
         if self.mode == "direct":  # member sums cannot add up past a final logit soft-cap
-            final_readout(model)  # (Gemma 2): UnsupportedModelError, so the run skips submod
+            member_readout(model)  # (Gemma 2): UnsupportedModelError, so the run skips submod
 
     def plan(self, info: ModelInfo) -> Plan:
         """The subsets of the first pass."""
