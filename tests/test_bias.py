@@ -31,12 +31,12 @@ from lensdiv.core.errors import DataError, HookError
 from lensdiv.data.sources import DataSpec
 from lensdiv.ops.capture import capture
 from lensdiv.ops.members import (
-    final_readout,
     iter_member_logits,
     member_hooks,
     member_inputs,
     member_logits,
     member_names,
+    member_readout,
 )
 from lensdiv.run.runner import analyze
 from lensdiv.testing.models import boot_native_tiny, boot_tiny
@@ -81,7 +81,7 @@ def test_members_add_up_to_the_logits(model: Any) -> None:
     assert _rel(z.sum(0), logits[keep]) < RTOL
     # "separate" leaves the constant out; the chunked iterator gives the same rows.
     separate = member_logits(model, cache, info, keep, constant="separate")
-    assert _rel(separate.sum(0) + final_readout(model).const, logits[keep]) < RTOL
+    assert _rel(separate.sum(0) + member_readout(model).const, logits[keep]) < RTOL
     chunks = list(iter_member_logits(model, cache, info, keep, max_elements=4 * 260 * 7))
     assert len(chunks) > 1
     torch.testing.assert_close(torch.cat([c for _, c in chunks], 1), z)
@@ -99,7 +99,7 @@ def test_members_with_random_final_norm(arch: str, request: pytest.FixtureReques
     info = ModelInfo.from_model(model)
     (batch,) = batches_of(model, DataSpec(seq_len=16, max_tokens=32, batch_size=2))
     logits, cache = _cache(model, batch.tokens)
-    readout = final_readout(model)
+    readout = member_readout(model)
     if arch != "olmo":  # OLMo's final LayerNorm has no parameters at all
         assert float(readout.weight.std()) > 0.1
     u, const = member_inputs(model, cache, info, batch.mask)
@@ -116,7 +116,7 @@ def test_wrong_norm_parameters_are_refused(
     monkeypatch.setattr(readout, "_READOUTS", readout.weakref.WeakKeyDictionary())
     monkeypatch.setattr(members, "_READOUTS", members.weakref.WeakKeyDictionary())
     with pytest.raises(HookError, match="final norm"):
-        members.final_readout(native_model)
+        members.member_readout(native_model)
     # The readout itself falls back to running the model's own norm module.
     assert readout.final_readout(native_model).kind == "module"
 
@@ -144,7 +144,7 @@ def test_gram_squared_error_matches_naive(model: Any) -> None:
     targets, valid = batch.next_tokens()
     keep = batch.mask & valid
     y = targets[keep]
-    readout = final_readout(model)
+    readout = member_readout(model)
     u, c = member_inputs(model, cache, info, keep)
     sizes = [1, 2, 4, u.shape[0]]
     bias, div, ens = gram_squared_error(

@@ -119,6 +119,7 @@ def analyze(
     max_memory: Any = None,
     offload_folder: str | Path | None = None,
     shard: str | tuple[int, int] | None = None,
+    feed: Feed | None = None,
 ) -> Run:
     """Run analyzers over a model and data; one fused forward pass per batch.
 
@@ -149,6 +150,10 @@ def analyze(
         shard: ``"I/N"`` or ``(I, N)``: run shard ``I`` of ``N`` (batch ``j`` when
             ``j mod N == I``) and save the analyzers' states for ``lensdiv merge`` instead of
             results (single-pass analyzers only).
+        feed: How this process's batches reach the analyzers and what becomes of the states
+            after each pass (a :class:`~lensdiv.run.feed.Feed`); by default one process feeds
+            everything, or the process group (``torchrun``) or ``shard`` decide. For new ways
+            to split a run; not together with ``shard`` or a process group.
 
     Inside an initialised ``torch.distributed`` process group (``torchrun``) every rank runs
     its share of the batches, the states are all-reduced after every pass, and rank 0 alone
@@ -178,6 +183,11 @@ def analyze(
         raise OptionError(f"threads must be a whole number of at least 1, not {threads!r}")
     analyzers = make_analyzers(plugins, options)
     world, part = _split(shard)
+    if feed is not None and (part is not None or world.parallel):
+        raise LensdivError(
+            "a feed and --shard or a process group (torchrun) are two ways to split one run",
+            hint="use one",
+        )
     if device is None and world.parallel:
         device = world.default_device()
     spec = DataSpec.from_data(
@@ -212,6 +222,7 @@ def analyze(
             },
             world=world,
             part=part,
+            feed=feed,
         )
 
 
@@ -231,6 +242,7 @@ def _run(
     placement: dict[str, Any],
     world: World,
     part: tuple[int, int] | None,
+    feed: Feed | None,
 ) -> Run:
     import torch
 
@@ -304,7 +316,7 @@ def _run(
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
         "timings": {},
     }
-    feed = _feed(world, part, bridge, info, out_dir, run.manifest)
+    feed = _feed(world, part, bridge, info, out_dir, run.manifest, feed)
     entries = run.manifest["analyzers"]
     for name, reason in prepared.skipped.items():
         entries[name].update(status="skipped", reason=reason)
@@ -560,13 +572,17 @@ def _feed(
     info: ModelInfo,
     out_dir: Path | None,
     manifest: dict[str, Any],
+    given: Feed | None = None,
 ) -> Feed:
-    """How the batches are split (into a shard, between ranks, or not at all); records in the
-    manifest the model facts a merge finalizes with, the device map and the split."""
+    """How the batches are split (the feed given, into a shard, between ranks, or not at all);
+    records in the manifest the model facts a merge finalizes with, the device map and the
+    split."""
     manifest["model"]["device_map"] = device_map_of(bridge)
     manifest["model_info"] = info.to_dict()
     feed: Feed = (
-        ShardFeed(*split, out_dir, manifest["analyzers"])
+        given
+        if given is not None
+        else ShardFeed(*split, out_dir, manifest["analyzers"])
         if split is not None
         else DataParallelFeed(world, str(input_device(bridge)))
         if world.parallel
