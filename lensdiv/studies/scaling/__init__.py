@@ -1,4 +1,4 @@
-"""Depth scaling laws (SCIENCE.md C2): fit ``L = c_m/m^α_m + c_ℓ/ℓ^α_ℓ + c_D/D^α_D + L0`` to runs.
+"""Depth scaling laws (docs/science.md C2): fit ``L = c_m/m^α_m + c_ℓ/ℓ^α_ℓ + c_D/D^α_D + L0``.
 
 The runs come from a CSV of training runs, from a table that ships with lensdiv by name
 (``chinchilla``, the Chinchilla study's runs; :data:`DATASETS` lists them), or are collected by
