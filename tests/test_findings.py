@@ -128,3 +128,21 @@ def test_tiny_run_writes_every_finding(
     assert f"accuracy {accuracy[0]:.0%}" in doc
     assert record["sizes"]["preset"] == "fast" and record["run"]["cpu_seconds"] > 0
     assert f"took {findings.duration(record['run']['wall_seconds'])} of wall time" in doc
+
+
+def test_every_finding_links_to_its_definitions(findings: ModuleType) -> None:
+    """Each finding names its analysis' section of docs/science.md, and that section exists."""
+    science = (SCRIPT.parent / "science.md").read_text(encoding="utf-8")
+    assert set(findings.DEFINITIONS) == set(findings.MEASUREMENTS)
+    for key, anchor in findings.DEFINITIONS.items():
+        assert f'<a id="{anchor}"></a>' in science, key
+
+
+def test_the_document_is_what_its_record_renders(findings: ModuleType) -> None:
+    """docs/findings.md is ``render`` of the findings and run recorded in docs/findings.json, so
+    the generator and the committed document cannot drift apart."""
+    record = json.loads((SCRIPT.parent / "findings.json").read_text(encoding="utf-8"))
+    rows = [findings.Finding(**f) for f in record["findings"]]
+    assert record["rules"] == findings.RULES
+    document = (SCRIPT.parent / "findings.md").read_text(encoding="utf-8")
+    assert findings.render(rows, record["run"]) == document

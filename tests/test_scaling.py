@@ -1,10 +1,13 @@
-"""The depth scaling-law fit (SCIENCE.md C2): planted laws are recovered, the Jacobian errors
-match independent checks, the Chinchilla fit sits at an optimum, bad CSVs are one-line errors and a
-model family's losses are what an independent forward pass gives."""
+"""The depth scaling-law fit (docs/science.md C2): planted laws are recovered, the Jacobian errors
+match independent checks, the built-in Chinchilla table is what its README says and its fit sits at
+an optimum, bad CSVs and names are one-line errors and a model family's losses are what an
+independent forward pass gives."""
 
 from __future__ import annotations
 
 import csv
+import math
+from importlib import resources
 from pathlib import Path
 
 import numpy as np
@@ -13,8 +16,10 @@ import pytest
 from lensdiv.core.errors import DataError, OptionError
 from lensdiv.core.results import Result, Table
 from lensdiv.studies.scaling import (
+    DATASETS,
     TERMS,
     Runs,
+    chinchilla_runs,
     collect_family,
     design,
     expand_models,
@@ -28,7 +33,6 @@ from lensdiv.studies.scaling import (
 from lensdiv.studies.scaling.family import _check_same_tokens
 from tests.test_cli import assert_user_error, invoke
 
-CHINCHILLA = Path(__file__).resolve().parents[1].parent / "shared/data/chinchilla_runs.csv"
 # A planted law in Chinchilla-like units: width m, depth ℓ, tokens D.
 PLANTED = {
     "c_width": 300.0,
@@ -153,11 +157,42 @@ def test_bootstrap_intervals_and_heldout_table() -> None:
     assert Result.from_json(result.to_json()).to_json() == result.to_json()
 
 
-# -- the real Chinchilla table ---------------------------------------------------------------------
+# -- the real Chinchilla table, built in -------------------------------------------------------------
+CHINCHILLA_COLUMNS = ["model_size", "FLOP", "loss", "num_tokens", "d_model", "n_layers"]
+
+
+def test_chinchilla_table_ships_in_the_package_as_documented() -> None:
+    """245 runs with the columns data/README.md lists, ``num_tokens = FLOP / (6 · model_size)``,
+    one architecture per model size, and the README citing both papers beside the CSV."""
+    assert list(DATASETS) == ["chinchilla"] and DATASETS["chinchilla"].name == "chinchilla"
+    rows = list(csv.reader(DATASETS["chinchilla"].read_text().splitlines()))
+    assert rows[0] == CHINCHILLA_COLUMNS and len(rows) == 246
+    table = [dict(zip(rows[0], map(float, row), strict=True)) for row in rows[1:]]
+    for run in table:
+        assert all(math.isfinite(v) and v > 0 for v in run.values()), run
+        assert run["num_tokens"] == pytest.approx(run["FLOP"] / (6 * run["model_size"]), rel=1e-12)
+        assert run["n_layers"] == int(run["n_layers"]) and run["d_model"] == int(run["d_model"])
+    architectures = {}
+    for run in table:
+        architectures.setdefault(run["model_size"], set()).add((run["d_model"], run["n_layers"]))
+    assert all(len(a) == 1 for a in architectures.values())
+    folder = resources.files("lensdiv.studies.scaling") / "data"
+    readme = " ".join((folder / "README.md").read_text(encoding="utf-8").split())
+    for needle in (
+        "chinchilla_runs.csv",
+        "Training Compute-Optimal Large Language Models",
+        "Chinchilla Scaling: A replication attempt",
+        "epoch-research/analyzing-chinchilla",
+        "Licence",
+        *CHINCHILLA_COLUMNS,
+    ):
+        assert needle in readme, needle
+
+
 def test_chinchilla_fit_is_at_an_optimum() -> None:
-    if not CHINCHILLA.is_file():
-        pytest.skip(f"the Chinchilla runs table is not at {CHINCHILLA}")
-    runs = read_runs(CHINCHILLA, "full", depth_offset=-2, drop_highest=40)
+    runs = chinchilla_runs("full", depth_offset=-2, drop_highest=40)
+    by_name = read_runs("chinchilla", "full", depth_offset=-2, drop_highest=40)
+    assert runs.source == by_name.source == "chinchilla" and runs.labels == by_name.labels
     assert len(runs) == 203  # 40 dropped, and two more tied with the 40th-highest loss
     fit = fit_law(runs, TERMS)
     best = objective(fit.theta, runs, fit)
@@ -178,6 +213,39 @@ def test_chinchilla_fit_is_at_an_optimum() -> None:
     stderr, values = fit.stderr(), fit.values()
     assert all(np.isfinite(se) and se > 0 for se in stderr.values())
     assert all(values[f"alpha_{t}"] > 0 for t in TERMS)
+
+
+def test_cli_fits_the_builtin_table_by_name(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    args = ["--drop-highest", "40", "--depth-offset", "-2", "--bootstrap", "0", "--folds", "0"]
+    result = invoke("scaling", "fit", "chinchilla", *args, "--out", str(out))
+    assert result.exit_code == 0, result.output
+    saved = Result.load(out)
+    assert saved.meta["source"] == "chinchilla" and saved.meta["n_runs"] == 203
+    assert "Besiroglu" in saved.meta["citation"] and "Hoffmann" in saved.meta["citation"]
+    assert saved.table()["value"][3] == pytest.approx(1.098, abs=5e-4)  # alpha_depth
+    assert "Dropped the 40 highest-loss runs of 245, 2 more tied with the last" in saved.summary
+
+
+def test_a_name_wins_over_a_file_and_a_path_reads_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    planted_csv(tmp_path / "chinchilla", ("width", "depth", "tokens"), n=40)
+    monkeypatch.chdir(tmp_path)
+    assert len(read_runs("chinchilla")) == 245
+    assert len(read_runs("./chinchilla")) == len(read_runs(Path("chinchilla"))) == 40
+    assert read_runs("./chinchilla").source == "./chinchilla"  # the path as given
+
+
+def test_unknown_name_is_one_line() -> None:
+    assert_user_error(
+        invoke("scaling", "fit", "chinchila"),
+        "'chinchila' does not exist and is not a built-in table",
+        "did you mean 'chinchilla'",
+        "name a built-in table: chinchilla",
+    )
+    with pytest.raises(DataError, match="not a built-in table"):
+        read_runs(Path("chinchila"))
 
 
 # -- CSV errors through the CLI ----------------------------------------------------------------------

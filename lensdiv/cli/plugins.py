@@ -41,14 +41,14 @@ def plugins_list() -> None:
 
 @app.command("show")
 def plugins_show(name: Annotated[str, typer.Argument(help="Analyzer name or alias.")]) -> None:
-    """Show one analyzer's description, needs and options.
+    """Show one analyzer's description, needs, options and where its analysis is defined.
 
     Example: lensdiv plugins show lens
     """
     # start-up: rich and the registry (importlib.metadata) load only when the command runs.
     from rich.table import Table
 
-    from lensdiv.core.registry import get_analyzer
+    from lensdiv.core.registry import definitions, get_analyzer
 
     with user_errors():
         cls = get_analyzer(name)
@@ -60,6 +60,9 @@ def plugins_show(name: Annotated[str, typer.Argument(help="Analyzer name or alia
         f"needs logits: {cls.needs_logits}, extra forwards: {cls.extra_forwards}, "
         f"gradients: {cls.needs_grad}, numerics: {cls.numerics}"
     )
+    link = definitions(cls)
+    if link:
+        term.print(f"definitions: {link}", soft_wrap=True)
     table = Table("option", "default", "values", "meaning", box=None, pad_edge=False)
     for row in cls.option_docs():
         table.add_row(

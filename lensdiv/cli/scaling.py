@@ -28,7 +28,7 @@ from lensdiv.core.errors import OptionError
 
 app = typer.Typer(
     help="Depth scaling laws: fit L = c_m/m^α_m + c_ℓ/ℓ^α_ℓ + c_D/D^α_D + L0 to runs.\n\n"
-    "Example: lensdiv scaling fit runs.csv --drop-highest 40 --depth-offset -2",
+    "Example: lensdiv scaling fit chinchilla --drop-highest 40 --depth-offset -2",
     no_args_is_help=True,
 )
 
@@ -61,7 +61,14 @@ def _parse_columns(pairs: list[str]) -> dict[str, str]:
 
 @app.command("fit")
 def fit(
-    path: Annotated[Path, typer.Argument(metavar="FILE.csv", help="CSV of runs, header first.")],
+    source: Annotated[
+        str,
+        typer.Argument(
+            metavar="FILE.csv|NAME",
+            help="CSV of runs, header first, or a table that ships with lensdiv: chinchilla "
+            "(the Chinchilla study's 245 runs as reconstructed by Besiroglu et al. 2024).",
+        ),
+    ],
     terms: Terms = "full",
     drop_highest: Annotated[
         int, typer.Option(help="Drop the N highest-loss runs (the source drops 40).")
@@ -83,16 +90,18 @@ def fit(
 ) -> None:
     """Fit the law to a CSV of training runs: parameters, Jacobian stderr, bootstrap, held-out.
 
-    Example: lensdiv scaling fit ../shared/data/chinchilla_runs.csv --drop-highest 40 --depth-offset -2
+    A built-in table is read by name, which wins over a file of that name (./NAME: the file).
+
+    Example: lensdiv scaling fit chinchilla --drop-highest 40 --depth-offset -2
     """
     # start-up: the study (numpy, scipy) loads only when the command runs.
     from lensdiv.studies.scaling import fit_csv
 
-    out = out or default_out(f"scaling-{path.stem}")
+    out = out or default_out(f"scaling-{Path(source).stem}")
     with user_errors():
         check_writable(out)
         result = fit_csv(
-            path,
+            source,
             terms,
             columns=_parse_columns(column or []),
             depth_offset=depth_offset,

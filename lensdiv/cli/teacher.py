@@ -1,4 +1,4 @@
-"""``lensdiv teacher-student``: the toy teacher–student residual networks (SCIENCE.md C3)."""
+"""``lensdiv teacher-student``: the toy teacher–student residual networks (docs/science.md C3)."""
 
 from __future__ import annotations
 

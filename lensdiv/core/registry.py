@@ -21,6 +21,9 @@ if TYPE_CHECKING:
     from lensdiv.core.analyzer import Analyzer
 
 GROUP = "lensdiv.plugins"
+# The definitions of the built-in analyses, in the repository; each analyzer's section has an
+# anchor named after it (docs/science.md#lens).
+SCIENCE_DOC = "docs/science.md"
 
 
 @dataclass
@@ -175,6 +178,15 @@ def default_registry() -> Registry:
 def get_analyzer(name: str) -> type[Analyzer]:
     """Return the analyzer class for a plugin name or alias."""
     return default_registry().resolve(name)
+
+
+def definitions(cls: type[Analyzer]) -> str | None:
+    """Where the analysis of ``cls`` is defined: ``docs/science.md#NAME`` for a built-in analyzer
+    (a class of ``lensdiv.analyzers``), ``None`` for a third-party one, which its own package
+    documents."""
+    if cls.__module__.startswith("lensdiv.analyzers."):
+        return f"{SCIENCE_DOC}#{cls.name}"
+    return None
 
 
 def list_plugins() -> list[PluginEntry]:

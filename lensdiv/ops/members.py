@@ -1,4 +1,4 @@
-"""The residual stream as an ensemble (SCIENCE.md B1): members and their exact logit contributions.
+"""The residual stream as an ensemble (docs/science.md B1): members, exact logit contributions.
 
 Members are the embedding ``h_0`` and every attention and MLP output, in stream order
 (``embed, attn0, mlp0, attn1, ...``; ``M = 2L + 1``), so ``h_L = Σ_i c_i`` (parallel-residual

@@ -2,12 +2,12 @@
 
 Three readings of the same grid (:class:`~lensdiv.view.prompt.PromptView`):
 
-- ``lens="logit"`` (SCIENCE.md A2): each block input ``h_l`` (and the final residual ``h_L``)
+- ``lens="logit"`` (docs/science.md A2): each block input ``h_l`` (and the final residual ``h_L``)
   through the final norm and the unembedding; the top row is the model's output.
-- ``lens="last-block"`` (SCIENCE.md C1): each ``h_l`` through the final block first, then the
+- ``lens="last-block"`` (docs/science.md C1): each ``h_l`` through the final block first, then the
   final norm and the unembedding; at ``l = L − 1`` this is the model's output.
 - ``skip=s``: the logit lens of the model with block ``s`` skipped (``h_{s+1} := h_s``, or only
-  its ``attn`` / ``mlp`` write zeroed) at every position but the first (SCIENCE.md A3's
+  its ``attn`` / ``mlp`` write zeroed) at every position but the first (docs/science.md A3's
   current mode); the KL compares each cell with the *unskipped* model's output, so the top row
   shows what skipping the block changed.
 

@@ -1,4 +1,4 @@
-"""Skipping a block (SCIENCE.md A3): the intervened passes and the effects they measure.
+"""Skipping a block (docs/science.md A3): the intervened passes and the effects they measure.
 
 Skipping block ``s`` sets ``h_{s+1} := h_s`` (part ``block``) or zeroes only its attention or MLP
 write (parts ``attn``, ``mlp``) at the skipped positions. For every later layer ``l`` the effect is
@@ -244,7 +244,7 @@ def _one_skip(
 
 
 def later_effect(effect: Float[Tensor, "skipped layer"]) -> Float[Tensor, " skipped"]:
-    """``e_s = Σ_{l>s} E[s, l] / max(L − 1 − s, 1)`` (SCIENCE.md A5)."""
+    """``e_s = Σ_{l>s} E[s, l] / max(L − 1 − s, 1)`` (docs/science.md A5)."""
     L = effect.shape[0]
     later = torch.triu(torch.ones(L, L, dtype=torch.bool, device=effect.device), diagonal=1)
     counts = torch.clamp(torch.arange(L - 1, -1, -1, device=effect.device), min=1)

@@ -1,4 +1,4 @@
-"""``F(S)`` for many subsets ``S`` of a model's units on one batch (SCIENCE.md B4).
+"""``F(S)`` for many subsets ``S`` of a model's units on one batch (docs/science.md B4).
 
 Two ways to use only the units in ``S``:
 

@@ -1,4 +1,4 @@
-"""The whole fit of runs (or of a CSV of runs) as a ``scaling`` Result.
+"""The whole fit of runs (or of a CSV or built-in table of runs) as a ``scaling`` Result.
 
 The :class:`~lensdiv.core.results.Result` holds the parameters with their errors, each run's
 residual, the held-out error and one log-log plot per term.
@@ -16,6 +16,7 @@ import numpy as np
 from lensdiv.core.errors import DataError, OptionError
 from lensdiv.core.provenance import versions
 from lensdiv.core.results import Plot, Result, Table
+from lensdiv.studies.scaling.datasets import builtin_dataset
 from lensdiv.studies.scaling.fit import (
     ScalingFit,
     Uncertainty,
@@ -124,7 +125,7 @@ def scaling_result(
 
 
 def fit_csv(
-    path: str | Path,
+    source: str | Path,
     terms: str | Sequence[str] = "full",
     *,
     columns: Mapping[str, str] | None = None,
@@ -135,15 +136,15 @@ def fit_csv(
     seed: int = 0,
     confidence: float = 0.95,
 ) -> Result:
-    """Read runs from a CSV (see :func:`~lensdiv.studies.scaling.runs.read_runs`) and fit them
-    (see :func:`fit_runs`).
+    """Read runs from a CSV or a built-in table (see
+    :func:`~lensdiv.studies.scaling.runs.read_runs`) and fit them (see :func:`fit_runs`).
 
-    Example: the source's Chinchilla fit is
-    ``fit_csv("chinchilla_runs.csv", drop_highest=40, depth_offset=-2)``.
+    Example: the source's Chinchilla fit, on the built-in table, is
+    ``fit_csv("chinchilla", drop_highest=40, depth_offset=-2)``.
     """
     terms = parse_terms(terms)
     uncertainty = Uncertainty(n_bootstrap, folds, seed, confidence)
-    read = read_runs(path, terms, columns=columns, depth_offset=depth_offset)
+    read = read_runs(source, terms, columns=columns, depth_offset=depth_offset)
     runs = read.drop_highest(drop_highest)
     kept = set(runs.labels)
     dropped = [label for label in read.labels if label not in kept]
@@ -155,8 +156,10 @@ def fit_csv(
             else ""
         )
         notes.append(f"dropped the {drop_highest} highest-loss runs of {len(read)}{ties}")
+    dataset = builtin_dataset(source)
     meta = {
-        "source": str(path),
+        "source": read.source,
+        **({"citation": dataset.citation} if dataset else {}),
         "columns": dict(runs.columns),
         "depth_offset": depth_offset,
         "drop_highest": drop_highest,

@@ -1,4 +1,4 @@
-"""Training runs: a run's loss and sizes, read from a CSV or named columns and validated."""
+"""Training runs: each run's loss and sizes, from a CSV, a built-in table or columns, validated."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import numpy as np
 from jaxtyping import Float
 
 from lensdiv.core.errors import DataError, OptionError, did_you_mean
+from lensdiv.studies.scaling.datasets import DATASETS, builtin_dataset
 from lensdiv.studies.scaling.law import TERMS, parse_terms
 
 ROLES = ("loss", *TERMS)
@@ -163,17 +164,20 @@ def _positive_column(
 
 
 def read_runs(
-    path: str | Path,
+    source: str | Path,
     terms: str | Sequence[str] = "full",
     *,
     columns: Mapping[str, str] | None = None,
     depth_offset: int = 0,
     drop_highest: int = 0,
 ) -> Runs:
-    """Read training runs from a CSV with a header row.
+    """Read training runs from a CSV with a header row, or from a built-in table by name.
 
     Args:
-        path: The CSV file (e.g. ``model_size,FLOP,loss,num_tokens,d_model,n_layers``).
+        source: A built-in table's name (a ``str`` in
+            :data:`~lensdiv.studies.scaling.datasets.DATASETS`, e.g. ``"chinchilla"``; the name
+            wins over a file of that name, which ``./chinchilla`` reads) or a CSV file (e.g.
+            ``model_size,FLOP,loss,num_tokens,d_model,n_layers``).
         terms: Terms to fit (see :func:`~lensdiv.studies.scaling.law.parse_terms`); only their
             columns are required.
         columns: Role → column overrides, e.g. ``{"depth": "layers"}``.
@@ -181,26 +185,19 @@ def read_runs(
         drop_highest: Drop this many highest-loss runs.
 
     Raises:
-        DataError: Missing, unreadable or empty file, a missing column, a bad value (naming its
-            line), or ``drop_highest`` not below the number of runs.
+        DataError: Neither a built-in name nor an existing file; an unreadable or empty file, a
+            missing column, a bad value (naming its line), or ``drop_highest`` not below the
+            number of runs.
     """
-    path = Path(path)
     terms = parse_terms(terms)
-    try:
-        text = path.read_text(encoding="utf-8-sig")
-    except FileNotFoundError:
-        raise DataError(f"runs file {str(path)!r} does not exist", hint="check the path") from None
-    except UnicodeDecodeError:
-        raise DataError(f"runs file {str(path)!r} is not UTF-8 text") from None
-    except OSError as err:
-        raise DataError(f"cannot read {str(path)!r}: {err.strerror}") from None
+    text, where = _runs_text(source)
     rows = [(n, row) for n, row in enumerate(csv.reader(text.splitlines()), 1) if any(row)]
     if not rows:
-        raise DataError(f"runs file {str(path)!r} is empty", hint="it needs a header and runs")
+        raise DataError(f"runs file {where!r} is empty", hint="it needs a header and runs")
     header = [h.strip() for h in rows[0][1]]
     body = rows[1:]
     if not body:
-        raise DataError(f"runs file {str(path)!r} has a header but no runs")
+        raise DataError(f"runs file {where!r} has a header but no runs")
     table = {
         name: [row[j].strip() if j < len(row) else "" for _, row in body]
         for j, name in enumerate(header)
@@ -211,10 +208,52 @@ def read_runs(
         columns=columns,
         depth_offset=depth_offset,
         labels=[f"line {n}" for n, _ in body],
-        source=path.name,
+        source=Path(where).name,
     )
-    runs = dataclasses.replace(runs, source=str(path))
+    runs = dataclasses.replace(runs, source=where)
     return runs.drop_highest(drop_highest)
+
+
+def chinchilla_runs(
+    terms: str | Sequence[str] = "full",
+    *,
+    columns: Mapping[str, str] | None = None,
+    depth_offset: int = 0,
+    drop_highest: int = 0,
+) -> Runs:
+    """The built-in Chinchilla table's runs (:func:`read_runs` of ``"chinchilla"``).
+
+    The source's fit is ``chinchilla_runs(drop_highest=40, depth_offset=-2)``: 203 runs (three
+    tie at the 40th-highest loss), depth ``n_layers − 2``.
+    """
+    return read_runs(
+        "chinchilla",
+        terms,
+        columns=columns,
+        depth_offset=depth_offset,
+        drop_highest=drop_highest,
+    )
+
+
+def _runs_text(source: str | Path) -> tuple[str, str]:
+    """The CSV text of a built-in table (a ``str`` naming one) or of a file, and where it is (the
+    name, or the path as given)."""
+    dataset = builtin_dataset(source)
+    if dataset is not None:
+        return dataset.read_text(), dataset.name
+    where = str(source)
+    try:
+        return Path(source).read_text(encoding="utf-8-sig"), where
+    except FileNotFoundError:
+        raise DataError(
+            f"runs file {where!r} does not exist and is not a built-in table"
+            + did_you_mean(where, tuple(DATASETS)),
+            hint=f"check the path, or name a built-in table: {', '.join(DATASETS)}",
+        ) from None
+    except UnicodeDecodeError:
+        raise DataError(f"runs file {where!r} is not UTF-8 text") from None
+    except OSError as err:
+        raise DataError(f"cannot read {where!r}: {err.strerror}") from None
 
 
 def varying_terms(runs: Runs, terms: Sequence[str]) -> tuple[tuple[str, ...], list[str]]:

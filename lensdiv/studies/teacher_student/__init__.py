@@ -1,4 +1,4 @@
-"""Toy teacher–student residual networks (SCIENCE.md C3): how test loss falls with student depth.
+"""Toy teacher–student residual networks (docs/science.md C3): how test loss falls with depth.
 
 A deep random residual MLP (the *teacher*, 128 blocks) defines the target; *students* of several
 depths, with the same block form, learn it from fresh Gaussian inputs. When the teacher's blocks are
