@@ -34,6 +34,9 @@ class Preview(Feed):
     def finalizes(self) -> bool:
         return True
 
+    def start(self) -> None:
+        pass
+
     def run_pass(self, engine: Engine, index: int, batches: Iterable[Batch],
                  states: Mapping[str, Stats], on_batch: OnBatch | None = None) -> None:
         feed_locally(engine, index, itertools.islice(batches, self.n), states, on_batch)
@@ -75,6 +78,6 @@ def test_a_feed_and_a_shard_are_two_ways_to_split_a_run(native_model: Any) -> No
 
 
 def test_feed_declares_every_method_abstract() -> None:
-    assert Feed.__abstractmethods__ == {"finalizes", "run_pass", "describe", "close"}
+    assert Feed.__abstractmethods__ == {"finalizes", "start", "run_pass", "describe", "close"}
     with pytest.raises(TypeError):
         Feed()  # type: ignore[abstract]

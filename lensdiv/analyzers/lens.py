@@ -1,5 +1,7 @@
-"""``lens`` — the logit lens (SCIENCE.md A2): read every block input through the final norm and
-unembedding and compare with the model's output.
+"""``lens`` — the logit lens (docs/science.md A2): read every block input through the final norm
+and unembedding and compare with the model's output; or, with a fitted lens (``--lens
+tuned:PATH``, ``jacobian:PATH``, ``affine:PATH``; docs/science.md D1–D3), read each state through
+its translator first.
 
 Per residual state ``h_l`` (``l = 0..L``): ``KL(p_l ‖ p_out)``, top-k overlap with the output's
 top-k, entropy, and the cross-entropy, probability, rank and top-1 accuracy of the true next
@@ -21,12 +23,13 @@ from lensdiv.core.analyzer import Analyzer, ModelInfo, Step
 from lensdiv.core.errors import OptionError
 from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
-from lensdiv.ops.readout import final_readout, lens_statistics, workspace
+from lensdiv.ops.readout import final_readout, lens_of, lens_statistics, workspace
+from lensdiv.ops.translators import LABELS
 
 
 @dataclass(frozen=True)
 class LogitLens(Analyzer):
-    """Logit lens over all block inputs and the final residual.
+    """Logit lens (or the run's fitted lens) over all block inputs and the final residual.
 
     Args:
         top_k: Size of the top-k sets whose overlap with the output's is reported.
@@ -71,6 +74,7 @@ class LogitLens(Analyzer):
         targets, has_target = step.batch.next_tokens()
         rows = keep.reshape(-1).nonzero()[:, 0]
         readout = final_readout(step.model)
+        translator = lens_of(step)
         lens = lens_statistics(
             readout,
             [step.resid(layer) for layer in range(info.n_layers + 1)],
@@ -78,9 +82,12 @@ class LogitLens(Analyzer):
             targets.reshape(-1)[rows],
             k=min(self.top_k, info.d_vocab),
             workspace=workspace(step),
+            translator=translator,
         )
         w = has_target.reshape(-1)[rows].double()
         state.fix("readout", readout.precision)
+        if not translator.identity:  # the logit lens' state (and result) stay as they were
+            state.fix("lens", translator.describe())
         state.add("n", rows.numel())
         state.add("kl", lens.kl.sum(1))
         state.add("kl_sq", (lens.kl**2).sum(1))
@@ -93,6 +100,8 @@ class LogitLens(Analyzer):
         state.add("rank", (lens.rank * w).sum(1))
 
     def finalize(self, state: Stats, info: ModelInfo) -> Result:
+        lens = state.get("lens")
+        label = LABELS[lens["kind"]] if lens else LABELS["logit"]
         n = float(state["n"])
         nt = max(float(state["n_target"]), 1.0)
         kl = (state["kl"] / n).tolist()
@@ -113,12 +122,13 @@ class LogitLens(Analyzer):
                 "top1_acc": (state["top1"] / nt).tolist(),
                 "mean_rank": (state["rank"] / nt).tolist(),
             },
-            "Logit lens per residual state (h0 = embedding, hL = final residual)",
+            f"{label} per residual state (h0 = embedding, hL = final residual)",
         )
         ce = table["ce"]
         overlap = table[f"top{self.top_k}_overlap"]
         summary = (
-            f"KL(p_l || p_out) falls from {kl[0]:.3g} nats at the embedding to {kl[-2]:.3g} at the "
+            ("" if lens is None else f"{label}: ")
+            + f"KL(p_l || p_out) falls from {kl[0]:.3g} nats at the embedding to {kl[-2]:.3g} at the "
             f"input of the last block (0 at the output); top-{self.top_k} overlap "
             f"{overlap[0]:.2f} -> {overlap[-2]:.2f}. Lens cross-entropy on the next token: "
             f"{ce[0]:.3g} -> {ce[-1]:.3g} nats over {int(n)} positions."
@@ -130,15 +140,16 @@ class LogitLens(Analyzer):
             plots=(
                 _line(
                     "lens_kl",
-                    "Logit lens: KL to the output",
+                    f"{label}: KL to the output",
                     ("kl",),
                     "KL(p_l ‖ p_out) (nats)",
-                    "p_l: h_l read through the final norm and unembedding; mean over "
-                    "positions. 0 at h_L by definition.",
+                    "p_l: h_l read through the final norm and unembedding"
+                    + (f" after the {label.lower()}'s translator T_l" if lens else "")
+                    + "; mean over positions. 0 at h_L by definition.",
                 ),
                 _line(
                     "lens_agreement",
-                    "Logit lens: agreement",
+                    f"{label}: agreement",
                     (f"top{self.top_k}_overlap", "top1_acc", "target_prob"),
                     "fraction (0 to 1)",
                     f"top{self.top_k}_overlap: share of the output's top {self.top_k} "
@@ -147,7 +158,7 @@ class LogitLens(Analyzer):
                 ),
                 _line(
                     "lens_ce",
-                    "Logit lens: loss and entropy",
+                    f"{label}: loss and entropy",
                     ("ce", "entropy"),
                     "cross-entropy, entropy (nats)",
                     "ce: −log p_l(next token); entropy: H(p_l). Means over positions.",
@@ -158,6 +169,7 @@ class LogitLens(Analyzer):
                 "positions_with_target": int(nt),
                 "every": self.every,
                 "readout": state.get("readout"),
+                **({"lens": lens} if lens else {}),
             },
         )
 

@@ -16,6 +16,7 @@ from lensdiv.cli.common import (
     Device,
     Dtype,
     Field,
+    Lens,
     Progress,
     SeqLen,
     Split,
@@ -104,6 +105,7 @@ def analyze(
     max_tokens: MaxTokens = 16384,
     batch_size: BatchSize = 8,
     bos: Bos = "prepend",
+    lens: Lens = "logit",
     option: Annotated[
         list[str] | None,
         typer.Option("--option", "-O", help="Analyzer option, ANALYZER.OPTION=VALUE (repeatable)."),
@@ -144,6 +146,7 @@ def analyze(
     lensdiv analyze toy:d4 --plugins linmap --ref toy:d8;
     lensdiv analyze toy:d8 --plugins lens,dynamics -O dynamics.final_state=post;
     lensdiv analyze MODEL --dtype bfloat16 --plugins lens -O lens.every=4 --threads 8;
+    lensdiv analyze MODEL --plugins lens,bias --lens tuned:lenses/MODEL-tuned (a fitted lens);
     lensdiv plugins show patch
 
     Scaling out: torchrun --nproc-per-node 8 -m lensdiv analyze MODEL ... (every GPU of a node);
@@ -183,6 +186,7 @@ def analyze(
             max_memory=max_memory,
             offload_folder=offload_folder,
             shard=shard,
+            lens=lens,
         )
     if world.main:
         _show(run, folder)

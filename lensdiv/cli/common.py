@@ -41,6 +41,14 @@ TrustRemoteCode = Annotated[
     bool, typer.Option("--trust-remote-code", help="Allow hub models that ship their own code.")
 ]
 Progress = Annotated[bool, typer.Option(help="Show a progress bar.")]
+Lens = Annotated[
+    str,
+    typer.Option(
+        "--lens",
+        help="Read residual states through: logit (default), tuned:PATH, jacobian:PATH or "
+        "affine:PATH (a lens fitted by `lensdiv lenses fit`, or a published one).",
+    ),
+]
 
 
 def out_option(default: str) -> Any:

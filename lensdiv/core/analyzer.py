@@ -162,12 +162,16 @@ class RunContext:
         info: Model facts.
         resources: What each analyzer's :meth:`Analyzer.setup` returned, by analyzer name.
         pass_index: Which pass over the data is running.
+        lens: The lens residual states are read through (``--lens``): a
+            :class:`~lensdiv.ops.translators.Translator`, or ``None`` for the logit lens
+            (:func:`lensdiv.ops.readout.lens_of` reads it).
     """
 
     model: Any
     info: ModelInfo
     resources: dict[str, Any] = field(default_factory=dict)
     pass_index: int = 0
+    lens: Any = None
     _cache: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     def cached(self, key: Any, factory: Callable[[], Any]) -> Any:

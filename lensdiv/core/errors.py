@@ -80,6 +80,11 @@ class SaveError(LensdivError):
         self.failed = dict(failed or {})
 
 
+class LensError(LensdivError):
+    """A lens (``--lens tuned:PATH``, ``jacobian:PATH``, ...) that cannot be read or does not
+    fit the model."""
+
+
 class StateError(LensdivError):
     """Analyzer states that cannot be combined or read (different runs, passes or shapes)."""
 

@@ -3,11 +3,14 @@
 A :class:`Result` is plain data: named :class:`Table` s (columns of numbers or strings), named
 arrays (matrices such as a layer × layer effect map), declarative :class:`Plot` specs and the
 metadata that produced it. Because plots are data too, ``lensdiv report`` redraws a saved run
-without the analyzer that made it.
+without the analyzer that made it. A result may also carry :class:`Artifact` s, files in formats
+of their own that other tools read (a fitted lens in TransformerLens' or tuned-lens' format):
+``result.json`` lists their names, and :meth:`Result.save` writes them beside it.
 """
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import errno
 import json
@@ -149,6 +152,34 @@ class Table(Rendered):
             yield table
 
 
+class Artifact(abc.ABC):
+    """A file (or folder) a result carries in a format of its own, e.g. a fitted lens.
+
+    Attributes:
+        name: Its name inside the analyzer's output folder.
+    """
+
+    name: str
+
+    @abc.abstractmethod
+    def write(self, path: Path) -> list[Path]:
+        """Write the artifact at ``path`` (a file, or a folder of files); return the files.
+
+        Raises:
+            OSError: The disk or folder refused it (the result's other files are kept).
+        """
+
+
+@dataclass(frozen=True)
+class SavedArtifact(Artifact):
+    """An artifact of a result read back from disk: its name only (the files are there)."""
+
+    name: str
+
+    def write(self, path: Path) -> list[Path]:
+        raise ResultError(f"{self.name} was read back from disk; it cannot be written again")
+
+
 @dataclass(frozen=True)
 class Result(Rendered):
     """What an analyzer returns: tables, arrays, plots and the settings that produced them.
@@ -162,6 +193,8 @@ class Result(Rendered):
         meta: Options, model, data, token counts and versions.
         warnings: Caveats a reader must see beside the numbers (e.g. a task the model cannot
             do); shown in the terminal, the report and the manifest.
+        artifacts: Files in formats of their own (see :class:`Artifact`), written beside
+            ``result.json``, which lists their names.
     """
 
     analyzer: str
@@ -171,6 +204,7 @@ class Result(Rendered):
     plots: tuple[Plot, ...] = ()
     meta: Mapping[str, Any] = field(default_factory=dict)
     warnings: tuple[str, ...] = ()
+    artifacts: tuple[Artifact, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "warnings", tuple(str(w) for w in self.warnings))
@@ -207,6 +241,8 @@ class Result(Rendered):
         }
         if self.warnings:  # absent when there are none (results of earlier versions read alike)
             data["warnings"] = list(self.warnings)
+        if self.artifacts:  # likewise
+            data["artifacts"] = [a.name for a in self.artifacts]
         return data
 
     @classmethod
@@ -224,6 +260,7 @@ class Result(Rendered):
                 plots=tuple(Plot.from_dict(p) for p in data.get("plots", [])),
                 meta=data.get("meta", {}),
                 warnings=tuple(data.get("warnings", ())),
+                artifacts=tuple(SavedArtifact(str(n)) for n in data.get("artifacts", ())),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise ResultError(f"not a lensdiv result ({type(err).__name__}: {err})") from None
@@ -238,7 +275,8 @@ class Result(Rendered):
         return cls.from_dict(json.loads(text))
 
     def save(self, directory: str | os.PathLike[str], *, plots: bool = True) -> list[Path]:
-        """Write ``result.json`` and one CSV per table, then one PNG per plot; return the paths.
+        """Write ``result.json`` and one CSV per table, then the artifacts, then one PNG per
+        plot; return the paths.
 
         Every file is written atomically (a temporary file renamed into place), so no reader
         ever sees half a file. The numbers come first, and each file stands alone: a file that
@@ -255,6 +293,8 @@ class Result(Rendered):
             files.attempt(path, partial(table.to_csv, path))
         path = files.directory / "result.json"
         files.attempt(path, partial(self._write_json, path))
+        for artifact in self.artifacts:
+            files.attempt_many(files.directory / artifact.name, artifact.write)
         if plots:
             self._draw_each(files)
         return files.done()
@@ -390,6 +430,13 @@ class _Files:
         except Exception as err:  # one file that cannot be written must not cost the others
             drawn = drawing and not isinstance(err, OSError)
             self.failed[path] = f"cannot draw: {_reason(err)}" if drawn else _reason(err)
+
+    def attempt_many(self, path: Path, write: Callable[[Path], list[Path]]) -> None:
+        """Like :meth:`attempt`, for a writer that says which files it wrote."""
+        try:
+            self.written.extend(write(path))
+        except Exception as err:  # one artifact that cannot be written must not cost the others
+            self.failed[path] = _reason(err)
 
     def done(self) -> list[Path]:
         if self.failed:

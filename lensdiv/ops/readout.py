@@ -37,6 +37,7 @@ from torch import Tensor
 
 from lensdiv.core.analyzer import Step
 from lensdiv.core.errors import HookError
+from lensdiv.ops.translators import LOGIT, Translator
 
 NormKind = Literal["LN", "RMS", "none", "module"]
 
@@ -443,6 +444,12 @@ def workspace(step: Step) -> Workspace:
     return ws
 
 
+def lens_of(step: Step) -> Translator:
+    """The run's lens (``--lens``; the logit lens unless one was given)."""
+    lens = step.context.lens
+    return LOGIT if lens is None else lens
+
+
 def block_rows(d_vocab: int, block_elements: int = BLOCK_ELEMENTS) -> int:
     """Rows of ``d_vocab`` logits per readout block."""
     return max(1, block_elements // max(d_vocab, 1))
@@ -563,8 +570,9 @@ def lens_statistics(
     reference: int = -1,
     workspace: Workspace | None = None,
     block_elements: int = BLOCK_ELEMENTS,
+    translator: Translator | None = None,
 ) -> LensRows:
-    """The logit lens of every state at the given rows, against the reference state's output.
+    """The lens of every state at the given rows, against the reference state's output.
 
     Blocks of rows; in each block the reference state is read first and its logits stay in a
     buffer while every other state is read against them: one large unembedding matmul per state
@@ -580,6 +588,8 @@ def lens_statistics(
         reference: Index into ``states`` of the output state (default the last).
         workspace: Scratch buffers (a fresh one when omitted).
         block_elements: Logits per buffer (rows per block = this / d_vocab).
+        translator: The lens' translators, indexed like ``states`` (``None``: the logit lens);
+            applied in the readout dtype before the final norm.
 
     Returns:
         :class:`LensRows` on the device of ``rows``.
@@ -606,6 +616,8 @@ def lens_statistics(
         ref: RowStats | None = None
         for i in order:
             h = flat[i].index_select(0, idx.to(flat[i].device))
+            if translator is not None and translator.translates(i):
+                h = translator.apply(h, i, dtype=dtype, device=device)
             if i == reference:
                 logits = readout.logits(h, out=z_ref)
                 s = ref = row_stats(logits, scratch, targets=t, k=k, expect=True, product=z)

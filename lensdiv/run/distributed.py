@@ -302,6 +302,12 @@ class DataParallelFeed(Feed):
         """Rank 0 alone finalizes and writes."""
         return self.world.main
 
+    def start(self) -> None:
+        """Wait until every rank has loaded its model (one exchange)."""
+        started = time.perf_counter()
+        gather_objects(self.world, self.world.rank, "the start of the run")
+        self.times.wait_s += time.perf_counter() - started
+
     def run_pass(
         self,
         engine: Engine,

@@ -31,6 +31,7 @@ from lensdiv.core.errors import HookError
 from lensdiv.core.results import Result
 from lensdiv.core.stats import Stats
 from lensdiv.ops.capture import capture
+from lensdiv.ops.translators import Translator
 
 
 def check_hooks(analyzers: Iterable[Analyzer], info: ModelInfo) -> dict[str, list[str]]:
@@ -75,6 +76,7 @@ class Engine:
         analyzers: The group (same numerics, same data).
         hooks: ``{analyzer: hook names}`` (checked with :func:`check_hooks` when omitted).
         resources: What each analyzer's ``setup`` returned (called here when omitted).
+        lens: The lens residual states are read through (``None``: the logit lens).
     """
 
     def __init__(
@@ -85,6 +87,7 @@ class Engine:
         *,
         hooks: Mapping[str, list[str]] | None = None,
         resources: Mapping[str, Any] | None = None,
+        lens: Translator | None = None,
     ) -> None:
         self.model = model
         self.info = info
@@ -92,7 +95,7 @@ class Engine:
         self.hooks = dict(hooks) if hooks is not None else check_hooks(analyzers, info)
         if resources is None:
             resources = {a.name: a.setup(model, info) for a in self.analyzers}
-        self.context = RunContext(model, info, dict(resources))
+        self.context = RunContext(model, info, dict(resources), lens=lens)
         self._active = list(self.analyzers)
         self._failures: dict[str, str] = {}
         self.spent = {a.name: 0.0 for a in self.analyzers}

@@ -17,7 +17,7 @@ A feed also decides how a run stops early: a local feed stops between two batche
 or SIGTERM arrives; the ranks of a group agree first, so that they all stop at the same round.
 
 To add a way to split a run (one model of a study, the prompts of a lens fit, ...): subclass
-:class:`Feed`, implement its four methods — usually :meth:`Feed.run_pass` through
+:class:`Feed`, implement its five methods — usually :meth:`Feed.run_pass` through
 :func:`feed_locally` over this process's share — and mark the class ``@final``.
 """
 
@@ -45,6 +45,12 @@ class Feed(abc.ABC):
     @abc.abstractmethod
     def finalizes(self) -> bool:
         """Whether this process finalizes the analyzers and writes their results."""
+
+    @abc.abstractmethod
+    def start(self) -> None:
+        """Once this process has its model, before the run's manifest is written: the
+        processes of a group wait here for each other, so a run that has a manifest has every
+        process ready to feed."""
 
     @abc.abstractmethod
     def run_pass(
@@ -79,20 +85,22 @@ def feed_locally(
     states: Mapping[str, Stats],
     on_batch: OnBatch | None = None,
 ) -> None:
-    """Pass ``index`` over ``batches`` in this process alone; a signal that arrives meanwhile
-    stops it after the batch in hand (``KeyboardInterrupt`` or
-    :class:`~lensdiv.run.interrupts.Terminated`)."""
-    seen = len(signals_received())
+    """Pass ``index`` over ``batches`` in this process alone; a signal received during the run
+    (the runner records them: :func:`~lensdiv.run.interrupts.signals_received`) stops it after
+    the batch in hand (``KeyboardInterrupt`` or :class:`~lensdiv.run.interrupts.Terminated`)."""
+
+    def stop_if_signalled() -> None:
+        if signals_received():
+            raise interruption(signals_received()[0])
 
     def after(batch: Batch) -> None:
         if on_batch is not None:
             on_batch(batch)
-        if len(signals_received()) > seen:
-            raise interruption(signals_received()[seen])
+        stop_if_signalled()
 
+    stop_if_signalled()  # arrived while the pass was being prepared
     engine.feed(index, batches, states, on_batch=after)
-    if len(signals_received()) > seen:  # arrived after the last batch
-        raise interruption(signals_received()[seen])
+    stop_if_signalled()  # arrived after the last batch
 
 
 def every_nth(batches: Iterable[Batch], index: int, count: int) -> Iterator[Batch]:
@@ -109,6 +117,9 @@ class LocalFeed(Feed):
     @property
     def finalizes(self) -> bool:
         return True
+
+    def start(self) -> None:
+        """Nothing to wait for."""
 
     def run_pass(
         self,

@@ -27,7 +27,7 @@ from lensdiv.run.report import write_report
 from lensdiv.run.runner import Run
 
 # What shards must agree on, in the order a difference is reported.
-AGREE = ("model", "model_info", "data", "analyzers", "seed", "versions")
+AGREE = ("model", "model_info", "lens", "data", "analyzers", "seed", "versions")
 # Per-shard facts that may differ (where each shard ran).
 _PLACEMENT = {"device", "device_map"}
 # What a folder that is not a run should have been.

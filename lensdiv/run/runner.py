@@ -29,6 +29,7 @@ from lensdiv.core.results import Rendered, Result
 from lensdiv.data.sources import DataSpec, check_source, token_batches
 from lensdiv.models.load import load_model
 from lensdiv.ops.readout import readout_dtype
+from lensdiv.ops.translators import LOGIT, Translator, parse_lens
 from lensdiv.run.distributed import DataParallelFeed, World, current_world, gather_objects
 from lensdiv.run.engine import Engine, describe, input_device
 from lensdiv.run.feed import Feed, LocalFeed
@@ -120,6 +121,7 @@ def analyze(
     offload_folder: str | Path | None = None,
     shard: str | tuple[int, int] | None = None,
     feed: Feed | None = None,
+    lens: Any = "logit",
 ) -> Run:
     """Run analyzers over a model and data; one fused forward pass per batch.
 
@@ -150,6 +152,11 @@ def analyze(
         shard: ``"I/N"`` or ``(I, N)``: run shard ``I`` of ``N`` (batch ``j`` when
             ``j mod N == I``) and save the analyzers' states for ``lensdiv merge`` instead of
             results (single-pass analyzers only).
+        lens: The lens every analyzer reads residual states through: ``"logit"`` (the
+            default), ``"tuned:PATH"``, ``"jacobian:PATH"``, ``"affine:PATH"`` (a fitted
+            lens' file or folder, or a published lens' name) or a
+            :class:`~lensdiv.ops.translators.Translator`. Recorded in the manifest and named in
+            the results of the analyzers that use it.
         feed: How this process's batches reach the analyzers and what becomes of the states
             after each pass (a :class:`~lensdiv.run.feed.Feed`); by default one process feeds
             everything, or the process group (``torchrun``) or ``shard`` decide. For new ways
@@ -182,6 +189,7 @@ def analyze(
     ):
         raise OptionError(f"threads must be a whole number of at least 1, not {threads!r}")
     analyzers = make_analyzers(plugins, options)
+    translator = parse_lens(lens)
     world, part = _split(shard)
     if feed is not None and (part is not None or world.parallel):
         raise LensdivError(
@@ -223,6 +231,7 @@ def analyze(
             world=world,
             part=part,
             feed=feed,
+            translator=translator,
         )
 
 
@@ -243,6 +252,7 @@ def _run(
     world: World,
     part: tuple[int, int] | None,
     feed: Feed | None,
+    translator: Translator = LOGIT,
 ) -> Run:
     import torch
 
@@ -263,6 +273,7 @@ def _run(
     parsed = bridge.lensdiv_spec
     info = ModelInfo.from_model(bridge, name=parsed.spec)
     check_model(bridge, info, spec)
+    translator.check(info)
     # Task analyzers bring their own examples, and setup() loads what else a run needs (a
     # reference model): all of it is read and checked before any forward pass, so a bad task
     # file fails at once and nothing is written. An analyzer that cannot support the model is
@@ -306,6 +317,7 @@ def _run(
         },
         "threads": torch.get_num_threads(),
         "world_size": world.size,  # processes of a torchrun group (details under "distributed")
+        "lens": translator.describe(),
         "data": spec.describe(),
         "seed": seed,
         "analyzers": {
@@ -348,6 +360,7 @@ def _run(
                 groups.append(([a], partial(iter, own), size))
     stopped: BaseException | None = None
     try:
+        feed.start()  # every process has its model: the run starts (and its manifest says so)
         save_manifest()
         for group, batches, total in groups:
             if signals_received():  # arrived while the last group's results were saved
@@ -361,6 +374,7 @@ def _run(
                 group,
                 hooks={a.name: hooks[a.name] for a in group},
                 resources={a.name: resources[a.name] for a in group},
+                lens=translator,
             )
             stopped = _stream(engine, batches, total, run, out_dir, progress, save_manifest, feed)
             if stopped is not None:
@@ -435,25 +449,26 @@ def _stream(
     n_passes = engine.n_passes
     states: dict[str, Any] = {}
     try:
-        states = engine.init()
-        for index in range(n_passes):
-            members = engine.begin_pass(index, states)
-            if not members:
-                break
-            label = ", ".join(a.name for a in members)
-            if n_passes > 1:
-                label += f" (pass {index + 1}/{n_passes})"
-            bar = _progress(progress, label)
-            # Ctrl-C and SIGTERM take effect between batches (a second one at once), so every
-            # state holds whole batches: the feed stops the pass (a process group's ranks
-            # agree first).
-            with bar, shielded(soft=True):
-                task = bar.add_task("analyzing", total=total)
+        # Ctrl-C and SIGTERM take effect between batches (a second one at once), so every
+        # state holds whole batches: a signal is recorded, and the feed stops the pass at the
+        # next batch (a process group's ranks agree first, so a signal that reaches one rank
+        # while it prepares a pass and another while it feeds stops both at the same round).
+        with shielded(soft=True):
+            states = engine.init()
+            for index in range(n_passes):
+                members = engine.begin_pass(index, states)
+                if not members:
+                    break
+                label = ", ".join(a.name for a in members)
+                if n_passes > 1:
+                    label += f" (pass {index + 1}/{n_passes})"
+                with _progress(progress, label) as bar:
+                    task = bar.add_task("analyzing", total=total)
 
-                def advance(batch: Batch, bar: Any = bar, task: Any = task) -> None:
-                    bar.update(task, advance=batch.n_tokens)
+                    def advance(batch: Batch, bar: Any = bar, task: Any = task) -> None:
+                        bar.update(task, advance=batch.n_tokens)
 
-                feed.run_pass(engine, index, batches(), states, advance)
+                    feed.run_pass(engine, index, batches(), states, advance)
     except (KeyboardInterrupt, LensdivError) as err:
         stopped = err
     except (MemoryError, torch.cuda.OutOfMemoryError) as err:

@@ -92,6 +92,9 @@ class ShardFeed(Feed):
         """A shard only saves its states: ``lensdiv merge`` finalizes."""
         return False
 
+    def start(self) -> None:
+        """Nothing to wait for: shards run on their own."""
+
     def run_pass(
         self,
         engine: Engine,

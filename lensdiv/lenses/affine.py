@@ -1,0 +1,185 @@
+"""Fitting an affine (least-squares) lens (docs/science.md D3) from streamed moments.
+
+``T_l(h) = W_l h + c_l`` minimises ``E‖W_l h_l + c_l − h_L‖²`` (optionally ridge) over the
+positions of the data, for every residual state ``h_l`` (``l = 0..L-1``; ``h_L`` reads itself).
+Closed form from the moments ``Σ [h_l, 1][h_l, 1]ᵀ`` and ``Σ [h_l, 1] h_Lᵀ``
+(:mod:`lensdiv.ops.ridge`, the solver ``linmap`` uses): sums in float64, so shards and ranks
+merge exactly and the fit is the same however the data was split.
+
+The result carries the lens in tuned-lens's layout (``affine_lens/config.json`` +
+``params.pt``, each translator stored as ``A_l = W_l − I``, ``b_l = c_l`` in tuned-lens's
+residual form ``h + A_l h + b_l``): ``--lens affine:PATH`` reads it, tuned-lens loads it as a
+tuned lens, and ``lensdiv lenses fit --kind tuned --init PATH`` starts training from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lensdiv.core.analyzer import Analyzer, ModelInfo, Step
+from lensdiv.core.devices import masked_stack
+from lensdiv.core.results import Artifact, Plot, Result, Table
+from lensdiv.core.stats import Stats
+from lensdiv.ops.ridge import augment, fit_affine
+from lensdiv.ops.translators import save_tuned
+
+AFFINE_FOLDER = "affine_lens"
+
+
+@dataclass(frozen=True)
+class AffineFit(Analyzer):
+    """Fit an affine lens: the least-squares map from each residual state to the final one.
+
+    Args:
+        ridge: Ridge penalty relative to the mean eigenvalue of each state's covariance (0 for
+            plain least squares).
+        exclude_bos: Leave the BOS position out of the fit (its states are outliers in most
+            models).
+    """
+
+    name = "fit-affine"
+    description = "Fit an affine lens (least squares from h_l to h_L) in tuned-lens's layout"
+
+    ridge: float = 1e-4
+    exclude_bos: bool = True
+
+    def __post_init__(self) -> None:
+        if self.ridge < 0:
+            raise ValueError(f"ridge must be >= 0, got {self.ridge}")
+
+    def hooks(self, info: ModelInfo) -> list[str]:
+        return [info.resid(layer) for layer in range(info.n_layers + 1)]
+
+    def min_tokens(self, info: ModelInfo) -> int:
+        """More positions than the ``d_model + 1`` parameters of each map."""
+        return info.d_model + 2
+
+    def update(self, state: Stats, step: Step) -> None:
+        info = step.info
+        keep = step.batch.positions(exclude_bos=self.exclude_bos)
+        if not keep.any():
+            return
+        x = masked_stack([step.resid(layer) for layer in range(info.n_layers)], keep)
+        y = masked_stack([step.resid(info.n_layers)], keep)[0].double()
+        xa = augment(x)  # [L, n, d + 1]
+        d = xa.shape[2]
+        state.zeros("xtx", (info.n_layers, d, d), xa.device).baddbmm_(xa.transpose(1, 2), xa)
+        xty = state.zeros("xty", (info.n_layers, d, y.shape[1]), xa.device)
+        for layer in range(info.n_layers):
+            xty[layer].addmm_(xa[layer].T, y)
+        state.add("yy", y.square().sum())
+
+    def finalize(self, state: Stats, info: ModelInfo) -> Result:
+        xtx, xty = state["xtx"], state["xty"]
+        d = info.d_model
+        n = float(xtx[0, d, d])
+        mean_y = xty[0, d] / n
+        total = float(state["yy"]) - n * float(mean_y @ mean_y)  # Σ‖y − ȳ‖²
+        eye = torch.eye(d, dtype=torch.float64, device=xtx.device)
+        weights: dict[int, Tensor] = {}
+        biases: dict[int, Tensor] = {}
+        r2, lambdas, exact = [], [], []
+        for layer in range(info.n_layers):
+            maps, lam, solved = fit_affine(xtx[layer], xty[layer], self.ridge)
+            weights[layer] = (maps[:d].T - eye).float().cpu()  # tuned-lens's A = W − I
+            biases[layer] = maps[d].float().cpu()
+            r2.append(1.0 - _residual(xtx[layer], xty[layer], maps, float(state["yy"])) / total)
+            lambdas.append(lam)
+            exact.append(solved)
+        layers = list(range(info.n_layers))
+        table = Table(
+            "affine",
+            {
+                "layer": layers,
+                "state": [f"h{layer}" for layer in layers],
+                "r2": r2,
+                "ridge_lambda": lambdas,
+                "exact_solve": exact,
+            },
+            "Affine lens: how much of h_L each state's least-squares map explains (training "
+            "positions)",
+        )
+        artifact = TunedLensFolder(
+            AFFINE_FOLDER,
+            weights,
+            biases,
+            d_model=d,
+            n_layers=info.n_layers,
+            model_name=info.name,
+            extra={
+                "fitted_by": "lensdiv",
+                "lensdiv_lens": "affine",
+                "ridge": self.ridge,
+                "positions": int(n),
+            },
+        )
+        summary = (
+            f"Affine lens from {int(n)} positions: h_L is explained with R² {r2[0]:.3g} from the "
+            f"embedding and {r2[-1]:.3g} from h{info.n_layers - 1}; saved in tuned-lens's layout "
+            f"({AFFINE_FOLDER}/)."
+        )
+        return Result(
+            self.name,
+            summary,
+            tables={"affine": table},
+            plots=(
+                Plot(
+                    "line",
+                    "affine_r2",
+                    "Affine lens: R² of h_L from h_l",
+                    "affine",
+                    x="layer",
+                    y=("r2",),
+                    xlabel="residual state h_l (0 = embedding)",
+                    ylabel="R² (training positions)",
+                    caption="1 = h_L is an affine function of h_l on these positions.",
+                ),
+            ),
+            meta={"positions": int(n)},
+            artifacts=(artifact,),
+        )
+
+
+def _residual(xtx: Tensor, xty: Tensor, maps: Tensor, yy: float) -> float:
+    """``Σ‖y − [x, 1] maps‖²`` from the moments: ``Σ‖y‖² − 2 tr(mapsᵀ X̃ᵀY) + tr(mapsᵀ X̃ᵀX̃ maps)``."""
+    return yy - 2.0 * float((maps * xty).sum()) + float((maps * (xtx @ maps)).sum())
+
+
+class TunedLensFolder(Artifact):
+    """Translators ``h + A_l h + b_l`` written in tuned-lens's layout (a folder)."""
+
+    def __init__(
+        self,
+        name: str,
+        weights: dict[int, Tensor],
+        biases: dict[int, Tensor],
+        *,
+        d_model: int,
+        n_layers: int,
+        model_name: str,
+        extra: dict[str, Any],
+    ) -> None:
+        self.name = name
+        self.weights, self.biases = weights, biases
+        self.d_model, self.n_layers, self.model_name, self.extra = (
+            d_model,
+            n_layers,
+            model_name,
+            extra,
+        )
+
+    def write(self, path: Path) -> list[Path]:
+        return save_tuned(
+            path,
+            self.weights,
+            self.biases,
+            d_model=self.d_model,
+            n_layers=self.n_layers,
+            model_name=self.model_name,
+            extra=self.extra,
+        )
