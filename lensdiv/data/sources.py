@@ -538,9 +538,9 @@ class TokenRows(Source):
     def batches(self, tokenizer: Any) -> Iterator[Batch]:
         """``batch_size`` rows a batch, up to ``max_tokens`` real tokens (the last row kept is
         cut short, its tail masked); BOS is marked when every row of a batch starts with it."""
-        # start-up: the --data help reads this module; torch loads when batches are made.
         import torch
 
+        # start-up: the --data help reads this module; torch loads when batches are made.
         from lensdiv.core.analyzer import Batch
 
         spec = self.spec
@@ -767,9 +767,9 @@ def pack(
 ) -> Iterator[Batch]:
     """Pack any stream of documents the way :func:`token_batches` does (``spec`` gives the sizes):
     the one place where text is tokenised."""
-    # start-up: the --data help reads this module; torch loads when batches are made.
     import torch
 
+    # start-up: the --data help reads this module; torch loads when batches are made.
     from lensdiv.core.analyzer import Batch
 
     bos_id = tokenizer.bos_token_id if spec.bos == "prepend" else None
