@@ -1,4 +1,5 @@
-"""Data: sources (files, folders, JSONL, hub folders, the built-in corpus), packing and errors.
+"""Data: sources (files, folders, JSONL, hub folders, the built-in corpus, a source of one's own),
+packing and errors.
 
 Packing is checked by identities: the packed rows' real tokens are the tokenised documents, in
 order, each followed by EOS; splitting at EOS and decoding gives the documents back.
@@ -7,6 +8,7 @@ order, each followed by EOS; splitting at EOS and decoding gives the documents b
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -14,15 +16,21 @@ from typing import Any
 import pytest
 import torch
 
+import lensdiv
+from lensdiv.cli.common import Data
 from lensdiv.core.analyzer import Batch
 from lensdiv.core.errors import DataError
 from lensdiv.data.corpus import builtin_documents
 from lensdiv.data.sources import (
     DataSpec,
+    Source,
     check_source,
     documents,
     read_task_jsonl,
+    register_source,
+    registered_sources,
     token_batches,
+    unregister_source,
 )
 from lensdiv.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, byte_tokenizer
 
@@ -350,3 +358,72 @@ def test_spec_values_name_the_flag(bad: dict[str, Any], needle: str) -> None:
     with pytest.raises(DataError) as err:
         DataSpec(**bad)
     assert needle in str(err.value)
+
+
+# -- a data source of one's own: subclass Source, say what names it, yield documents, register ----
+
+
+class Lines(Source):
+    """``lines:A|B|C``: one document per ``|``-separated part."""
+
+    kind, syntax, summary = "lines", "lines:A|B", "documents separated by |"
+
+    @classmethod
+    def claims(cls, spec: DataSpec) -> bool:
+        return spec.source.startswith("lines:")
+
+    def check(self) -> None:
+        if not self.spec.source[len("lines:"):].strip("| "):
+            raise DataError("'lines:' holds no lines", hint="write lines:A|B")
+
+    def documents(self) -> Iterator[str]:
+        return iter(self.spec.source[len("lines:"):].split("|"))
+
+
+@pytest.fixture
+def lines_source() -> Iterator[type[Source]]:
+    register_source(Lines)
+    yield Lines
+    unregister_source(Lines)
+
+
+def test_a_source_of_ones_own(lines_source: type[Source], tokenizer: Any, native_model: Any) -> None:
+    spec = DataSpec(source="lines:" + "|".join(DOCS), seq_len=16, batch_size=3, max_tokens=10**6)
+    assert check_source(spec) == "lines" and list(documents(spec)) == DOCS
+    batches = list(token_batches(spec, tokenizer))
+    _check_packing(batches, spec, _stream(tokenizer, DOCS))
+    assert spec.describe()["source"] == spec.source and "sha256" not in spec.describe()
+    with pytest.raises(DataError, match="'lines:' holds no lines"):
+        check_source(DataSpec(source="lines:|"))
+    # ... and through the whole API: the same numbers as the same documents in memory.
+    settings: dict[str, Any] = {"plugins": "lens", "seq_len": 16, "batch_size": 3,
+                                "max_tokens": 10**6, "progress": False}
+    own = lensdiv.analyze(native_model, data=spec.source, **settings)
+    memory = lensdiv.analyze(native_model, data=DOCS, **settings)
+    assert own.ok and own.manifest["data"]["source"] == spec.source
+    mine, theirs = own.results["lens"].to_dict(), memory.results["lens"].to_dict()
+    assert mine["meta"]["tokens"] == theirs["meta"]["tokens"] == sum(b.n_tokens for b in batches)
+    assert mine["tables"] == theirs["tables"] and mine["summary"] == theirs["summary"]
+
+
+def test_sources_register_once_and_unregister(lines_source: type[Source]) -> None:
+    assert registered_sources()[-1] is Lines
+    with pytest.raises(ValueError, match="kind 'lines' is registered already"):
+        register_source(type("Again", (Lines,), {}))
+    with pytest.raises(TypeError, match="not a concrete subclass"):
+        register_source(Source)  # type: ignore[type-abstract]  # the point of the test
+    unregister_source(Lines)
+    with pytest.raises(DataError, match="does not exist"):  # a path again, as before
+        check_source(DataSpec(source="lines:a|b"))
+    with pytest.raises(ValueError, match="not registered"):
+        unregister_source(Lines)
+    register_source(Lines)  # for the fixture to take away
+
+
+def test_builtin_sources_and_the_data_help() -> None:
+    kinds = [s.kind for s in registered_sources()]
+    assert kinds == ["text", "jsonl", "folder", "hub", "literal", "builtin", "memory", "tokens"]
+    help_text = Data.__metadata__[0].help
+    for source in registered_sources():
+        assert (source.syntax in help_text) == (source.command_line and source.kind != "builtin")
+    assert help_text.endswith("Default: the built-in corpus.")

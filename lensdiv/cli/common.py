@@ -16,17 +16,23 @@ from typer.core import TyperGroup
 
 from lensdiv.core.errors import LensdivError, OptionError, SaveError
 from lensdiv.core.files import folder_problem
+from lensdiv.data.sources import DataSpec, registered_sources, source_of
+
+
+def _data_help() -> str:
+    """``--data``'s help: ``SYNTAX (summary)`` of every source the command line can name, in
+    registration order, then the default (the sources live in ``lensdiv/data/sources.py``)."""
+    default = type(source_of(DataSpec()))
+    forms = [
+        f"{s.syntax} ({s.summary})"
+        for s in registered_sources()
+        if s.command_line and s is not default
+    ]
+    return f"{', '.join(forms[:-1])} or {forms[-1]}. Default: {default.summary}."
+
 
 # Options several commands take, with the same flag, type and help everywhere.
-Data = Annotated[
-    str | None,
-    typer.Option(
-        "--data",
-        "-d",
-        help="Text file, .jsonl, folder of .txt, hf:NAME[:CONFIG], or text:TEXT (the text itself). "
-        "Default: built-in corpus.",
-    ),
-]
+Data = Annotated[str | None, typer.Option("--data", "-d", help=_data_help())]
 Field = Annotated[str, typer.Option(help="JSONL / data-set field holding the text.")]
 Split = Annotated[str, typer.Option(help="Split of an hf: data set.")]
 SeqLen = Annotated[int, typer.Option(help="Tokens per sequence (BOS included).")]

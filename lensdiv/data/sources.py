@@ -1,5 +1,11 @@
-"""Data: read documents from text, JSONL, a folder, a hub data set, the built-in corpus or memory,
-then tokenise and pack them into fixed-length, right-padded sequences.
+"""Data sources: read documents from text, JSONL, a folder, a hub data set, the built-in corpus or
+memory, then tokenise and pack them into fixed-length, right-padded sequences.
+
+Each kind of source is one subclass of :class:`Source`, registered once with
+:func:`register_source`: it says whether a :class:`DataSpec` names it, checks itself cheaply
+before any model loads, yields its documents (or, for token rows, its batches) and describes
+itself for the manifest and for the ``--data`` help. :func:`check_source`, :func:`documents`
+and :func:`token_batches` find the source a spec names and ask it.
 
 In the Python API, ``data`` may also be in memory: a list of strings (one document each),
 ``"text:..."`` (the string after ``text:`` is the one document; a plain string always names a
@@ -15,17 +21,22 @@ influence a real position).
 
 from __future__ import annotations
 
+import abc
 import dataclasses
+import hashlib
+import inspect
 import json
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from lensdiv.core.analyzer import Batch
 from lensdiv.core.errors import DataError
 from lensdiv.data.corpus import builtin_documents
+
+if TYPE_CHECKING:
+    from lensdiv.core.analyzer import Batch
 
 BUILTIN = "builtin"
 _SNIFF_BYTES = 1 << 16
@@ -141,23 +152,9 @@ class DataSpec:
         )
 
     def describe(self) -> dict[str, Any]:
-        """The settings as plain data for the manifest: in-memory data by size and checksum."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        del out["texts"], out["tokens"]
-        if self.source.startswith(LITERAL) and len(self.source) > 80:
-            out["source"] = f"{self.source[:77]}..."
-        if self.texts is not None or self.tokens is not None or self.source.startswith(LITERAL):
-            import hashlib
-
-            blob = (
-                "\x00".join(self.texts).encode()
-                if self.texts is not None
-                else self.source.encode()
-                if self.tokens is None
-                else self.tokens.cpu().numpy().tobytes()
-            )
-            out["sha256"] = hashlib.sha256(blob).hexdigest()
-        return out
+        """The settings as plain data for the manifest, as the source describes itself (in-memory
+        data by size and checksum, see :meth:`Source.describe`)."""
+        return source_of(self).describe()
 
 
 LITERAL = "text:"
@@ -201,56 +198,420 @@ def _token_rows(data: Any) -> Any:
     return tokens
 
 
-def check_source(spec: DataSpec) -> str:
-    """Validate the source cheaply (before any model is loaded); return its kind."""
-    src = spec.source
-    if spec.tokens is not None:
-        return "tokens"
-    if spec.texts is not None:
-        return "memory"
-    if src == BUILTIN:
-        return "builtin"
-    if src.startswith(LITERAL):
-        if not src[len(LITERAL) :].strip():
-            raise DataError("'text:' holds no text", hint="write the text after text:")
-        return "literal"
-    if src.startswith("hf:"):
-        if len(src) <= 3:
-            raise DataError(
-                "empty hub data set name in 'hf:'", hint="use hf:NAME or hf:NAME:CONFIG"
+# -- the protocol: one class per kind of source, registered once ---------------------------------
+
+
+@dataclass(frozen=True)
+class Source(abc.ABC):
+    """One kind of data source, bound to the spec that names it.
+
+    A subclass sets the class attributes below, says in :meth:`claims` whether a spec names it,
+    yields its documents in :meth:`documents`, and is registered with :func:`register_source`.
+    :meth:`check`, :meth:`batches` and :meth:`describe` have defaults that most sources keep.
+
+    Args:
+        spec: The spec that names this source (its sizes, field, split and seed apply).
+
+    Attributes:
+        kind: A short name, unique among registered sources (what :func:`check_source` returns).
+        syntax: How ``--data`` (or ``data=`` of the Python API) names it, e.g. ``hf:NAME``.
+        summary: What it reads, in a few words, for the ``--data`` help.
+        command_line: ``False`` for data only the Python API can pass (data in memory).
+    """
+
+    spec: DataSpec
+    kind: ClassVar[str]
+    syntax: ClassVar[str]
+    summary: ClassVar[str]
+    command_line: ClassVar[bool] = True
+
+    @classmethod
+    @abc.abstractmethod
+    def claims(cls, spec: DataSpec) -> bool:
+        """Whether ``spec`` names this source: cheap (a prefix, a suffix, a field of the spec, is
+        it a folder), never reading the data."""
+
+    def check(self) -> None:  # noqa: B027  # optional, not abstract: most sources check nothing
+        """Validate cheaply, before any model loads (the default accepts everything).
+
+        Raises:
+            DataError: The data is missing, empty or malformed, with a hint what to do.
+        """
+
+    @abc.abstractmethod
+    def documents(self) -> Iterator[str]:
+        """The documents, lazily, in order (called after :meth:`check`).
+
+        Raises:
+            DataError: Data met along the way is not text.
+        """
+
+    def batches(self, tokenizer: Any) -> Iterator[Batch]:
+        """The checked documents packed into batches by :func:`pack`, lazily; a source whose
+        data is already tokens yields its own."""
+        return pack(_read(self), tokenizer, self.spec, source=self.spec.source)
+
+    def describe(self) -> dict[str, Any]:
+        """The spec's settings as plain data for the manifest (data in memory adds its sha256)."""
+        spec = self.spec
+        fields = (f.name for f in dataclasses.fields(spec) if f.name not in ("texts", "tokens"))
+        return {name: getattr(spec, name) for name in fields}
+
+
+_SourceClass = TypeVar("_SourceClass", bound=type[Source])
+_SOURCES: list[type[Source]] = []
+
+
+def register_source(cls: _SourceClass) -> _SourceClass:
+    """Register a kind of data source (usable as a class decorator).
+
+    A spec is read by the last-registered source that claims it, so a source registered later
+    can refine or replace one registered earlier (the built-in path sources claim any string).
+
+    Raises:
+        TypeError: ``cls`` is not a concrete :class:`Source` with ``kind``, ``syntax`` and
+            ``summary``.
+        ValueError: A source of the same kind is registered already.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, Source)) or inspect.isabstract(cls):
+        raise TypeError(f"{cls!r} is not a concrete subclass of Source")
+    missing = [
+        a for a in ("kind", "syntax", "summary") if not isinstance(getattr(cls, a, None), str)
+    ]
+    if missing:
+        raise TypeError(f"data source {cls.__qualname__} does not set {', '.join(missing)}")
+    for other in _SOURCES:
+        if other.kind == cls.kind:
+            raise ValueError(
+                f"a data source of kind {cls.kind!r} is registered already ({other.__qualname__})"
             )
-        return "hub"
-    if not src.strip():
-        raise DataError("the data source is empty", hint=_FLAG_HINTS["source"])
-    path = Path(src).expanduser()
-    if not path.exists():
-        looks_like_text = "\n" in src or (" " in src and not any(c in src for c in "/\\"))
-        raise DataError(
-            f"data file {src[:80]!r} does not exist",
-            hint="to analyse this string itself, pass data='text:...' (or a list of strings)"
-            if looks_like_text
-            else "check the path (or omit --data for the built-in corpus)",
-        )
-    if path.is_dir():
-        files = sorted(path.rglob("*.txt"))
-        if not files:
-            raise DataError(
-                f"folder {src!r} holds no .txt files",
-                hint="put text in *.txt files, or pass a file",
-            )
-        for f in files:
-            _check_file(f)
-        return "folder"
-    head = _check_file(path)
-    if path.suffix.lower() in (".jsonl", ".ndjson"):
+    _SOURCES.append(cls)
+    return cls
+
+
+def unregister_source(cls: type[Source]) -> None:
+    """Forget a source registered with :func:`register_source`.
+
+    Raises:
+        ValueError: ``cls`` is not registered.
+    """
+    if cls not in _SOURCES:
+        raise ValueError(f"data source {cls.__qualname__} is not registered")
+    _SOURCES.remove(cls)
+
+
+def registered_sources() -> tuple[type[Source], ...]:
+    """Every registered source, in registration order (the order of the ``--data`` help)."""
+    return tuple(_SOURCES)
+
+
+def source_of(spec: DataSpec) -> Source:
+    """The source ``spec`` names: the last-registered one that claims it, not yet checked.
+
+    Raises:
+        DataError: No registered source claims it.
+    """
+    for cls in reversed(_SOURCES):
+        if cls.claims(spec):
+            return cls(spec)
+    raise DataError(f"no data source reads {spec.source!r}", hint=_FLAG_HINTS["source"])
+
+
+def _read(source: Source) -> Iterator[str]:
+    """Check ``source``, then yield its documents: both only when the first is asked for."""
+    source.check()
+    yield from source.documents()
+
+
+# -- the built-in sources, most general first (a spec is read by the last one that claims it) ----
+
+
+@register_source
+class TextFile(Source):
+    """A UTF-8 text file: one document. Claims every string no later source claims, so a typo
+    in a path is an error here, never text."""
+
+    kind = "text"
+    syntax = "FILE"
+    summary = "a UTF-8 text file"
+
+    @classmethod
+    def claims(cls, spec: DataSpec) -> bool:
+        return True
+
+    def check(self) -> None:
+        _check_file(_existing_path(self.spec.source))
+
+    def documents(self) -> Iterator[str]:
+        yield _read_text(Path(self.spec.source).expanduser())
+
+
+@register_source
+class JsonlFile(Source):
+    """A ``.jsonl`` (or ``.ndjson``) file: one document per row, the text in ``spec.field``."""
+
+    kind = "jsonl"
+    syntax = "FILE.jsonl"
+    summary = "one JSON object a line"
+
+    @classmethod
+    def claims(cls, spec: DataSpec) -> bool:
+        return Path(spec.source).suffix.lower() in (".jsonl", ".ndjson")
+
+    def check(self) -> None:
+        path = _existing_path(self.spec.source)
+        head = _check_file(path)
         # The rows read at once anyway: a wrong --field or a non-text value on the first lines
         # fails here, before any model loads (later lines fail when they are reached).
         whole = head.split(b"\n")[:-1] if len(head) == _SNIFF_BYTES else head.split(b"\n")
         lines = b"\n".join(whole).decode("utf-8", errors="replace").split("\n")
-        for _ in _jsonl_rows(lines, path.name, spec.field):
+        for _ in _jsonl_rows(lines, path.name, self.spec.field):
             pass
-        return "jsonl"
-    return "text"
+
+    def documents(self) -> Iterator[str]:
+        return _jsonl_documents(Path(self.spec.source).expanduser(), self.spec.field)
+
+
+@register_source
+class TextFolder(Source):
+    """A folder: every ``.txt`` file below it, in sorted order, one document each."""
+
+    kind = "folder"
+    syntax = "DIR"
+    summary = "a folder of .txt files"
+
+    @classmethod
+    def claims(cls, spec: DataSpec) -> bool:
+        try:
+            return bool(spec.source.strip()) and Path(spec.source).expanduser().is_dir()
+        except (OSError, RuntimeError):  # a name too long, an unknown ~user: the file check says
+            return False
+
+    def check(self) -> None:
+        files = self._files()
+        if not files:
+            raise DataError(
+                f"folder {self.spec.source!r} holds no .txt files",
+                hint="put text in *.txt files, or pass a file",
+            )
+        for f in files:
+            _check_file(f)
+
+    def documents(self) -> Iterator[str]:
+        for f in self._files():
+            yield _read_text(f)
+
+    def _files(self) -> list[Path]:
+        return sorted(Path(self.spec.source).expanduser().rglob("*.txt"))
+
+
+@register_source
+class HubDataset(Source):
+    """A hub data set ``hf:NAME[:CONFIG]`` (or a local folder of data files), streamed: split
+    ``spec.split``, the text in ``spec.field``."""
+
+    kind = "hub"
+    syntax = "hf:NAME[:CONFIG]"
+    summary = "a hub data set"
+
+    @classmethod
+    def claims(cls, spec: DataSpec) -> bool:
+        return spec.source.startswith("hf:")
+
+    def check(self) -> None:
+        if len(self.spec.source) <= 3:
+            raise DataError(
+                "empty hub data set name in 'hf:'", hint="use hf:NAME or hf:NAME:CONFIG"
+            )
+
+    def documents(self) -> Iterator[str]:
+        spec = self.spec
+        name, _, config = spec.source[3:].partition(":")
+        try:
+            import datasets
+        except ImportError:
+            raise DataError(
+                "hub data sets need the 'datasets' package", hint="pip install 'lensdiv[hub]'"
+            ) from None
+        try:
+            ds = datasets.load_dataset(name, config or None, split=spec.split, streaming=True)
+            rows = iter(ds)
+            first = next(rows)
+        except StopIteration:
+            raise DataError(f"hub data set {name!r} split {spec.split!r} is empty") from None
+        except Exception as err:
+            reason = " ".join(str(err).split())[:200]
+            raise DataError(
+                f"cannot load data set {name!r} (split {spec.split!r}): {reason}",
+                hint="check the name, --split and your connection",
+            ) from None
+        if spec.field not in first:
+            raise DataError(
+                f"data set {name!r} has no field {spec.field!r} (it has: {', '.join(first)})",
+                hint="choose the text field with --field",
+            )
+        yield _text(first[spec.field], f"data set {name!r} row 1", spec.field)
+        for number, row in enumerate(rows, 2):
+            yield _text(row.get(spec.field), f"data set {name!r} row {number}", spec.field)
+
+
+@register_source
+class InlineText(Source):
+    """``text:TEXT``: the text itself, one document (described by its start and checksum)."""
+
+    kind = "literal"
+    syntax = "text:TEXT"
+    summary = "the text itself"
+
+    @classmethod
+    def claims(cls, spec: DataSpec) -> bool:
+        return spec.source.startswith(LITERAL)
+
+    def check(self) -> None:
+        if not self.spec.source[len(LITERAL) :].strip():
+            raise DataError("'text:' holds no text", hint="write the text after text:")
+
+    def documents(self) -> Iterator[str]:
+        yield self.spec.source[len(LITERAL) :]
+
+    def describe(self) -> dict[str, Any]:
+        out = super().describe()
+        if len(self.spec.source) > 80:
+            out["source"] = f"{self.spec.source[:77]}..."
+        return out | {"sha256": hashlib.sha256(self.spec.source.encode()).hexdigest()}
+
+
+@register_source
+class BuiltinCorpus(Source):
+    """The built-in synthetic corpus, seeded by ``spec.seed`` (see :mod:`lensdiv.data.corpus`)."""
+
+    kind = "builtin"
+    syntax = BUILTIN
+    summary = "the built-in corpus"
+
+    @classmethod
+    def claims(cls, spec: DataSpec) -> bool:
+        return spec.source == BUILTIN
+
+    def documents(self) -> Iterator[str]:
+        return builtin_documents(seed=self.spec.seed)
+
+
+@register_source
+class MemoryDocuments(Source):
+    """Documents in memory (``data=[...]`` of the Python API), one string each."""
+
+    kind = "memory"
+    syntax = "[TEXT, ...]"
+    summary = "documents in memory"
+    command_line = False
+
+    @classmethod
+    def claims(cls, spec: DataSpec) -> bool:
+        return spec.texts is not None
+
+    def documents(self) -> Iterator[str]:
+        return iter(self.spec.texts or ())
+
+    def describe(self) -> dict[str, Any]:
+        blob = "\x00".join(self.spec.texts or ()).encode()
+        return super().describe() | {"sha256": hashlib.sha256(blob).hexdigest()}
+
+
+@register_source
+class TokenRows(Source):
+    """A token tensor ``[batch, pos]`` in memory: each row one sequence (and one document), used
+    as it is — no BOS added, nothing packed, ``seq_len`` does not apply."""
+
+    kind = "tokens"
+    syntax = "tensor[batch, pos]"
+    summary = "token rows in memory"
+    command_line = False
+
+    @classmethod
+    def claims(cls, spec: DataSpec) -> bool:
+        return spec.tokens is not None
+
+    def documents(self) -> Iterator[str]:
+        raise DataError("token data has no documents", hint="read it with token_batches")
+
+    def batches(self, tokenizer: Any) -> Iterator[Batch]:
+        """``batch_size`` rows a batch, up to ``max_tokens`` real tokens (the last row kept is
+        cut short, its tail masked); BOS is marked when every row of a batch starts with it."""
+        import torch
+
+        # start-up: the --data help reads this module; torch loads when batches are made.
+        from lensdiv.core.analyzer import Batch
+
+        spec = self.spec
+        rows = spec.tokens
+        width = rows.shape[1]
+        bos_id = getattr(tokenizer, "bos_token_id", None)
+        budget = spec.max_tokens
+        for index, lo in enumerate(range(0, rows.shape[0], spec.batch_size)):
+            if budget <= 1:
+                break
+            tokens = rows[lo : lo + spec.batch_size].clone()
+            keep = min(tokens.shape[0], -(-budget // width))
+            tokens = tokens[:keep]
+            mask = torch.ones_like(tokens, dtype=torch.bool)
+            used = tokens.numel()
+            if used > budget:
+                mask[-1, width - (used - budget) :] = False
+            budget -= int(mask.sum())
+            doc = torch.arange(lo, lo + keep)[:, None].expand_as(tokens).clone()
+            bos = bos_id is not None and bool((tokens[:, 0] == bos_id).all())
+            yield Batch(tokens=tokens, mask=mask, bos=bos, index=index, doc=doc)
+
+    def describe(self) -> dict[str, Any]:
+        blob = self.spec.tokens.cpu().numpy().tobytes()
+        return super().describe() | {"sha256": hashlib.sha256(blob).hexdigest()}
+
+
+# -- what callers use ------------------------------------------------------------------------------
+
+
+def check_source(spec: DataSpec) -> str:
+    """Validate the source cheaply (before any model is loaded); return its kind.
+
+    Raises:
+        DataError: The source is missing, empty, binary or malformed, with a hint.
+    """
+    source = source_of(spec)
+    source.check()
+    return source.kind
+
+
+def documents(spec: DataSpec) -> Iterator[str]:
+    """Yield the documents of the source, lazily (checked when the first is asked for)."""
+    yield from _read(source_of(spec))
+
+
+def token_batches(spec: DataSpec, tokenizer: Any) -> Iterator[Batch]:
+    """Tokenise and pack the documents of ``spec`` into :class:`~lensdiv.core.analyzer.Batch` es,
+    lazily (a token tensor's rows are used as they are, ``batch_size`` rows a batch)."""
+    return source_of(spec).batches(tokenizer)
+
+
+def _existing_path(source: str) -> Path:
+    """``source`` as a path that exists (a file or a folder).
+
+    Raises:
+        DataError: ``source`` is empty or names nothing; a string that looks like text is told
+            how to pass text.
+    """
+    if not source.strip():
+        raise DataError("the data source is empty", hint=_FLAG_HINTS["source"])
+    path = Path(source).expanduser()
+    if not path.exists():
+        looks_like_text = "\n" in source or (" " in source and not any(c in source for c in "/\\"))
+        raise DataError(
+            f"data file {source[:80]!r} does not exist",
+            hint="to analyse this string itself, pass data='text:...' (or a list of strings)"
+            if looks_like_text
+            else "check the path (or omit --data for the built-in corpus)",
+        )
+    return path
 
 
 def _check_file(path: Path) -> bytes:
@@ -276,28 +637,6 @@ def _check_file(path: Path) -> bytes:
             hint="convert it to UTF-8 (e.g. iconv -t utf-8)",
         ) from None
     return head
-
-
-def documents(spec: DataSpec) -> Iterator[str]:
-    """Yield the documents of the source, lazily."""
-    kind = check_source(spec)
-    if kind == "tokens":
-        raise DataError("token data has no documents", hint="read it with token_batches")
-    if kind == "memory":
-        yield from spec.texts or ()
-    elif kind == "literal":
-        yield spec.source[len(LITERAL) :]
-    elif kind == "builtin":
-        yield from builtin_documents(seed=spec.seed)
-    elif kind == "hub":
-        yield from _hub_documents(spec)
-    elif kind == "folder":
-        for f in sorted(Path(spec.source).expanduser().rglob("*.txt")):
-            yield _read_text(f)
-    elif kind == "jsonl":
-        yield from _jsonl_documents(Path(spec.source).expanduser(), spec.field)
-    else:
-        yield _read_text(Path(spec.source).expanduser())
 
 
 def _read_text(path: Path) -> str:
@@ -423,74 +762,15 @@ def read_task_jsonl(
     return rows
 
 
-def _hub_documents(spec: DataSpec) -> Iterator[str]:
-    name, _, config = spec.source[3:].partition(":")
-    try:
-        import datasets
-    except ImportError:
-        raise DataError(
-            "hub data sets need the 'datasets' package", hint="pip install 'lensdiv[hub]'"
-        ) from None
-    try:
-        ds = datasets.load_dataset(name, config or None, split=spec.split, streaming=True)
-        rows = iter(ds)
-        first = next(rows)
-    except StopIteration:
-        raise DataError(f"hub data set {name!r} split {spec.split!r} is empty") from None
-    except Exception as err:
-        reason = " ".join(str(err).split())[:200]
-        raise DataError(
-            f"cannot load data set {name!r} (split {spec.split!r}): {reason}",
-            hint="check the name, --split and your connection",
-        ) from None
-    if spec.field not in first:
-        raise DataError(
-            f"data set {name!r} has no field {spec.field!r} (it has: {', '.join(first)})",
-            hint="choose the text field with --field",
-        )
-    yield _text(first[spec.field], f"data set {name!r} row 1", spec.field)
-    for number, row in enumerate(rows, 2):
-        yield _text(row.get(spec.field), f"data set {name!r} row {number}", spec.field)
-
-
-def token_batches(spec: DataSpec, tokenizer: Any) -> Iterator[Any]:
-    """Tokenise and pack the documents of ``spec`` into :class:`~lensdiv.core.analyzer.Batch` es
-    (a token tensor's rows are used as they are, ``batch_size`` rows a batch)."""
-    if spec.tokens is not None:
-        return _tensor_batches(spec, tokenizer)
-    return pack(documents(spec), tokenizer, spec, source=spec.source)
-
-
-def _tensor_batches(spec: DataSpec, tokenizer: Any) -> Iterator[Any]:
-    """Rows of a token tensor as batches: each row one sequence (and one document), up to
-    ``max_tokens`` real tokens (the last row kept is cut short, its tail masked)."""
-    import torch
-
-    rows = spec.tokens
-    width = rows.shape[1]
-    bos_id = getattr(tokenizer, "bos_token_id", None)
-    budget = spec.max_tokens
-    for index, lo in enumerate(range(0, rows.shape[0], spec.batch_size)):
-        if budget <= 1:
-            break
-        tokens = rows[lo : lo + spec.batch_size].clone()
-        keep = min(tokens.shape[0], -(-budget // width))
-        tokens = tokens[:keep]
-        mask = torch.ones_like(tokens, dtype=torch.bool)
-        used = tokens.numel()
-        if used > budget:
-            mask[-1, width - (used - budget) :] = False
-        budget -= int(mask.sum())
-        doc = torch.arange(lo, lo + keep)[:, None].expand_as(tokens).clone()
-        bos = bos_id is not None and bool((tokens[:, 0] == bos_id).all())
-        yield Batch(tokens=tokens, mask=mask, bos=bos, index=index, doc=doc)
-
-
 def pack(
     docs: Iterable[str], tokenizer: Any, spec: DataSpec, *, source: str = "documents"
-) -> Iterator[Any]:
-    """Pack any stream of documents the way :func:`token_batches` does (``spec`` gives the sizes)."""
+) -> Iterator[Batch]:
+    """Pack any stream of documents the way :func:`token_batches` does (``spec`` gives the sizes):
+    the one place where text is tokenised."""
     import torch
+
+    # start-up: the --data help reads this module; torch loads when batches are made.
+    from lensdiv.core.analyzer import Batch
 
     bos_id = tokenizer.bos_token_id if spec.bos == "prepend" else None
     eos_id = tokenizer.eos_token_id
