@@ -14,6 +14,7 @@ import typer
 from lensdiv import __version__
 from lensdiv.cli import analyze as _analyze
 from lensdiv.cli import lens as _lens
+from lensdiv.cli import lenses as _lenses
 from lensdiv.cli import merge as _merge
 from lensdiv.cli import plugins as _plugins
 from lensdiv.cli import scaling as _scaling
@@ -37,6 +38,7 @@ app.command()(_analyze.report)
 app.command()(_lens.lens)
 app.command()(_merge.merge)
 app.add_typer(_plugins.app, name="plugins")
+app.add_typer(_lenses.app, name="lenses")
 app.add_typer(_toy.app, name="toy")
 # Whole studies rather than analyzers of one model: fits over many runs, toy experiments.
 app.add_typer(_scaling.app, name="scaling")

@@ -59,6 +59,9 @@ class DataSpec:
         seed: Seed of the built-in corpus.
         texts: Documents in memory (see :meth:`from_data`), instead of ``source``.
         tokens: A token tensor ``[batch, pos]`` in memory, rows used as they are.
+        skip_tokens: Leave out the first batches of the stream, up to this many real tokens
+            (whole batches): what follows is data that a run over the first ``skip_tokens``
+            never saw (a fitted lens is evaluated there). ``max_tokens`` counts after them.
     """
 
     source: str = BUILTIN
@@ -71,6 +74,7 @@ class DataSpec:
     seed: int = 0
     texts: tuple[str, ...] | None = dataclasses.field(default=None, repr=False, compare=False)
     tokens: Any = dataclasses.field(default=None, repr=False, compare=False)
+    skip_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("source", "field", "split", "bos"):
@@ -80,7 +84,7 @@ class DataSpec:
                     f"{name} must be text, not {value!r} ({type(value).__name__})",
                     hint=_FLAG_HINTS[name],
                 )
-        for name in ("seq_len", "max_tokens", "batch_size", "seed"):
+        for name in ("seq_len", "max_tokens", "batch_size", "seed", "skip_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise DataError(
@@ -107,6 +111,11 @@ class DataSpec:
             raise DataError(
                 f"--batch-size must be at least 1, got {self.batch_size}",
                 hint=_FLAG_HINTS["batch_size"],
+            )
+        if self.skip_tokens < 0:
+            raise DataError(
+                f"skip_tokens must be 0 or more, got {self.skip_tokens}",
+                hint=_FLAG_HINTS["skip_tokens"],
             )
         if self.bos not in ("prepend", "none"):
             raise DataError(
@@ -168,6 +177,7 @@ _FLAG_HINTS = {
     "max_tokens": "e.g. --max-tokens 16384",
     "batch_size": "e.g. --batch-size 8 (sequences per forward pass)",
     "seed": "e.g. --seed 0",
+    "skip_tokens": "e.g. skip_tokens=16384 (the tokens a fit used)",
 }
 
 
@@ -255,7 +265,10 @@ class Source(abc.ABC):
         """The spec's settings as plain data for the manifest (data in memory adds its sha256)."""
         spec = self.spec
         fields = (f.name for f in dataclasses.fields(spec) if f.name not in ("texts", "tokens"))
-        return {name: getattr(spec, name) for name in fields}
+        out = {name: getattr(spec, name) for name in fields}
+        if not spec.skip_tokens:  # recorded only when used (results of earlier runs read alike)
+            del out["skip_tokens"]
+        return out
 
 
 _SourceClass = TypeVar("_SourceClass", bound=type[Source])
@@ -589,8 +602,24 @@ def documents(spec: DataSpec) -> Iterator[str]:
 
 def token_batches(spec: DataSpec, tokenizer: Any) -> Iterator[Batch]:
     """Tokenise and pack the documents of ``spec`` into :class:`~lensdiv.core.analyzer.Batch` es,
-    lazily (a token tensor's rows are used as they are, ``batch_size`` rows a batch)."""
-    return source_of(spec).batches(tokenizer)
+    lazily (a token tensor's rows are used as they are, ``batch_size`` rows a batch); with
+    ``skip_tokens``, the batches after the first ``skip_tokens`` real tokens, numbered from 0."""
+    if not spec.skip_tokens:
+        return source_of(spec).batches(tokenizer)
+    whole = dataclasses.replace(spec, max_tokens=spec.max_tokens + spec.skip_tokens, skip_tokens=0)
+    return _after(source_of(whole).batches(tokenizer), spec.skip_tokens)
+
+
+def _after(batches: Iterator[Batch], skip: int) -> Iterator[Batch]:
+    """The batches after the first ``skip`` real tokens (whole batches), renumbered from 0."""
+    seen, index = 0, 0
+    for batch in batches:
+        if seen < skip:
+            seen += batch.n_tokens
+            continue
+        batch.index = index
+        index += 1
+        yield batch
 
 
 def _existing_path(source: str) -> Path:
