@@ -30,6 +30,7 @@ CHEAP = {
     "patch": {"ig_steps": 4},
     "depth-score": {"per_grade": 2, "batch_size": 4},
     "submod": {"samples": 4, "greedy": 3},
+    "fit-jacobian": {"skip_first": 4},
 }
 
 
@@ -42,7 +43,8 @@ def contract_models(tiny_dirs: dict[str, Path], native_model: Any) -> dict[str, 
 
 def test_every_builtin_is_checked() -> None:
     assert sorted(
-        ["bias", "contrib", "depth-score", "dynamics", "lens", "linmap", "patch", "skip", "submod"]
+        ["bias", "contrib", "depth-score", "dynamics", "lens", "linmap", "patch", "skip", "submod",
+         "fit-affine", "fit-jacobian"]
     ) == BUILTIN
 
 

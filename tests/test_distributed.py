@@ -27,6 +27,8 @@ from lensdiv.core.errors import LensdivError, RankError, StateError
 from lensdiv.core.results import Result
 from lensdiv.core.stats import Stats, plan_reduce
 from lensdiv.data.sources import DataSpec
+from lensdiv.lenses.affine import AffineFit
+from lensdiv.lenses.jacobian import JacobianFit
 from lensdiv.run.distributed import World, current_world
 from lensdiv.run.runner import analyze, load_run
 from lensdiv.testing.contract import assert_results_close
@@ -41,6 +43,8 @@ OPTIONS = {
     "submod": {"samples": "8", "greedy": "3"},
     "skip": {"splits": "2"},
 }
+# The lens fits of lensdiv.lenses: analyzers whose states are summed Jacobians and moments.
+LENS_FITS = [JacobianFit(skip_first=4), AffineFit()]
 # 3 batches of 2 rows of 24 tokens, the last short and padded: an odd count for 2 ranks.
 SPEC = DataSpec(seq_len=24, max_tokens=24 * 5 + 9, batch_size=2)
 # One batch: rank 1 has nothing to do.
@@ -87,7 +91,9 @@ def _rank_main(rank: int, world: int, store: str, scenario: str, model: str, out
                             timeout=timedelta(seconds=timeout_s))
     code = 0
     try:
-        if scenario == "equal":
+        if scenario == "lenses":
+            analyze(model, data=SPEC, plugins=LENS_FITS, out=f"{out}/lenses", progress=False)
+        elif scenario == "equal":
             analyze(model, data=SPEC, plugins=EVERY, options=OPTIONS, out=f"{out}/every",
                     progress=False)
             analyze(model, data=ONE_BATCH, plugins="lens,contrib", out=f"{out}/idle",
@@ -186,6 +192,28 @@ def test_two_ranks_give_the_results_of_one_process(llama_dir: Path, tmp_path: Pa
     assert_results_close(fails["contrib"], one["contrib"], rtol=1e-6, what="contrib beside")
     # Rank 1 wrote nothing: rank 0 alone writes.
     assert {p.name for p in tmp_path.iterdir()} - {"store"} == {"every", "idle", "fails"}
+
+
+def test_two_ranks_fit_the_lenses_of_one_process(llama_dir: Path, tmp_path: Path) -> None:
+    """The Jacobian and affine lens files of 2 gloo processes equal one process's."""
+    from lensdiv.ops.translators import read_jacobian, read_tuned
+
+    procs = _launch(tmp_path, "lenses", llama_dir)
+    one = analyze(str(llama_dir), data=SPEC, plugins=LENS_FITS, out=tmp_path / "one",
+                  progress=False)
+    _join(procs, 300)
+    assert [p.exitcode for p in procs] == [0, 0], [p.exitcode for p in procs]
+    two = load_run(tmp_path / "lenses")
+    assert one.ok and two.ok, (one.errors, two.errors)
+    read = {"fit-jacobian": (read_jacobian, "jacobian_lens.pt"),
+            "fit-affine": (read_tuned, "affine_lens")}
+    for name, (reader, file) in read.items():
+        a, b = reader(tmp_path / "one" / name / file), reader(tmp_path / "lenses" / name / file)
+        assert sorted(a.maps) == sorted(b.maps)
+        for index in a.maps:
+            torch.testing.assert_close(b.maps[index].weight, a.maps[index].weight, rtol=1e-5,
+                                       atol=1e-6)
+    assert two["fit-jacobian"].meta["prompts"] == one["fit-jacobian"].meta["prompts"]
 
 
 # -- faults ---------------------------------------------------------------------------------------

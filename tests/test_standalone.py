@@ -181,16 +181,20 @@ def test_every_builtin_analyzer_links_to_its_definitions() -> None:
     science = ROOT / SCIENCE_DOC
     ids = anchors(science)
     builtin = [
-        e for e in default_registry().entries.values() if e.target.startswith("lensdiv.analyzers.")
+        e
+        for e in default_registry().entries.values()
+        if e.target.startswith(("lensdiv.analyzers.", "lensdiv.lenses."))
     ]
     assert {e.name for e in builtin} >= {
-        "lens", "contrib", "skip", "patch", "linmap", "bias", "submod", "depth-score", "dynamics"
+        "lens", "contrib", "skip", "patch", "linmap", "bias", "submod", "depth-score", "dynamics",
+        "fit-affine", "fit-jacobian",
     }  # fmt: skip
     for entry in builtin:
         assert entry.cls is not None, entry.error
         assert definitions(entry.cls) == f"{SCIENCE_DOC}#{entry.name}"
         assert entry.name in ids, f"{SCIENCE_DOC} has no anchor for {entry.name}"
-    assert {"conventions", "scaling-fit", "scaling-family", "teacher-student"} <= ids
+    assert {"conventions", "scaling-fit", "scaling-family", "teacher-student", "lenses",
+            "tuned-lens"} <= ids
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from lensdiv.core.errors import OptionError
 from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
 from lensdiv.ops.readout import final_readout, lens_of, lens_statistics, workspace
-from lensdiv.ops.translators import LABELS
+from lensdiv.ops.translators import LABELS, PHRASES
 
 
 @dataclass(frozen=True)
@@ -144,7 +144,7 @@ class LogitLens(Analyzer):
                     ("kl",),
                     "KL(p_l ‖ p_out) (nats)",
                     "p_l: h_l read through the final norm and unembedding"
-                    + (f" after the {label.lower()}'s translator T_l" if lens else "")
+                    + (f" after the {PHRASES[lens['kind']]}' translator T_l" if lens else "")
                     + "; mean over positions. 0 at h_L by definition.",
                 ),
                 _line(

@@ -28,7 +28,12 @@ def lens(
     ] = None,
     png: Annotated[Path | None, typer.Option("--png", help="Write the heatmap PNG here.")] = None,
     kind: Annotated[
-        str, typer.Option("--lens", help="logit (h_l → final norm → unembedding) or last-block.")
+        str,
+        typer.Option(
+            "--lens",
+            help="logit (h_l → final norm → unembedding), last-block, or a fitted lens "
+            "(tuned:PATH, jacobian:PATH, affine:PATH); several, comma-separated, side by side.",
+        ),
     ] = "logit",
     skip: Annotated[
         int | None,
@@ -49,7 +54,8 @@ def lens(
     Example: lensdiv lens gpt2 "The capital of France is" --top-k 3 --html france.html
 
     More: lensdiv lens toy "The happy dog" --lens last-block;
-    lensdiv lens toy "The happy dog" --skip 2
+    lensdiv lens toy "The happy dog" --skip 2;
+    lensdiv lens toy "The happy dog" --lens logit,tuned:lenses/toy/tuned_lens --html cmp.html
     """
     # start-up: torch and TransformerLens load only when the command runs.
     from lensdiv.models.load import load_model

@@ -129,9 +129,9 @@ def fit(
     term = console()
     if done.run is not None:
         term.print(done.run)
-    term.print(done)
-    if done.lens is None:
-        term.print(f"states in [bold]{folder}[/bold]; merge every shard with `lensdiv merge`")
+    if done.evaluation is not None:
+        term.print(done.evaluation)
+    term.print(done.line(), soft_wrap=True, markup=False)  # one line a log keeps whole
     if done.manifest.get("status") not in ("complete", None):
         raise typer.Exit(1 if done.manifest.get("status") != "interrupted" else 130)
 

@@ -182,9 +182,9 @@ def get_analyzer(name: str) -> type[Analyzer]:
 
 def definitions(cls: type[Analyzer]) -> str | None:
     """Where the analysis of ``cls`` is defined: ``docs/science.md#NAME`` for a built-in analyzer
-    (a class of ``lensdiv.analyzers``), ``None`` for a third-party one, which its own package
-    documents."""
-    if cls.__module__.startswith("lensdiv.analyzers."):
+    (a class of ``lensdiv.analyzers`` or a lens fit of ``lensdiv.lenses``), ``None`` for a
+    third-party one, which its own package documents."""
+    if cls.__module__.startswith(("lensdiv.analyzers.", "lensdiv.lenses.")):
         return f"{SCIENCE_DOC}#{cls.name}"
     return None
 

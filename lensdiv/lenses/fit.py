@@ -33,7 +33,7 @@ from lensdiv.lenses.affine import AFFINE_FOLDER, AffineFit
 from lensdiv.lenses.jacobian import JacobianFit
 from lensdiv.lenses.tuned import PRESETS, TUNED_FOLDER, TunedRecipe, save_trained, train_tuned
 from lensdiv.models.load import load_model
-from lensdiv.ops.translators import JACOBIAN_FILE, LABELS, parse_lens
+from lensdiv.ops.translators import JACOBIAN_FILE, LABELS, PHRASES, parse_lens
 from lensdiv.run.distributed import current_world, gather_objects
 from lensdiv.run.interrupts import handle_signals
 from lensdiv.run.runner import Run, analyze
@@ -69,13 +69,18 @@ class LensFit(Rendered):
         """``KIND:PATH``, for ``--lens`` / ``lens=``."""
         return None if self.lens is None else f"{self.kind}:{self.lens}"
 
+    def line(self) -> str:
+        """Where the lens is and how to use it (one line)."""
+        if self.lens is None:
+            return f"{PHRASES[self.kind]}: a shard's states in {self.out} (lensdiv merge)"
+        return f"{PHRASES[self.kind]}: {self.lens}  (use it: --lens {self.spec})"
+
     def __rich_console__(self, console: Any, options: Any) -> Any:
         from rich.text import Text
 
         if self.evaluation is not None:
             yield self.evaluation
-        if self.lens is not None:
-            yield Text(f"{LABELS[self.kind].lower()}: {self.lens}  (use it: --lens {self.spec})")
+        yield Text(self.line())
 
 
 def fit_lens(

@@ -1,11 +1,14 @@
 """The prompt view of one prompt: what every residual state predicts at every position.
 
-Three readings of the same grid (:class:`~lensdiv.view.prompt.PromptView`):
+Readings of the same grid (:class:`~lensdiv.view.prompt.PromptView`; several side by side in a
+:class:`~lensdiv.view.prompt.PromptViews`):
 
 - ``lens="logit"`` (docs/science.md A2): each block input ``h_l`` (and the final residual ``h_L``)
   through the final norm and the unembedding; the top row is the model's output.
 - ``lens="last-block"`` (docs/science.md C1): each ``h_l`` through the final block first, then the
   final norm and the unembedding; at ``l = L − 1`` this is the model's output.
+- a fitted lens (``lens="tuned:PATH"``, ``"jacobian:PATH"``, ``"affine:PATH"``; docs/science.md
+  D1–D3): each ``h_l`` through the lens' translator ``T_l``, then the final norm and unembedding.
 - ``skip=s``: the logit lens of the model with block ``s`` skipped (``h_{s+1} := h_s``, or only
   its ``attn`` / ``mlp`` write zeroed) at every position but the first (docs/science.md A3's
   current mode); the KL compares each cell with the *unskipped* model's output, so the top row
@@ -32,7 +35,8 @@ from lensdiv.models.load import load_model
 from lensdiv.ops.capture import capture
 from lensdiv.ops.readout import final_readout, readout_dtype
 from lensdiv.ops.resume import Resumer
-from lensdiv.view.prompt import PromptView
+from lensdiv.ops.translators import LABELS, PHRASES, Translator, parse_lens
+from lensdiv.view.prompt import PromptView, PromptViews
 
 LENSES = ("logit", "last-block")
 PARTS = ("block", "attn", "mlp")
@@ -43,38 +47,60 @@ def prompt_view(
     text: str,
     *,
     top_k: int = 3,
-    lens: str = "logit",
+    lens: Any = "logit",
     skip: int | None = None,
     part: str = "block",
     prepend_bos: bool = True,
     device: Any = None,
     dtype: Any = None,
-) -> PromptView:
+) -> Any:
     """What every residual state of ``model`` predicts at every position of ``text``.
 
     Args:
         model: A ``TransformerBridge`` or a model spec (``"toy"``, ``"gpt2"``, a folder).
         text: The prompt.
         top_k: Tokens kept per cell (shown on hover).
-        lens: ``"logit"`` or ``"last-block"`` (see the module docstring).
+        lens: ``"logit"``, ``"last-block"`` (see the module docstring), a fitted lens
+            (``"tuned:PATH"``, ``"jacobian:PATH"``, ``"affine:PATH"`` or a
+            :class:`~lensdiv.ops.translators.Translator`), or several of them (a comma-separated
+            string or a list): then a :class:`~lensdiv.view.prompt.PromptViews`, the lenses
+            side by side.
         skip: Skip this block (0-based) at every position but the first; logit lens only.
         part: What the skip removes: the whole ``block``, or only its ``attn`` or ``mlp`` write.
         prepend_bos: Put the tokenizer's BOS token first (as the model was trained).
         device, dtype: Where and in which precision to load ``model`` when it is a spec.
 
     Returns:
-        A :class:`~lensdiv.view.prompt.PromptView`: ``print`` it, display it in a notebook,
+        A :class:`~lensdiv.view.prompt.PromptView` (or, for several lenses, a
+        :class:`~lensdiv.view.prompt.PromptViews`): ``print`` it, display it in a notebook,
         ``save("view.html")`` / ``save("view.png")``.
 
     Raises:
         OptionError: A bad ``top_k``, ``lens``, ``skip`` or ``part``.
+        LensError: A fitted lens that cannot be read or does not fit the model.
         DataError: An empty prompt, or one longer than the model's context.
     """
     if isinstance(model, str):
         model = load_model(model, device=device, dtype=dtype)
+    lenses = _lenses(lens)
+    if len(lenses) > 1:
+        if skip is not None:
+            raise OptionError("--skip shows one lens", hint="give --lens one lens with --skip")
+        return PromptViews(
+            tuple(
+                prompt_view(model, text, top_k=top_k, lens=one, prepend_bos=prepend_bos)
+                for one in lenses
+            )
+        )
+    lens = lenses[0]
+    translator = lens if isinstance(lens, Translator) else None
     info = ModelInfo.from_model(model)
     L = info.n_layers
-    _check_options(top_k, lens, skip, part, L)
+    if translator is not None:
+        translator.check(info)
+        if skip is not None:
+            raise OptionError("--skip works with the logit lens only", hint="drop --lens")
+    _check_options(top_k, "logit" if translator is not None else lens, skip, part, L)
     tokens = _tokens(model, text, prepend_bos)
     names = [info.resid(layer) for layer in range(L + 1)]
     with torch.no_grad():
@@ -92,14 +118,22 @@ def prompt_view(
         else:
             rows = [clean[name][0] for name in names]
             labels = [f"h{layer}" for layer in range(L + 1)]
+            if translator is not None:
+                full = final_readout(model)
+                rows = [
+                    translator.apply(h, layer, dtype=full.dtype, device=full.device)
+                    for layer, h in enumerate(rows)
+                ]
         logp = torch.stack([readout(h) for h in rows]).log_softmax(-1)
-    title, note = _describe(lens, skip, part, L)
-    fields = _view(model, info, tokens[0], logp, out_logp, labels, top_k, title, note, lens, skip)
+    kind = translator.kind if translator is not None else lens
+    title, note = _describe(kind, skip, part, L)
+    fields = _view(model, info, tokens[0], logp, out_logp, labels, top_k, title, note, kind, skip)
     return PromptView(
         **fields,
         meta={
             "lensdiv": versions()["lensdiv"],
-            "lens": "skip" if skip is not None else lens,
+            "lens": "skip" if skip is not None else kind,
+            **({"translator": translator.describe()} if translator is not None else {}),
             "top_k": top_k,
             "prepend_bos": prepend_bos,
             "readout_dtype": str(readout_dtype(next(model.parameters()).dtype)).replace(
@@ -229,6 +263,14 @@ def _describe(lens: str, skip: int | None, part: str, n_layers: int) -> tuple[st
             f"but the first, through the final norm and unembedding; KL is to the unskipped "
             f"model's output.",
         )
+    if lens in ("tuned", "jacobian", "affine"):
+        label = LABELS[lens]
+        return (
+            label,
+            f"Row h_l: the residual stream before block l through the {PHRASES[lens]}' "
+            f"translator T_l, then the final norm and unembedding; h{n_layers} (top) is the "
+            "model's output.",
+        )
     if lens == "last-block":
         return (
             "Last-block lens",
@@ -240,6 +282,33 @@ def _describe(lens: str, skip: int | None, part: str, n_layers: int) -> tuple[st
         "Row h_l: the residual stream before block l through the final norm and unembedding; "
         f"h{n_layers} (top) is the model's output.",
     )
+
+
+def _lenses(lens: Any) -> list[Any]:
+    """``lens`` as a list of ``"logit"``, ``"last-block"`` and fitted lenses (translators)."""
+    given = (
+        lens.split(",")
+        if isinstance(lens, str)
+        else list(lens)
+        if isinstance(lens, (list, tuple))
+        else [lens]
+    )
+    out: list[Any] = []
+    for one in given:
+        name = one.strip() if isinstance(one, str) else one
+        if name in LENSES:
+            out.append(name)
+        elif isinstance(name, str) and ":" not in name:
+            raise OptionError(
+                f"unknown lens {name!r}",
+                hint="use logit, last-block, or a fitted lens: tuned:PATH, jacobian:PATH, "
+                "affine:PATH",
+            )
+        else:
+            out.append(parse_lens(name))
+    if not out:
+        raise OptionError("no lens given", hint="e.g. --lens logit,tuned:DIR")
+    return out
 
 
 def _check_options(top_k: int, lens: str, skip: int | None, part: str, n_layers: int) -> None:

@@ -59,6 +59,13 @@ LABELS: dict[str, str] = {
     "jacobian": "Jacobian lens",
     "affine": "Affine lens",
 }
+#: The same in the middle of a sentence ("the Jacobian lens' translator").
+PHRASES: dict[str, str] = {
+    "logit": "logit lens",
+    "tuned": "tuned lens",
+    "jacobian": "Jacobian lens",
+    "affine": "affine lens",
+}
 TUNED_CONFIG, TUNED_PARAMS = "config.json", "params.pt"
 JACOBIAN_FILE = "jacobian_lens.pt"
 # tuned-lens's published lenses: a Hugging Face *space*, one folder per model under lens/.
@@ -151,14 +158,14 @@ class Translator:
             return
         if self.d_model != info.d_model:
             raise LensError(
-                f"the {self.label.lower()} {self.source!r} was fitted for d_model {self.d_model}, "
+                f"the {PHRASES[self.kind]} {self.source!r} was fitted for d_model {self.d_model}, "
                 f"but {info.name} has d_model {info.d_model}",
                 hint="fit a lens for this model: lensdiv lenses fit MODEL --kind ...",
             )
         bad = [i for i in self.maps if not 0 <= i < info.n_layers]
         if bad:
             raise LensError(
-                f"the {self.label.lower()} {self.source!r} has a translator for residual state "
+                f"the {PHRASES[self.kind]} {self.source!r} has a translator for residual state "
                 f"h{max(bad)}, but {info.name} has {info.n_layers} blocks (h0..h{info.n_layers - 1} "
                 "can be translated)",
                 hint="fit a lens for this model: lensdiv lenses fit MODEL --kind ...",
@@ -244,7 +251,7 @@ def read_tuned(where: str | Path, *, kind: Literal["tuned", "affine"] = "tuned")
         params = torch.load(folder / TUNED_PARAMS, map_location="cpu", weights_only=True)
     except (OSError, ValueError, RuntimeError) as err:
         raise LensError(
-            f"cannot read the {LABELS[kind].lower()} in {str(folder)!r}: {_line(err)}",
+            f"cannot read the {PHRASES[kind]} in {str(folder)!r}: {_line(err)}",
             hint=f"a lens folder holds {TUNED_CONFIG} and {TUNED_PARAMS} (tuned-lens's layout)",
         ) from None
     if not isinstance(config, dict) or not isinstance(params, dict):

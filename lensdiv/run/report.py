@@ -20,6 +20,7 @@ from lensdiv.core.errors import ResultError
 from lensdiv.core.results import Result, write_json_atomic
 from lensdiv.data.sources import DataSpec, documents
 from lensdiv.ops.prompt import prompt_view
+from lensdiv.ops.translators import parse_lens
 from lensdiv.view.prompt import PromptView
 from lensdiv.view.report import report_html
 
@@ -93,13 +94,18 @@ def write_report(
 
 
 def example_views(run: Run, model: Any, prompts: Sequence[str] | None = None) -> list[PromptView]:
-    """Logit-lens views of the example prompts (plus the last-block lens of the first one when
-    ``dynamics`` ran), with the ``lens`` analyzer's ``top_k`` (at most 5)."""
+    """Logit-lens views of the example prompts (plus the run's fitted lens, if any, and the
+    last-block lens when ``dynamics`` ran, of the first one), with the ``lens`` analyzer's
+    ``top_k`` (at most 5)."""
     texts = list(prompts) if prompts is not None else example_prompts(run, model)
     options = run.manifest.get("analyzers", {}).get("lens", {}).get("options", {})
     top_k = max(1, min(int(options.get("top_k", 3)), 5))
     bos = run.manifest.get("data", {}).get("bos", "prepend") == "prepend"
     views = [prompt_view(model, text, top_k=top_k, prepend_bos=bos) for text in texts]
+    lens = run.manifest.get("lens", {})
+    if texts and lens.get("source"):  # the run read through a fitted lens: show it beside
+        fitted = parse_lens(f"{lens['kind']}:{lens['source']}")
+        views.insert(1, prompt_view(model, texts[0], top_k=top_k, lens=fitted, prepend_bos=bos))
     if texts and "dynamics" in run.results:
         views.append(prompt_view(model, texts[0], top_k=top_k, lens="last-block", prepend_bos=bos))
     return views

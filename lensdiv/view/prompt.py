@@ -269,6 +269,106 @@ class PromptView(Rendered):
         return fig, ax
 
 
+@dataclass(frozen=True)
+class PromptViews(Rendered):
+    """Several lenses' views of the same prompt, side by side (``lensdiv lens --lens A,B``).
+
+    Args:
+        views: One :class:`PromptView` per lens, in the order given.
+    """
+
+    views: tuple[PromptView, ...]
+
+    def __post_init__(self) -> None:
+        if not self.views:
+            raise ValueError("prompt views: no view")
+        if len({tuple(v.tokens) for v in self.views}) > 1:
+            raise ValueError("prompt views: the views read different prompts")
+
+    def __getitem__(self, index: int) -> PromptView:
+        return self.views[index]
+
+    def __len__(self) -> int:
+        return len(self.views)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able data; :meth:`from_dict` inverts it."""
+        return {"views": [v.to_dict() for v in self.views]}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PromptViews:
+        """Rebuild the views from :meth:`to_dict` output."""
+        try:
+            return cls(tuple(PromptView.from_dict(v) for v in data["views"]))
+        except (KeyError, TypeError, ValueError) as err:
+            raise ResultError(f"not lensdiv prompt views: {err}") from None
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write the views as JSON (``.json``), one HTML page (``.html``: the lenses side by
+        side) or one PNG (``.png``: one heatmap per lens, side by side)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.suffix == ".html":
+            path.write_text(self.page())
+        elif path.suffix == ".png":
+            fig = self.figure()
+            fig.savefig(path, format="png")
+        else:
+            write_json_atomic(path, self.to_dict())
+        return path
+
+    def __rich_console__(self, console: Any, options: Any) -> Any:
+        yield from self.views
+
+    def _repr_mimebundle_(
+        self, include: Sequence[str] = (), exclude: Sequence[str] = (), **kwargs: Any
+    ) -> dict[str, str]:
+        return {"text/plain": str(self), "text/html": self.html()}
+
+    def html(self) -> str:
+        """An HTML fragment: the views side by side (each with its hover boxes)."""
+        return render("prompt_views.html.j2", views=self.views, grids=self._grids(), style=True)
+
+    def page(self) -> str:
+        """A complete, self-contained HTML page of the views (no network)."""
+        return render("prompt_views_page.html.j2", views=self.views, grids=self._grids())
+
+    def _grids(self) -> list[list[dict[str, Any]]]:
+        return [view._grid() for view in self.views]
+
+    def figure(self) -> Any:
+        """One heatmap per lens side by side, on a private Agg canvas."""
+        import numpy as np
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        images = []
+        for view in self.views:
+            fig, _ = view.figure()
+            canvas = FigureCanvasAgg(fig)
+            canvas.draw()
+            images.append(np.asarray(canvas.buffer_rgba()))
+        height = max(image.shape[0] for image in images)
+        width = sum(image.shape[1] for image in images)
+        dpi = 100
+        out = Figure(figsize=(width / dpi, height / dpi), dpi=dpi)
+        FigureCanvasAgg(out)
+        left = 0
+        for image in images:
+            axes = out.add_axes(
+                (
+                    left / width,
+                    1 - image.shape[0] / height,
+                    image.shape[1] / width,
+                    image.shape[0] / height,
+                )
+            )
+            axes.imshow(image)
+            axes.axis("off")
+            left += image.shape[1]
+        return out
+
+
 _FIELDS = (
     "model",
     "lens",
