@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from lensdiv.analyzers.bias import (
     BiasDiversity,
+    Decomposition,
     ce_terms,
     direct_decomposition,
     gram_squared_error,
@@ -304,6 +305,32 @@ def test_sum_weighting_only_rescales(native_model: Any) -> None:
                                    rtol=1e-9)
     np.testing.assert_allclose(tables["sum"].table("members")["sq_bias"],
                                m * tables["mean"].table("members")["sq_bias"], rtol=1e-9)
+
+
+def test_decomposition_holds_the_identities_and_the_tables_numbers(native_model: Any) -> None:
+    """``Decomposition`` (the computation alone, no Result): ensemble loss = bias − diversity in
+    both forms, diversity ≥ 0, the last prefix ensemble is the full one (SCIENCE.md B2–B3); the
+    result's tables hold exactly these numbers."""
+    analyzer = BiasDiversity(every=2, ce_depth=True)
+    info = ModelInfo.from_model(native_model)
+    state = run_state(analyzer, native_model, batches_of(native_model, SPEC))
+    numbers = Decomposition.from_state(state, info, "mean")
+    M = 2 * info.n_layers + 1
+    assert numbers.names[0] == "embed" and len(numbers.names) == M
+    assert numbers.sizes == [2 * layer + 1 for layer in range(info.n_layers + 1)]
+    for form in (numbers.squared, numbers.ce):
+        assert form.identity_gap == pytest.approx(0.0, abs=1e-6 * abs(form.bias))
+        assert form.diversity >= 0
+    assert min(numbers.members.sq_diversity) >= 0 and min(numbers.depth.diversity) >= 0
+    assert numbers.depth.loss[-1] == pytest.approx(numbers.squared.ensemble_loss, rel=1e-12)
+    assert numbers.depth_ce is not None
+    assert numbers.depth_ce.loss[-1] == pytest.approx(numbers.ce.ensemble_loss, rel=1e-9)
+    result = analyzer.finalize(state, info)
+    assert result.table("bias")["bias"].tolist() == [numbers.squared.bias, numbers.ce.bias]
+    assert result.table("members")["ce_diversity"].tolist() == numbers.members.ce_diversity
+    assert result.table("depth")["accuracy"].tolist() == numbers.depth_ce.accuracy
+    summed = Decomposition.from_state(state, info, "sum")
+    assert summed.squared.bias == pytest.approx(M * numbers.squared.bias, rel=1e-12)
 
 
 # -- streaming and pads --------------------------------------------------------------------------

@@ -13,11 +13,13 @@ import torch
 
 from lensdiv.analyzers.depth_score import (
     DepthScore,
+    DepthScores,
     arith_examples,
     depth_score,
     kb_examples,
 )
 from lensdiv.core.analyzer import Batch, ModelInfo, Step
+from lensdiv.core.stats import Stats
 from lensdiv.data.corpus import KnowledgeBase
 from lensdiv.ops.capture import capture
 from lensdiv.ops.skipping import Intervals, later_effect
@@ -46,6 +48,47 @@ def test_depth_score_definition() -> None:
     assert torch.isnan(depth_score(torch.zeros(L, dtype=torch.float64)))
     batch = torch.tensor([[0.0, 1.0, 0.0], [1.0, 1.0, 1.0]], dtype=torch.float64)
     torch.testing.assert_close(depth_score(batch), torch.tensor([1.0, 1.0], dtype=torch.float64))
+
+
+def test_depth_scores_of_a_hand_made_state() -> None:
+    """``DepthScores`` (the computation alone, no model, no Result) on sums written by hand: an
+    effect concentrated at block k scores k, a uniform one (L − 1)/2 (SCIENCE.md A5); means,
+    accuracy, baseline and the slope are what the sums say, and the table shows them."""
+    L, n = 5, 4
+    state = Stats()
+    state.fix("n_layers", L)
+    state.fix("scored_model", "m")
+    state.fix("tasks", "arith")
+    profiles = {"1-op": torch.eye(L, dtype=torch.float64)[3], "2-op": torch.ones(L).double()}
+    for grade, right in (("1-op", 4), ("2-op", 1)):
+        e = profiles[grade] * n
+        state.include("grades", grade)
+        state.add(f"{grade}/n", n)
+        state.add(f"{grade}/correct", right)
+        state.add(f"{grade}/baseline", 0.25 * n)
+        state.add(f"{grade}/E", torch.zeros(L, L, dtype=torch.float64))
+        state.add(f"{grade}/correct_layer_e", e / n * right)
+        for kind in ("layer", "output"):
+            state.add(f"{grade}/{kind}_e", e)
+            state.add(f"{grade}/{kind}_n", n)
+            state.add(f"{grade}/{kind}_sum", 2.0 * n)  # every example scores 2
+            state.add(f"{grade}/{kind}_sq", 4.0 * n)
+    info = ModelInfo(name="m", n_layers=L, d_model=8, d_vocab=16, n_heads=2,
+                     normalization="LN", parallel_residual=False, hook_names=frozenset())
+    numbers = DepthScores.from_state(state, info)
+    one, two = numbers.grades
+    assert (one.grade, two.grade) == ("1-op", "2-op") and numbers.n_layers == L
+    assert numbers.scores("layer") == [pytest.approx(3.0), pytest.approx((L - 1) / 2)]
+    assert numbers.slope == pytest.approx((L - 1) / 2 - 3.0)
+    assert (one.accuracy, two.accuracy) == (1.0, 0.25) and one.baseline == 0.25
+    assert one.mean["layer"] == 2.0 and one.se["layer"] == 0.0
+    assert one.score_layer_correct == pytest.approx(3.0)
+    assert one.above_baseline and not two.above_baseline  # 1 of 4 at a baseline of 1/4
+    result = DepthScore(tasks="arith").finalize(state, info)
+    table = result.table("depth_score")
+    assert table["score_layer"].tolist() == numbers.scores("layer")
+    assert table["p_above_baseline"].tolist() == [g.p_above_baseline for g in numbers.grades]
+    assert len(result.warnings) == 1 and result.warnings[0].startswith("2-op:")
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "neox", "native"])

@@ -13,7 +13,13 @@ import numpy as np
 import pytest
 import torch
 
-from lensdiv.analyzers.dynamics import Dynamics, angle, stop_layer, token_dynamics
+from lensdiv.analyzers.dynamics import (
+    Dynamics,
+    LayerDynamics,
+    angle,
+    stop_layer,
+    token_dynamics,
+)
 from lensdiv.core.analyzer import Batch, ModelInfo, Step
 from lensdiv.core.errors import OptionError
 from lensdiv.ops.capture import capture
@@ -184,6 +190,33 @@ def test_last_block_lens_agrees_with_full_forward_passes(model: Any) -> None:
         float(torch.nn.functional.cross_entropy(step.logits[scored].double(), targets[scored])),
         rel=1e-5,
     )
+
+
+def test_layer_dynamics_are_the_numbers_of_the_result(native_model: Any) -> None:
+    """``LayerDynamics`` (the computation alone, no Result): C1's identities on the means
+    (``s_0 = 0``, ``s_L = 1``, angles in [0, π]), stop fractions and explained variance that add
+    up, and the numbers the result's tables and metadata hold."""
+    steps = [resid_step(native_model, seed=s, pad=2 * s) for s in range(2)]
+    analyzer = Dynamics(every=2, components=2)
+    state, result = run_steps(analyzer, steps)
+    numbers = LayerDynamics.from_state(state, steps[0].info, components=2)
+    L = numbers.n_layers
+    assert numbers.positions == int(sum(int(s.batch.mask.sum()) for s in steps))
+    assert numbers.mean["progress"][0] == 0.0
+    assert numbers.mean["progress"][-1] == pytest.approx(1.0, abs=1e-5)
+    for key in ("theta", "theta_update", "to_final"):
+        assert all(0 <= v <= math.pi for v in numbers.mean[key]), key
+    assert len(numbers.per_block("theta_update")) == L
+    assert math.isnan(numbers.per_block("theta_update")[-1])
+    assert float(numbers.stops.sum()) == pytest.approx(1.0)
+    assert 0 < sum(numbers.explained) <= 1 + 1e-9 and len(numbers.components) == 2
+    assert numbers.triangle_gap_max <= 1e-5
+    updates = result.table("updates")
+    assert updates["theta"].tolist() == numbers.mean["theta"]
+    assert updates["last_block_lens_ce"].tolist() == numbers.lens_ce
+    assert result.table("pca")["explained"].tolist() == numbers.explained
+    assert result.meta["mean_middle_update"] == numbers.middle_mean("update")
+    assert result.meta["early_stop_fraction"] == numbers.early_stop_fraction
 
 
 def test_streams_and_merges_like_one_pass_and_pca_matches_numpy(native_model: Any) -> None:

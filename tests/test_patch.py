@@ -19,7 +19,7 @@ import pandas as pd
 import pytest
 import torch
 
-from lensdiv.analyzers.patch import Patching
+from lensdiv.analyzers.patch import Patching, PatchingMaps
 from lensdiv.core.analyzer import ModelInfo
 from lensdiv.core.errors import DataError, OptionError
 from lensdiv.core.stats import Stats
@@ -398,6 +398,41 @@ def test_merged_shards_finalize_like_one_run(native_model: Any, tmp_path: Path) 
         Stats.load(tmp_path / "state"), info
     )
     assert_results_equal(again, got)
+
+
+def test_patching_maps_are_the_numbers_of_the_result(native_model: Any, tmp_path: Path) -> None:
+    """``PatchingMaps`` (the computation alone, no Result) from a two-pass state: the position
+    axis ends at the answer, patching h_0 where clean and corrupt tokens agree changes nothing,
+    erasure distances lie in [0, √2], and the result's tables hold exactly these numbers."""
+    rows = fact_pairs("boss", 4)
+    analyzer = Patching(pairs=str(write_jsonl(tmp_path / "pairs.jsonl", rows)), ig_steps=2)
+    info = ModelInfo.from_model(native_model)
+    batches = analyzer.examples(native_model, info)
+    engine = Engine(native_model, info, [analyzer])
+    states = engine.init()
+    for index in range(2):
+        engine.begin_pass(index, states)
+        engine.feed(index, batches, states)
+    assert not engine.failures, engine.failures
+    maps = PatchingMaps.from_state(states["patch"], info, SITES)
+    (batch,) = batches
+    T = batch.tokens.shape[1]
+    assert maps.offsets == list(range(-(T - 1), 1)) and maps.n_pos == T
+    assert [p.line for p in maps.pairs] == [1, 2, 3, 4] and maps.degenerate == 0
+    same = (batch.tokens == batch.extra["corrupt"]).all(0)
+    np.testing.assert_allclose(maps.patch["resid_pre"].mean[0, same], 0.0, atol=1e-4)
+    assert maps.erasure is not None and maps.ig is not None and maps.ig_rel_error is not None
+    assert (maps.erasure.mean >= 0).all() and (maps.erasure.mean <= 2**0.5 + 1e-6).all()
+    assert maps.patch["mlp_out"].pairs.tolist() == [4.0] * T
+
+    result = analyzer.finalize(states["patch"], info)
+    patching = result.table("patching")
+    scores = torch.stack([maps.patch[site].mean for site in SITES]).flatten().tolist()
+    np.testing.assert_array_equal(patching["score"], scores)
+    np.testing.assert_array_equal(result.table("erasure")["distance"], maps.erasure.mean.flatten())
+    np.testing.assert_array_equal(result.arrays["patch_attn_out"], maps.patch["attn_out"].mean)
+    assert result.meta["ig_completeness_rel_error"] == float(maps.ig_rel_error.max())
+    assert result.table("pairs")["clean_logit_diff"].tolist() == [p.clean for p in maps.pairs]
 
 
 # -- task data ------------------------------------------------------------------------------------

@@ -14,12 +14,13 @@ from typing import Any
 import pytest
 import torch
 
-from lensdiv.analyzers.skip import LayerSkip
+from lensdiv.analyzers.skip import LayerSkip, SkipEffects
 from lensdiv.core.analyzer import ModelInfo, Step
+from lensdiv.data.sources import DataSpec
 from lensdiv.ops.resume import Resumer
 from lensdiv.ops.skipping import later_effect, skip_effects, split_intervals
 from lensdiv.run.runner import analyze
-from tests.helpers import naive_effects, random_step
+from tests.helpers import batches_of, naive_effects, random_step, run_state
 
 
 def make_step(model: Any, seed: int = 0, width: int = 40) -> Step:
@@ -194,3 +195,29 @@ def test_analyzer_end_to_end(native_model: Any, tmp_path: Any) -> None:
     # A resumed sweep runs fewer blocks per split point than L re-runs of L blocks.
     assert result.meta["block_runs_per_prompt"] == L * (L - 1) / 2
     assert (tmp_path / "skip" / "skip_effect.png").is_file()
+
+
+def test_effects_are_the_numbers_of_the_result(native_model: Any) -> None:
+    """``SkipEffects`` (the computation alone, no Result) holds what the tables show; future
+    mode leaves ``E[s, l] = 0`` for ``l ≤ s`` and ``O ∈ [0, √2]`` (SCIENCE.md A3)."""
+    analyzer = LayerSkip(splits=2)
+    info = ModelInfo.from_model(native_model)
+    state = run_state(analyzer, native_model, batches_of(native_model, DataSpec(
+        seq_len=40, max_tokens=160, batch_size=2)))
+    effects = SkipEffects.from_state(state)
+    result = analyzer.finalize(state, info)
+    L = info.n_layers
+    assert effects.prompts == result.meta["prompts"] == 4
+    for agg in ("max", "mean"):
+        assert effects.effect[agg].shape == (L, L)
+        assert (effects.effect[agg].tril() == 0).all()
+        assert ((effects.output[agg] >= 0) & (effects.output[agg] <= math.sqrt(2))).all()
+        assert effects.output[agg].tolist() == result.table("skip")[f"output_{agg}"].tolist()
+        assert effects.later(agg).tolist() == result.table("skip")[f"later_{agg}"].tolist()
+    assert (effects.effect["mean"] <= effects.effect["max"] + 1e-12).all()
+    later = effects.later("max")
+    half = max(1, L // 2)
+    first, second = effects.halves("max")
+    assert first == pytest.approx(float(later[:half].mean()))
+    assert second == pytest.approx(float(later[half : L - 1].mean()) if L > 2 else math.nan,
+                                   nan_ok=True)

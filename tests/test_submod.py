@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 import torch
 
-from lensdiv.analyzers.submod import Submodularity
+from lensdiv.analyzers.submod import SubmodCurves, Submodularity
+from lensdiv.analyzers.submod.present import present
 from lensdiv.analyzers.submod.setfunction import (
     curve,
     greedy_order,
@@ -152,6 +153,43 @@ def test_nested_sampling_is_uniform_over_triples() -> None:
     assert len(counts) == 15
     assert all(150 < c < 250 for c in counts.values()), counts  # 200 expected each
     assert sample_nested(1, 10, 0) == []
+
+
+def test_submod_curves_of_a_concave_set_function() -> None:
+    """``SubmodCurves`` (the computation alone, no model) on ``F = sqrt(Σ w)``, submodular: no
+    violation, every unit helps at least as much first as last, the block curve is every other
+    point of the member curve, greedy by weight; the headline is what the result's fit table
+    holds. With only the first pass measured, the greedy curve stops where the table does."""
+    K = 5  # direct mode on two blocks: embed, attn0, mlp0, attn1, mlp1
+    plan = make_plan(K, 24, 0)
+    table = {mask: sqrt_sum(mask) for mask in range(1 << K)}
+    units = ["embed", "attn0", "mlp0", "attn1", "mlp1"]
+    curves = SubmodCurves.from_table(
+        table, plan, units=units, tol=1e-9, greedy=3, blocks=True, positions=7
+    )
+    stats = curves.stats
+    assert stats.violations == 0 and curves.alone_ge_last == K
+    assert curves.blocks is not None
+    assert curves.blocks.values == stats.prefix.values[1::2]
+    assert stats.greedy == [0, 1, 2]  # the largest weights first
+    gain_s, gain_t = curves.triple_gains()
+    assert [a - b for a, b in zip(gain_s, gain_t, strict=True)] == pytest.approx(stats.margins)
+    assert curves.greedy_gains == pytest.approx(
+        [sqrt_sum(0b1), sqrt_sum(0b11) - sqrt_sum(0b1), sqrt_sum(0b111) - sqrt_sum(0b11)]
+    )
+    headline = curves.headline
+    assert headline["violation_rate"] == 0.0 and headline["F_all"] == sqrt_sum((1 << K) - 1)
+    assert headline["alone_ge_last_fraction"] == 1.0 and "block_fit_b" in headline
+    result = present(curves, Submodularity(tol=1e-9))
+    fit = result.table("fit")
+    assert dict(zip(fit["statistic"], fit["value"], strict=True)) == pytest.approx(headline)
+
+    bare = make_plan(K, 0, 0)  # prefixes, singletons and leave-one-outs only
+    first_pass = {mask: table[mask] for mask in bare.first}
+    partial = SubmodCurves.from_table(
+        first_pass, bare, units=units, tol=1e-9, greedy=3, blocks=False, positions=7
+    )
+    assert partial.stats.greedy == [0] and partial.blocks is None
 
 
 def test_plan_covers_every_needed_subset_once() -> None:

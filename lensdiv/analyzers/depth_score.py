@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -325,137 +326,236 @@ class DepthScore(Analyzer):
                 state.add(f"{grade}/{kind}_sq", (score[ok] ** 2).sum())
 
     def finalize(self, state: Stats, info: ModelInfo) -> Result:
-        L = int(state.get("n_layers", info.n_layers))
-        scored = str(state.get("scored_model", info.name))
+        return present(DepthScores.from_state(state, info), self)
+
+
+# -- the numbers ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GradeScore:
+    """The numbers of one grade.
+
+    Args:
+        grade: The grade's name.
+        examples: Examples of the grade.
+        correct: Examples answered correctly (greedy decoding of the whole answer).
+        baseline: The prior baseline accuracy (mean over the examples).
+        profile: Mean effect ``e_s`` of skipping block ``s``, by kind (``layer``, ``output``).
+        mean: Mean over examples of their own depth scores, by kind (NaN if none has one).
+        se: Standard error of that mean, by kind (NaN with fewer than two scores).
+        score_layer_correct: Layer-effect depth score of the correctly answered examples' mean
+            profile (NaN if none).
+        effect: Mean ``E[s, l]`` over the grade's examples.
+    """
+
+    grade: str
+    examples: int
+    correct: int
+    baseline: float
+    profile: Mapping[str, Float[Tensor, " skipped"]]
+    mean: Mapping[str, float]
+    se: Mapping[str, float]
+    score_layer_correct: float
+    effect: Float[Tensor, "skipped layer"]
+
+    @property
+    def accuracy(self) -> float:
+        """Fraction of the examples answered correctly."""
+        return self.correct / float(self.examples)
+
+    @property
+    def p_above_baseline(self) -> float:
+        """One-sided exact binomial p-value of the accuracy against the prior baseline."""
+        return _p_above(self.correct, self.examples, self.baseline)
+
+    @property
+    def above_baseline(self) -> bool:
+        """Whether the accuracy is significantly above the prior baseline (p < :data:`ALPHA`)."""
+        return self.p_above_baseline < ALPHA
+
+    def score(self, kind: str) -> float:
+        """The depth score (centre of mass) of the mean ``kind`` profile."""
+        return float(depth_score(self.profile[kind]))
+
+    @classmethod
+    def from_state(cls, state: Stats, grade: str) -> GradeScore:
+        """The sums of ``grade`` in a merged state, as means."""
+        n = float(state[f"{grade}/n"])
+        right = int(state[f"{grade}/correct"])
+        mean: dict[str, float] = {}
+        se: dict[str, float] = {}
+        for kind in ("layer", "output"):
+            k = float(state[f"{grade}/{kind}_n"])
+            mean[kind] = float(state[f"{grade}/{kind}_sum"]) / k if k else math.nan
+            var = float(state[f"{grade}/{kind}_sq"]) / k - mean[kind] ** 2 if k else math.nan
+            se[kind] = math.sqrt(max(var, 0.0) / (k - 1)) if k > 1 else math.nan
+        return cls(
+            grade=grade,
+            examples=int(n),
+            correct=right,
+            baseline=float(state[f"{grade}/baseline"]) / n,
+            profile={kind: state[f"{grade}/{kind}_e"] / n for kind in ("layer", "output")},
+            mean=mean,
+            se=se,
+            score_layer_correct=(
+                float(depth_score(state[f"{grade}/correct_layer_e"] / right)) if right else math.nan
+            ),
+            effect=state[f"{grade}/E"] / n,
+        )
+
+
+@dataclass(frozen=True)
+class DepthScores:
+    """The depth scores of a run, grade by grade: no tables, no prose.
+
+    Args:
+        scored_model: The model whose skips were measured.
+        n_layers: Its blocks.
+        tasks: ``kb``, ``arith`` or the examples file (``None`` if unknown).
+        grades: Every grade, in order (numeric where the names start with a number).
+    """
+
+    scored_model: str
+    n_layers: int
+    tasks: str | None
+    grades: tuple[GradeScore, ...]
+
+    @classmethod
+    def from_state(cls, state: Stats, info: ModelInfo) -> DepthScores:
+        """The numbers of a merged state (the scored model's facts are in it; ``info`` is the
+        analysed model's, used where the state has none)."""
         grades = sorted(state.get("grades", ()), key=_grade_key)
         if not grades:
             raise ValueError("no examples were processed")
-        columns: dict[str, list] = {
-            "grade": grades,
-            "examples": [],
-            "accuracy": [],
-            "baseline": [],
-            "p_above_baseline": [],
-        }
-        for kind in ("layer", "output"):
-            columns[f"score_{kind}"] = []
-            columns[f"mean_{kind}"] = []
-            columns[f"se_{kind}"] = []
-        columns["correct"] = []
-        columns["score_layer_correct"] = []
-        profiles: dict[str, list] = {"skipped": list(range(L))}
-        warnings = []
-        for grade in grades:
-            n = float(state[f"{grade}/n"])
-            right = int(state[f"{grade}/correct"])
-            accuracy = right / n
-            baseline = float(state[f"{grade}/baseline"]) / n
-            p_value = _p_above(right, int(n), baseline)
-            columns["examples"].append(int(n))
-            columns["accuracy"].append(accuracy)
-            columns["baseline"].append(baseline)
-            columns["p_above_baseline"].append(p_value)
-            columns["correct"].append(right)
-            columns["score_layer_correct"].append(
-                float(depth_score(state[f"{grade}/correct_layer_e"] / right)) if right else math.nan
-            )
-            if not p_value < ALPHA:
-                warnings.append(
-                    f"{grade}: {scored} answers {right} of {int(n)} correctly ({accuracy:.0%}), "
-                    f"not significantly above the prior baseline of {baseline:.0%} (one-sided "
-                    f"binomial p = {p_value:.2g}): it cannot do these examples, so their depth "
-                    "score does not say how it does them."
-                )
-            for kind in ("layer", "output"):
-                e = state[f"{grade}/{kind}_e"] / n
-                columns[f"score_{kind}"].append(float(depth_score(e)))
-                k = float(state[f"{grade}/{kind}_n"])
-                mean = float(state[f"{grade}/{kind}_sum"]) / k if k else math.nan
-                var = float(state[f"{grade}/{kind}_sq"]) / k - mean**2 if k else math.nan
-                se = math.sqrt(max(var, 0.0) / (k - 1)) if k > 1 else math.nan
-                columns[f"mean_{kind}"].append(mean)
-                columns[f"se_{kind}"].append(se)
-                profiles[f"{kind}:{grade}"] = e.tolist()
-        table = Table(
-            "depth_score",
-            columns,
-            "Depth score (centre of mass of skip effects) by grade, with the scored model's "
-            "accuracy, the prior baseline and the score of the correctly answered examples",
+        return cls(
+            scored_model=str(state.get("scored_model", info.name)),
+            n_layers=int(state.get("n_layers", info.n_layers)),
+            tasks=state.get("tasks"),
+            grades=tuple(GradeScore.from_state(state, grade) for grade in grades),
         )
-        scores = table["score_layer"]
-        slope = _slope(scores)
-        summary = (
-            f"Layer-effect depth score of {scored} by grade: "
-            + ", ".join(
-                f"{g} {v:.2f} (accuracy {a:.0%}, baseline {b:.0%})"
-                for g, v, a, b in zip(
-                    grades, scores, table["accuracy"], table["baseline"], strict=True
-                )
-            )
-            + f" (blocks 0..{L - 1}; uniform effects would give {(L - 1) / 2:.1f})."
-        )
-        if len(grades) > 1:
-            change = float(scores[-1] - scores[0])
-            summary += (
-                f" From {grades[0]} to {grades[-1]} it moves by {change:+.2f} blocks "
-                f"({100 * change / max(L - 1, 1):+.0f}% of the depth; slope {slope:+.2f} per grade)."
-            )
-        if state.get("tasks") == "kb":
-            summary += (
-                " Queries: 2–4-hop chains of the training split (in-distribution: what the model "
-                "knows, not compositional generalisation)."
-                if self.chains == "seen"
-                else " Queries: held-out 2–4-hop chains (compositional generalisation)."
-            )
-        return Result(
-            analyzer=self.name,
-            summary=summary,
-            tables={
-                "depth_score": table,
-                "profile": Table(
-                    "profile", profiles, "Mean effect e_s of skipping block s, by grade"
-                ),
-            },
-            arrays={
-                f"effect:{g}": (state[f"{g}/E"] / float(state[f"{g}/n"])).cpu().numpy()
-                for g in grades
-            },
-            plots=(
-                Plot(
-                    "line",
-                    "depth_score",
-                    "Depth score by grade",
-                    "depth_score",
-                    x="grade",
-                    y=("score_layer", "score_output"),
-                    xlabel="grade",
-                    ylabel="depth score (layer)",
-                ),
-                Plot(
-                    "line",
-                    "depth_profile",
-                    "Layer effect e_s by grade",
-                    "profile",
-                    x="skipped",
-                    y=tuple(f"layer:{g}" for g in grades),
-                    xlabel="skipped block s",
-                    ylabel="e_s",
-                ),
+
+    def scores(self, kind: str = "layer") -> list[float]:
+        """The depth score of every grade."""
+        return [g.score(kind) for g in self.grades]
+
+    @property
+    def slope(self) -> float:
+        """Least-squares slope of the layer-effect depth score per grade."""
+        return _slope(self.scores("layer"))
+
+
+# -- the result ----------------------------------------------------------------------------------
+def present(numbers: DepthScores, options: DepthScore) -> Result:
+    """The table, profiles, plots, summary, warnings and metadata of the depth scores."""
+    grades = [g.grade for g in numbers.grades]
+    tasks = numbers.tasks if numbers.tasks is not None else options.tasks
+    return Result(
+        analyzer=options.name,
+        summary=_summary(numbers, options),
+        tables={"depth_score": _table(numbers), "profile": _profile(numbers)},
+        arrays={f"effect:{g.grade}": g.effect.cpu().numpy() for g in numbers.grades},
+        plots=(
+            Plot(
+                "line",
+                "depth_score",
+                "Depth score by grade",
+                "depth_score",
+                x="grade",
+                y=("score_layer", "score_output"),
+                xlabel="grade",
+                ylabel="depth score (layer)",
             ),
-            meta={
-                "tasks": state.get("tasks", self.tasks),
-                "chains": self.chains if state.get("tasks") == "kb" else None,
-                "scored_model": scored,
-                "n_layers": L,
-                "grades": grades,
-                "slope_per_grade": slope,
-                "split": "first answer token",
-                "accuracy": "greedy decoding of the whole answer (teacher-forced argmax)",
-                "baseline": BASELINES.get(str(state.get("tasks", self.tasks)), BASELINES["file"]),
-                "significance": ALPHA,
-            },
-            warnings=tuple(warnings),
+            Plot(
+                "line",
+                "depth_profile",
+                "Layer effect e_s by grade",
+                "profile",
+                x="skipped",
+                y=tuple(f"layer:{g}" for g in grades),
+                xlabel="skipped block s",
+                ylabel="e_s",
+            ),
+        ),
+        meta={
+            "tasks": tasks,
+            "chains": options.chains if numbers.tasks == "kb" else None,
+            "scored_model": numbers.scored_model,
+            "n_layers": numbers.n_layers,
+            "grades": grades,
+            "slope_per_grade": numbers.slope,
+            "split": "first answer token",
+            "accuracy": "greedy decoding of the whole answer (teacher-forced argmax)",
+            "baseline": BASELINES.get(str(tasks), BASELINES["file"]),
+            "significance": ALPHA,
+        },
+        warnings=tuple(
+            f"{g.grade}: {numbers.scored_model} answers {g.correct} of {g.examples} correctly "
+            f"({g.accuracy:.0%}), not significantly above the prior baseline of "
+            f"{g.baseline:.0%} (one-sided binomial p = {g.p_above_baseline:.2g}): it cannot do "
+            "these examples, so their depth score does not say how it does them."
+            for g in numbers.grades
+            if not g.above_baseline
+        ),
+    )
+
+
+def _table(numbers: DepthScores) -> Table:
+    """One row per grade: accuracy against the baseline, then the depth scores."""
+    columns: dict[str, list] = {
+        "grade": [g.grade for g in numbers.grades],
+        "examples": [g.examples for g in numbers.grades],
+        "accuracy": [g.accuracy for g in numbers.grades],
+        "baseline": [g.baseline for g in numbers.grades],
+        "p_above_baseline": [g.p_above_baseline for g in numbers.grades],
+    }
+    for kind in ("layer", "output"):
+        columns[f"score_{kind}"] = numbers.scores(kind)
+        columns[f"mean_{kind}"] = [g.mean[kind] for g in numbers.grades]
+        columns[f"se_{kind}"] = [g.se[kind] for g in numbers.grades]
+    columns["correct"] = [g.correct for g in numbers.grades]
+    columns["score_layer_correct"] = [g.score_layer_correct for g in numbers.grades]
+    return Table(
+        "depth_score",
+        columns,
+        "Depth score (centre of mass of skip effects) by grade, with the scored model's "
+        "accuracy, the prior baseline and the score of the correctly answered examples",
+    )
+
+
+def _profile(numbers: DepthScores) -> Table:
+    """The mean effect profiles ``e_s``, one column per grade and kind."""
+    profiles: dict[str, list] = {"skipped": list(range(numbers.n_layers))}
+    for g in numbers.grades:
+        for kind in ("layer", "output"):
+            profiles[f"{kind}:{g.grade}"] = g.profile[kind].tolist()
+    return Table("profile", profiles, "Mean effect e_s of skipping block s, by grade")
+
+
+def _summary(numbers: DepthScores, options: DepthScore) -> str:
+    """The scores by grade, how far they move from the first grade to the last, the queries."""
+    L, grades, scores = numbers.n_layers, numbers.grades, numbers.scores("layer")
+    summary = (
+        f"Layer-effect depth score of {numbers.scored_model} by grade: "
+        + ", ".join(
+            f"{g.grade} {v:.2f} (accuracy {g.accuracy:.0%}, baseline {g.baseline:.0%})"
+            for g, v in zip(grades, scores, strict=True)
         )
+        + f" (blocks 0..{L - 1}; uniform effects would give {(L - 1) / 2:.1f})."
+    )
+    if len(grades) > 1:
+        change = float(scores[-1] - scores[0])
+        summary += (
+            f" From {grades[0].grade} to {grades[-1].grade} it moves by {change:+.2f} blocks "
+            f"({100 * change / max(L - 1, 1):+.0f}% of the depth; slope {numbers.slope:+.2f} "
+            "per grade)."
+        )
+    if numbers.tasks == "kb":
+        summary += (
+            " Queries: 2–4-hop chains of the training split (in-distribution: what the model "
+            "knows, not compositional generalisation)."
+            if options.chains == "seen"
+            else " Queries: held-out 2–4-hop chains (compositional generalisation)."
+        )
+    return summary
 
 
 BASELINES = {

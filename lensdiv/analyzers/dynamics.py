@@ -28,7 +28,7 @@ cached residuals (in float32, float64 for a float64 model), so ``dynamics`` ride
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -257,108 +257,202 @@ class Dynamics(Analyzer):
         state.fix("readout", readout.precision)
 
     def finalize(self, state: Stats, info: ModelInfo) -> Result:
-        L = info.n_layers
-        n = float(state["n"])
-        mean = {key: _mean_sem(state, key, n) for key in _KEYS}
-        blocks = list(range(L))
-        theta_update = list(mean["theta_update"][0]) + [math.nan]
-        theta_update_sem = list(mean["theta_update"][1]) + [math.nan]
-        lens_n = float(state.get("lens_n", 0.0))
-        lens_ce = (state["lens_ce"] / lens_n).tolist() if lens_n else [math.nan] * L
-        updates = Table(
-            "updates",
-            {
-                "block": blocks,
-                "theta": mean["theta"][0],
-                "theta_sem": mean["theta"][1],
-                "theta_update": theta_update[:L],
-                "theta_update_sem": theta_update_sem[:L],
-                "update": mean["update"][0],
-                "rel_update": mean["rel_update"][0],
-                "last_block_lens_ce": lens_ce,
-            },
-            "Per block l: θ_l = ∠(h_l, h_{l+1}) and θΔ_l = ∠(Δ_l, Δ_{l+1}) in radians (mean, sem "
-            "over tokens), ‖Δ_l‖, ‖Δ_l‖/‖h_l‖, and the last-block lens cross-entropy of h_l",
-        )
-        states_table = Table(
-            "states",
-            {
-                "layer": list(range(L + 1)),
-                "norm": mean["norm"][0],
-                "norm_sem": mean["norm"][1],
-                "to_final": mean["to_final"][0],
-                "progress": mean["progress"][0],
-                "progress_sem": mean["progress"][1],
-            },
-            "Per residual state h_l: norm, angle to the final state (rad), chord progress s_l",
-        )
-        stops = state["stop_hist"] / max(n, 1.0)
-        stop_table = Table(
-            "stop",
-            {"block": blocks, "fraction": stops.tolist(), "cumulative": stops.cumsum(0).tolist()},
-            f"Fraction of tokens that stop updating after block k ({self.settle:.0%} of their "
-            "rotation done; the last block not counted)",
-        )
-        ratios, components = _pca(state, n, self.components)
-        pca_table = Table(
-            "pca",
-            {
-                "component": list(range(1, len(ratios) + 1)),
-                "explained": ratios,
-                "cumulative": torch.tensor(ratios).cumsum(0).tolist() if ratios else [],
-            },
-            "PCA of the token × block angle profiles θ_l: explained variance ratio",
-        )
-        middle = middle_blocks(L)
-        early = float(stops[: max(L // 2, 1)].sum())
-        meta = {
-            "positions": int(n),
-            "lens_positions": int(lens_n),
-            "every": self.every,
-            "readout": state.get("readout"),
-            "final_state": self.final_state,
-            "middle_blocks": [middle[0], middle[-1]],
-            "mean_middle_update": _mean_of(updates["update"], middle),
-            "mean_middle_rel_update": _mean_of(updates["rel_update"], middle),
-            "mean_middle_theta": _mean_of(updates["theta"], middle),
-            "mean_middle_theta_update": _mean_of(updates["theta_update"], middle),
-            "early_stop_fraction": early,
-            "triangle_gap_max": float(state["triangle_gap"]),
-            "last_block_lens": state.get("resume_mode"),
-        }
-        degrees = math.degrees(meta["mean_middle_theta_update"])
-        summary = (
-            f"Middle blocks {middle[0]}-{middle[-1]} rotate each token by "
-            f"{math.degrees(meta['mean_middle_theta']):.1f}° and change it by "
-            f"{meta['mean_middle_rel_update']:.1%} of its norm; neighbouring updates are "
-            f"{degrees:.0f}° apart (90° = uncorrelated). {early:.0%} of tokens stop updating by "
-            f"block {max(L // 2, 1) - 1}. The first angle-profile component explains "
-            f"{ratios[0] if ratios else math.nan:.0%} of the variance over {int(n)} tokens."
-        )
-        return Result(
-            analyzer=self.name,
-            summary=summary,
-            tables={
-                "updates": updates,
-                "states": states_table,
-                "stop": stop_table,
-                "pca": pca_table,
-            },
-            arrays={
-                "theta_hist": (state["theta_hist"] / max(n, 1.0)).T.tolist(),
-                "theta_update_hist": (state["theta_update_hist"] / max(n, 1.0)).T.tolist(),
-                "pca_components": components,
-            },
-            plots=_plots(L, self.bins, len(ratios)),
-            meta=meta,
-        )
+        return present(LayerDynamics.from_state(state, info, components=self.components), self)
 
 
 _KEYS = ("theta", "theta_update", "norm", "update", "rel_update", "to_final", "progress")
 
 
-def _plots(n_layers: int, bins: int, components: int) -> tuple[Plot, ...]:
-    """The figures of a result (their axes depend on the depth, the bins and the components)."""
+# -- the numbers ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LayerDynamics:
+    """The per-layer statistics over tokens of a run (SCIENCE.md C1): no tables, no prose.
+
+    Args:
+        n_layers: Blocks ``L``.
+        positions: Tokens whose trajectories were measured.
+        mean: Mean over tokens of every :class:`TokenDynamics` quantity and of ``rel_update``
+            (``‖Δ_l‖ / ‖h_l‖``), as listed there: ``L`` blocks, ``L − 1`` pairs, ``L + 1``
+            states.
+        sem: Their standard errors.
+        lens_positions: Positions scored by the last-block lens.
+        lens_ce: Last-block lens cross-entropy of ``h_l`` per block (NaN without the lens).
+        stops: Fraction of tokens that stop updating after block ``k``.
+        explained: Explained-variance ratios of the leading angle-profile components.
+        components: Their loadings on ``θ_l`` (largest loading positive).
+        theta_hist: Fraction of tokens per angle bin of ``θ_l``, ``[bin, block]``.
+        theta_update_hist: The same for ``θΔ_l``, ``[bin, pair]``.
+        triangle_gap_max: The largest ``∠(h_0, h_L) − Σ θ_l`` (at most 0 up to rounding).
+        readout: Precision of the lens' readout (``None`` without the lens).
+        lens_resume: How the lens ran the final block (``None`` without the lens).
+    """
+
+    n_layers: int
+    positions: int
+    mean: Mapping[str, list[float]]
+    sem: Mapping[str, list[float]]
+    lens_positions: int
+    lens_ce: list[float]
+    stops: Float[Tensor, " block"]
+    explained: list[float]
+    components: list[list[float]]
+    theta_hist: Float[Tensor, "bin block"]
+    theta_update_hist: Float[Tensor, "bin pair"]
+    triangle_gap_max: float
+    readout: Any
+    lens_resume: Any
+
+    @classmethod
+    def from_state(cls, state: Stats, info: ModelInfo, *, components: int) -> LayerDynamics:
+        """Means, standard errors, stops, PCA and histograms from the merged sums."""
+        L = info.n_layers
+        n = float(state["n"])
+        stats = {key: _mean_sem(state, key, n) for key in _KEYS}
+        lens_n = float(state.get("lens_n", 0.0))
+        ratios, loadings = _pca(state, n, components)
+        return cls(
+            n_layers=L,
+            positions=int(n),
+            mean={key: stats[key][0] for key in _KEYS},
+            sem={key: stats[key][1] for key in _KEYS},
+            lens_positions=int(lens_n),
+            lens_ce=(state["lens_ce"] / lens_n).tolist() if lens_n else [math.nan] * L,
+            stops=state["stop_hist"] / max(n, 1.0),
+            explained=ratios,
+            components=loadings,
+            theta_hist=(state["theta_hist"] / max(n, 1.0)).T,
+            theta_update_hist=(state["theta_update_hist"] / max(n, 1.0)).T,
+            triangle_gap_max=float(state["triangle_gap"]),
+            readout=state.get("readout"),
+            lens_resume=state.get("resume_mode"),
+        )
+
+    def per_block(self, key: str, values: Mapping[str, list[float]] | None = None) -> list[float]:
+        """``mean`` (or ``values``) of ``key`` for blocks ``0..L−1``; ``θΔ`` of the last block,
+        which has no next update, is NaN."""
+        column = list((self.mean if values is None else values)[key])
+        return (column + [math.nan])[: self.n_layers] if key == "theta_update" else column
+
+    @property
+    def middle(self) -> list[int]:
+        """The middle blocks (:func:`middle_blocks`)."""
+        return middle_blocks(self.n_layers)
+
+    def middle_mean(self, key: str) -> float:
+        """Mean over the middle blocks of the per-block mean of ``key`` (NaN entries skipped)."""
+        return _mean_of(self.per_block(key), self.middle)
+
+    @property
+    def early_blocks(self) -> int:
+        """Blocks counted as early: the first half (at least one)."""
+        return max(self.n_layers // 2, 1)
+
+    @property
+    def early_stop_fraction(self) -> float:
+        """Fraction of tokens that stop updating by the middle block."""
+        return float(self.stops[: self.early_blocks].sum())
+
+
+# -- the result ----------------------------------------------------------------------------------
+def present(dynamics: LayerDynamics, options: Dynamics) -> Result:
+    """Tables, histograms, PCA loadings, plots, summary and metadata of the dynamics."""
+    middle, ratios = dynamics.middle, dynamics.explained
+    meta = {
+        "positions": dynamics.positions,
+        "lens_positions": dynamics.lens_positions,
+        "every": options.every,
+        "readout": dynamics.readout,
+        "final_state": options.final_state,
+        "middle_blocks": [middle[0], middle[-1]],
+        "mean_middle_update": dynamics.middle_mean("update"),
+        "mean_middle_rel_update": dynamics.middle_mean("rel_update"),
+        "mean_middle_theta": dynamics.middle_mean("theta"),
+        "mean_middle_theta_update": dynamics.middle_mean("theta_update"),
+        "early_stop_fraction": dynamics.early_stop_fraction,
+        "triangle_gap_max": dynamics.triangle_gap_max,
+        "last_block_lens": dynamics.lens_resume,
+    }
+    summary = (
+        f"Middle blocks {middle[0]}-{middle[-1]} rotate each token by "
+        f"{math.degrees(meta['mean_middle_theta']):.1f}° and change it by "
+        f"{meta['mean_middle_rel_update']:.1%} of its norm; neighbouring updates are "
+        f"{math.degrees(meta['mean_middle_theta_update']):.0f}° apart (90° = uncorrelated). "
+        f"{dynamics.early_stop_fraction:.0%} of tokens stop updating by block "
+        f"{dynamics.early_blocks - 1}. The first angle-profile component explains "
+        f"{ratios[0] if ratios else math.nan:.0%} of the variance over {dynamics.positions} "
+        "tokens."
+    )
+    return Result(
+        analyzer=options.name,
+        summary=summary,
+        tables=_tables(dynamics, options.settle),
+        arrays={
+            "theta_hist": dynamics.theta_hist.tolist(),
+            "theta_update_hist": dynamics.theta_update_hist.tolist(),
+            "pca_components": dynamics.components,
+        },
+        plots=(*_line_plots(), *_heatmaps(dynamics.n_layers, options.bins, len(ratios))),
+        meta=meta,
+    )
+
+
+def _tables(dynamics: LayerDynamics, settle: float) -> dict[str, Table]:
+    """``updates`` (per block), ``states`` (per residual state), ``stop`` and ``pca``."""
+    L = dynamics.n_layers
+    mean, sem = dynamics.mean, dynamics.sem
+    updates = Table(
+        "updates",
+        {
+            "block": list(range(L)),
+            "theta": mean["theta"],
+            "theta_sem": sem["theta"],
+            "theta_update": dynamics.per_block("theta_update"),
+            "theta_update_sem": dynamics.per_block("theta_update", sem),
+            "update": mean["update"],
+            "rel_update": mean["rel_update"],
+            "last_block_lens_ce": dynamics.lens_ce,
+        },
+        "Per block l: θ_l = ∠(h_l, h_{l+1}) and θΔ_l = ∠(Δ_l, Δ_{l+1}) in radians (mean, sem "
+        "over tokens), ‖Δ_l‖, ‖Δ_l‖/‖h_l‖, and the last-block lens cross-entropy of h_l",
+    )
+    states_table = Table(
+        "states",
+        {
+            "layer": list(range(L + 1)),
+            "norm": mean["norm"],
+            "norm_sem": sem["norm"],
+            "to_final": mean["to_final"],
+            "progress": mean["progress"],
+            "progress_sem": sem["progress"],
+        },
+        "Per residual state h_l: norm, angle to the final state (rad), chord progress s_l",
+    )
+    stops = dynamics.stops
+    stop_table = Table(
+        "stop",
+        {
+            "block": list(range(L)),
+            "fraction": stops.tolist(),
+            "cumulative": stops.cumsum(0).tolist(),
+        },
+        f"Fraction of tokens that stop updating after block k ({settle:.0%} of their "
+        "rotation done; the last block not counted)",
+    )
+    ratios = dynamics.explained
+    pca_table = Table(
+        "pca",
+        {
+            "component": list(range(1, len(ratios) + 1)),
+            "explained": ratios,
+            "cumulative": torch.tensor(ratios).cumsum(0).tolist() if ratios else [],
+        },
+        "PCA of the token × block angle profiles θ_l: explained variance ratio",
+    )
+    return {"updates": updates, "states": states_table, "stop": stop_table, "pca": pca_table}
+
+
+def _line_plots() -> tuple[Plot, ...]:
+    """The curves along depth: angles, update sizes, progress, angle to the end, norms, lens."""
     state_axis = "residual state h_l (0 = embedding, L = final)"
     return (
         Plot(
@@ -427,6 +521,13 @@ def _plots(n_layers: int, bins: int, components: int) -> tuple[Plot, ...]:
             caption="h_l pushed through the final block, the final norm and the unembedding; "
             "at l = L − 1 this is the model's own loss.",
         ),
+    )
+
+
+def _heatmaps(n_layers: int, bins: int, components: int) -> tuple[Plot, ...]:
+    """The angle histogram and the PCA loadings (their axes depend on the depth, the bins and
+    the components)."""
+    return (
         Plot(
             "heatmap",
             "dynamics_theta_hist",

@@ -22,10 +22,13 @@ clean residual and runs only the blocks after ``s`` (:mod:`lensdiv.ops.skipping`
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from jaxtyping import Float
+from torch import Tensor
 
 from lensdiv.core.analyzer import Analyzer, ModelInfo, Step
 from lensdiv.core.results import Plot, Result, Table
@@ -116,102 +119,158 @@ class LayerSkip(Analyzer):
         state.max("O_max", per_o.amax(0))
 
     def finalize(self, state: Stats, info: ModelInfo) -> Result:
-        L = info.n_layers
         if "prompts" not in state:
             raise ValueError(
                 f"no prompt was long enough for a split point (need more than {self.stride + 4} "
                 "tokens); use longer sequences or a smaller stride"
             )
+        return present(SkipEffects.from_state(state), self)
+
+
+# -- the numbers ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SkipEffects:
+    """The skip sweep of a run, aggregated over prompts: no tables, no prose.
+
+    Args:
+        effect: ``E[s, l]`` by aggregate over prompts (``max``, ``mean``).
+        output: ``O[s]`` by aggregate over prompts.
+        prompts: Prompts with at least one split point.
+        split_points: (prompt, split point) pairs measured.
+        rows_too_short: Rows without a split point.
+        resume: The resumer's mode (``resume`` or ``rerun``), ``None`` if unknown.
+        resume_note: Why the resumer chose that mode.
+        block_runs_per_prompt: Blocks run per split point (``None`` if not counted).
+    """
+
+    effect: Mapping[str, Float[Tensor, "skipped layer"]]
+    output: Mapping[str, Float[Tensor, " skipped"]]
+    prompts: int
+    split_points: int
+    rows_too_short: int
+    resume: str | None
+    resume_note: str
+    block_runs_per_prompt: float | None
+
+    @classmethod
+    def from_state(cls, state: Stats) -> SkipEffects:
+        """The sweep from the merged state (at least one prompt measured)."""
         n = float(state["prompts"])
-        E = {"max": state["E_max"], "mean": state["E_sum"] / n}
-        outs = {"max": state["O_max"], "mean": state["O_sum"] / n}
-        layers = list(range(L))
-        columns: dict[str, list] = {"skipped": layers}
-        for agg in ("max", "mean"):
-            columns[f"output_{agg}"] = outs[agg].tolist()
-            columns[f"later_{agg}"] = later_effect(E[agg]).tolist()
-        main = Table("skip", columns, "Effect of skipping each block (later layers, output)")
-        head = E[self.aggregate]
-        grid: dict[str, list] = {"skipped": layers}
-        for layer in layers:
-            grid[f"l{layer}"] = head[:, layer].tolist()
-        effect_table = Table(
-            "effect", grid, f"E[s, l]: relative change of layer l's update ({self.aggregate})"
-        )
         resume = state.get("resume", {})
-        later = later_effect(head)
-        half = max(1, L // 2)
-        # The last block has no later layers; leave it out of the halves' averages.
-        rest = later[half : L - 1] if L > 2 else later[half:]
-        first, second = float(later[:half].mean()), float(rest.mean()) if len(rest) else math.nan
-        out = outs[self.aggregate]
-        summary = (
-            f"{self.mode.capitalize()} effect of skipping each {self.part} ({self.aggregate} over "
-            f"{int(n)} prompts): skipping a block of the first half changes the updates of later "
-            f"layers by {first:.3g} on average (relative), one of the second half by {second:.3g} "
-            f"(last block excluded: no later layers); the output moves most when block "
-            f"{int(out.argmax())} is skipped (L2 {float(out.max()):.3g}, at most √2)."
-        )
-        return Result(
-            analyzer=self.name,
-            summary=summary,
-            tables={"skip": main, "effect": effect_table},
-            arrays={
-                "effect_max": E["max"].cpu().numpy(),
-                "effect_mean": E["mean"].cpu().numpy(),
-                "output_max": outs["max"].cpu().numpy(),
-                "output_mean": outs["mean"].cpu().numpy(),
-            },
-            plots=(
-                Plot(
-                    "heatmap",
-                    "skip_effect",
-                    f"Effect of skipping block s on layer l ({self.aggregate} over prompts)",
-                    f"effect_{self.aggregate}",
-                    xlabel="layer l (whose update Δ_l is measured)",
-                    ylabel="skipped block s",
-                    clabel="E[s, l] (relative change of Δ_l)",
-                    mask="col<=row",
-                    caption="E[s, l] = ‖Δ_l − Δ̃_l‖ / ‖Δ_l‖. Hatched cells (l ≤ s) are undefined: "
-                    "skipping block s cannot change the updates of blocks before it, and its own "
-                    "is the one removed.",
-                ),
-                Plot(
-                    "line",
-                    "skip_output",
-                    "Output effect ||p - p~||₂ of skipping each block",
-                    "skip",
-                    x="skipped",
-                    y=("output_max", "output_mean"),
-                    xlabel="skipped block s",
-                    ylabel="O[s] = ‖p − p̃‖₂ (0 to √2)",
-                    caption="L2 distance between the output distributions with and without "
-                    "block s; max and mean over prompts.",
-                ),
-                Plot(
-                    "line",
-                    "skip_later",
-                    "Mean effect on later layers' updates",
-                    "skip",
-                    x="skipped",
-                    y=("later_max", "later_mean"),
-                    xlabel="skipped block s",
-                    ylabel="mean over l > s of E[s, l] (relative)",
-                    caption="How much skipping block s changes the updates of the blocks after "
-                    "it; the last block has none.",
-                ),
+        return cls(
+            effect={"max": state["E_max"], "mean": state["E_sum"] / n},
+            output={"max": state["O_max"], "mean": state["O_sum"] / n},
+            prompts=int(n),
+            split_points=int(state["pairs"]),
+            rows_too_short=int(state.get("rows_too_short", 0)),
+            resume=resume.get("mode"),
+            resume_note=resume.get("note", ""),
+            block_runs_per_prompt=(
+                float(state["block_runs"]) / max(float(state["pairs"]), 1.0)
+                if "block_runs" in state
+                else None
             ),
-            meta={
-                "prompts": int(n),
-                "split_points": int(state["pairs"]),
-                "rows_too_short": int(state.get("rows_too_short", 0)),
-                "resume": resume.get("mode"),
-                "resume_note": resume.get("note", ""),
-                "block_runs_per_prompt": (
-                    float(state["block_runs"]) / max(float(state["pairs"]), 1.0)
-                    if "block_runs" in state
-                    else None
-                ),
-                "output_bound": math.sqrt(2),
-            },
         )
+
+    def later(self, aggregate: str) -> Float[Tensor, " skipped"]:
+        """``e_s``: the mean effect of skipping ``s`` on the later layers' updates."""
+        return later_effect(self.effect[aggregate])
+
+    def halves(self, aggregate: str) -> tuple[float, float]:
+        """Mean ``e_s`` over the blocks of the first half and of the second half; the last
+        block has no later layers and is left out of the second (NaN if nothing is left)."""
+        later = self.later(aggregate)
+        L = later.shape[0]
+        half = max(1, L // 2)
+        rest = later[half : L - 1] if L > 2 else later[half:]
+        return float(later[:half].mean()), float(rest.mean()) if len(rest) else math.nan
+
+
+# -- the result ----------------------------------------------------------------------------------
+def present(effects: SkipEffects, options: LayerSkip) -> Result:
+    """Tables, arrays, plots, summary and metadata of a skip sweep."""
+    agg = options.aggregate
+    layers = list(range(effects.effect[agg].shape[0]))
+    columns: dict[str, list] = {"skipped": layers}
+    for name in ("max", "mean"):
+        columns[f"output_{name}"] = effects.output[name].tolist()
+        columns[f"later_{name}"] = effects.later(name).tolist()
+    main = Table("skip", columns, "Effect of skipping each block (later layers, output)")
+    head = effects.effect[agg]
+    grid: dict[str, list] = {"skipped": layers}
+    for layer in layers:
+        grid[f"l{layer}"] = head[:, layer].tolist()
+    effect_table = Table("effect", grid, f"E[s, l]: relative change of layer l's update ({agg})")
+    first, second = effects.halves(agg)
+    out = effects.output[agg]
+    summary = (
+        f"{options.mode.capitalize()} effect of skipping each {options.part} ({agg} over "
+        f"{effects.prompts} prompts): skipping a block of the first half changes the updates of "
+        f"later layers by {first:.3g} on average (relative), one of the second half by "
+        f"{second:.3g} (last block excluded: no later layers); the output moves most when block "
+        f"{int(out.argmax())} is skipped (L2 {float(out.max()):.3g}, at most √2)."
+    )
+    return Result(
+        analyzer=options.name,
+        summary=summary,
+        tables={"skip": main, "effect": effect_table},
+        arrays={
+            "effect_max": effects.effect["max"].cpu().numpy(),
+            "effect_mean": effects.effect["mean"].cpu().numpy(),
+            "output_max": effects.output["max"].cpu().numpy(),
+            "output_mean": effects.output["mean"].cpu().numpy(),
+        },
+        plots=_plots(agg),
+        meta={
+            "prompts": effects.prompts,
+            "split_points": effects.split_points,
+            "rows_too_short": effects.rows_too_short,
+            "resume": effects.resume,
+            "resume_note": effects.resume_note,
+            "block_runs_per_prompt": effects.block_runs_per_prompt,
+            "output_bound": math.sqrt(2),
+        },
+    )
+
+
+def _plots(aggregate: str) -> tuple[Plot, ...]:
+    """The heatmap of ``E[s, l]`` (for ``aggregate``) and the two per-block curves."""
+    return (
+        Plot(
+            "heatmap",
+            "skip_effect",
+            f"Effect of skipping block s on layer l ({aggregate} over prompts)",
+            f"effect_{aggregate}",
+            xlabel="layer l (whose update Δ_l is measured)",
+            ylabel="skipped block s",
+            clabel="E[s, l] (relative change of Δ_l)",
+            mask="col<=row",
+            caption="E[s, l] = ‖Δ_l − Δ̃_l‖ / ‖Δ_l‖. Hatched cells (l ≤ s) are undefined: "
+            "skipping block s cannot change the updates of blocks before it, and its own "
+            "is the one removed.",
+        ),
+        Plot(
+            "line",
+            "skip_output",
+            "Output effect ||p - p~||₂ of skipping each block",
+            "skip",
+            x="skipped",
+            y=("output_max", "output_mean"),
+            xlabel="skipped block s",
+            ylabel="O[s] = ‖p − p̃‖₂ (0 to √2)",
+            caption="L2 distance between the output distributions with and without "
+            "block s; max and mean over prompts.",
+        ),
+        Plot(
+            "line",
+            "skip_later",
+            "Mean effect on later layers' updates",
+            "skip",
+            x="skipped",
+            y=("later_max", "later_mean"),
+            xlabel="skipped block s",
+            ylabel="mean over l > s of E[s, l] (relative)",
+            caption="How much skipping block s changes the updates of the blocks after "
+            "it; the last block has none.",
+        ),
+    )

@@ -42,21 +42,22 @@ pass by pass (a later pass writes only new names; earlier ones are frozen):
   per subset of the plan), and in removal mode ``resume`` (set: the resume modes used);
 - pass ``p ≥ 1``: ``round{p+1}`` (sum: the new greedy candidates of step ``p + 1``) and in
   removal mode ``resume{p+1}``; nothing when the step has no new candidate.
+
+The package: this module is the analyzer (options, plan, the measured sums);
+:mod:`~lensdiv.analyzers.submod.setfunction` the statistics of any set function, pure and exact;
+:mod:`~lensdiv.analyzers.submod.curves` those of a run as :class:`SubmodCurves` (the numbers);
+:mod:`~lensdiv.analyzers.submod.present` turns them into the result.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import numpy as np
-
+from lensdiv.analyzers.submod.curves import SubmodCurves
+from lensdiv.analyzers.submod.present import present
 from lensdiv.analyzers.submod.setfunction import (
-    Curve,
     Plan,
-    SetStats,
     curve,
     greedy_order,
     greedy_round_masks,
@@ -68,7 +69,7 @@ from lensdiv.analyzers.submod.setfunction import (
     units_mask,
 )
 from lensdiv.core.analyzer import Analyzer, ModelInfo, Step
-from lensdiv.core.results import Plot, Result, Table
+from lensdiv.core.results import Result
 from lensdiv.core.stats import Stats
 from lensdiv.ops.members import member_hooks, member_names, member_readout
 from lensdiv.ops.resume import resumer_for
@@ -77,6 +78,7 @@ from lensdiv.ops.subsets import ConstantMode, Metric, direct_scores, removal_sco
 Mode = Literal["direct", "removal"]
 
 __all__ = [
+    "SubmodCurves",
     "Submodularity",
     "curve",
     "greedy_order",
@@ -207,268 +209,29 @@ class Submodularity(Analyzer):
         return table
 
     def finalize(self, state: Stats, info: ModelInfo) -> Result:
+        return present(self.curves(state, info), self)
+
+    def curves(self, state: Stats, info: ModelInfo) -> SubmodCurves:
+        """The statistics of ``F`` measured in a merged state (the computation of
+        :meth:`finalize`, without the result)."""
         if "F0" not in state or float(state["n"]) == 0:
             raise ValueError("no position with a next token was seen; use longer sequences")
         plan = self.plan(info)
-        table = self.table(state, plan, self.n_passes(info) - 1)
-        steps = min(self.greedy, plan.n_units)
-        while True:  # as many greedy steps as were measured
-            try:
-                stats = set_function_stats(
-                    table.__getitem__, plan, tol=self.tol, greedy_steps=steps
-                )
-                break
-            except KeyError:
-                steps -= 1
-        return self._result(stats, plan, info, state, table)
-
-    # -- results -----------------------------------------------------------------------------------
-    def _result(
-        self,
-        stats: SetStats,
-        plan: Plan,
-        info: ModelInfo,
-        state: Stats,
-        table: Mapping[int, float],
-    ) -> Result:
-        names = self.unit_names(info)
-        K = plan.n_units
-        nan = math.nan
-        word = self._unit_word()
-        tables = {
-            "prefix": _curve_table(
-                "prefix",
-                stats.prefix,
-                ["(none)", *names],
-                f"F of the first k {word} in depth order; gain = F(k) − F(k−1); "
-                "diminishing: the next gain is no larger",
-            )
-        }
-        blocks = None
-        if self.mode == "direct":
-            # Whole blocks (embedding + blocks 0..k−1) lie on the member prefix curve: the same
-            # granularity as removal mode, without the attention/MLP alternation.
-            blocks = curve(stats.prefix.values[1::2], self.tol)
-            tables["blocks"] = _curve_table(
-                "blocks",
-                blocks,
-                ["embed", *[f"block{layer}" for layer in range(info.n_layers)]],
-                "Direct path of the embedding and the first k blocks (k = 0..L); "
-                "log fit over k = 1..L",
-            )
-        values = stats.greedy_values
-        greedy_gains = [values[i + 1] - values[i] for i in range(len(values) - 1)]
-        tables["greedy"] = Table(
-            "greedy",
-            {
-                "step": list(range(len(stats.greedy_values))),
-                "added": ["(none)", *[names[u] for u in stats.greedy]],
-                "F": stats.greedy_values,
-                "gain": [nan, *greedy_gains],
-            },
-            "Greedy curve: each step adds the unit with the largest F",
-        )
-        alone_ge_last = sum(x >= y - self.tol for x, y in zip(stats.alone, stats.last, strict=True))
-        margins = stats.margins
-        a, b, r2 = stats.prefix.fit
-        headline = {
-            "F_empty": stats.prefix.values[0],
-            "F_all": stats.prefix.values[-1],
-            "fit_a": a,
-            "fit_b": b,
-            "fit_r2": r2,
-            "diminishing_fraction": stats.prefix.diminishing_fraction,
-            "violation_rate": stats.violation_rate,
-            "mean_margin": float(np.mean(margins)) if margins else nan,
-            "min_margin": float(np.min(margins)) if margins else nan,
-            "alone_ge_last_fraction": alone_ge_last / K if K else nan,
-        }
-        if blocks is not None:
-            headline.update(
-                {
-                    "block_fit_a": blocks.fit[0],
-                    "block_fit_b": blocks.fit[1],
-                    "block_fit_r2": blocks.fit[2],
-                    "block_diminishing_fraction": blocks.diminishing_fraction,
-                }
-            )
-        tables["fit"] = Table(
-            "fit",
-            {"statistic": list(headline), "value": list(headline.values())},
-            "Headline statistics",
-        )
-        tables["units"] = Table(
-            "units",
-            {
-                "unit": names,
-                "alone": stats.alone,
-                "last": stats.last,
-                "alone_minus_last": [x - y for x, y in zip(stats.alone, stats.last, strict=True)],
-            },
-            "Each unit's gain added first (alone = F({i}) − F(∅)) and last (F(U) − F(U∖{i}))",
-        )
-        tables["triples"] = Table(
-            "triples",
-            {
-                "j": [names[j] for _, _, j in plan.triples],
-                "size_S": [bin(s).count("1") for s, _, _ in plan.triples],
-                "size_T": [bin(t).count("1") for _, t, _ in plan.triples],
-                "gain_S": [table[s | 1 << j] - table[s] for s, _, j in plan.triples],
-                "gain_T": [table[t | 1 << j] - table[t] for _, t, j in plan.triples],
-                "margin": margins,
-            },
-            "Sampled S ⊊ T, j ∉ T: margin = gain at S − gain at T (< −tol: violation)",
-        )
-        masks = sorted(table)
-        arrays = {
-            "prefix_F": np.asarray(stats.prefix.values),
-            "greedy_F": np.asarray(stats.greedy_values),
-            "subsets": np.asarray(
-                [[m >> u & 1 for u in range(K)] for m in masks], dtype=float
-            ).reshape(len(masks), K),
-            "subset_F": np.asarray([table[m] for m in masks]),
-        }
-        label = self._metric_label()
-        if "(" not in label:  # an axis says its unit
-            label += " (fraction)"
         passes = range(self.n_passes(info))
         modes = {m for index in passes for m in state.get(_resume_name(index), ())}
-        return Result(
-            analyzer=self.name,
-            summary=self._summary(stats, blocks, names, alone_ge_last),
-            tables=tables,
-            arrays=arrays,
-            plots=(
-                Plot(
-                    "line",
-                    "submod_prefix",
-                    f"F(k) over the first k {word} and a + b log k",
-                    "prefix",
-                    x="k",
-                    y=("F", "fit"),
-                    xlabel=f"k ({word} in depth order)",
-                    ylabel=label,
-                ),
-                Plot(
-                    "line",
-                    "submod_gains",
-                    "Marginal gains Δ_k = F(k) − F(k−1)",
-                    "prefix",
-                    x="k",
-                    y=("gain",),
-                    xlabel=f"k ({word} in depth order)",
-                    ylabel=f"gain Δ_k of {label}",
-                    signed=True,
-                    caption="Diminishing returns (submodularity): each gain at most the one "
-                    "before it.",
-                ),
-                Plot(
-                    "line",
-                    "submod_greedy",
-                    "Greedy curve",
-                    "greedy",
-                    x="step",
-                    y=("F",),
-                    xlabel=f"greedy step (number of {word} chosen)",
-                    ylabel=label,
-                ),
-            ),
-            meta={
-                "units": names,
-                "n_units": K,
-                "positions": int(float(state["n"])),
-                "subsets_evaluated": len(table),
-                "constant_handling": self._constant_note(),
-                "sampling": (
-                    "with replacement, uniform over (j, S, T) with S ⊊ T ⊆ U∖{j}: j uniform, "
-                    "other units in S / T∖S / outside T w.p. 1/3 each, redrawn if S = T"
-                ),
-                "triples": len(plan.triples),
-                "greedy_steps": len(stats.greedy),
-                "greedy_order": [names[u] for u in stats.greedy],
-                "resume": modes.pop() if len(modes) == 1 else (sorted(modes) or None),
-            },
+        return SubmodCurves.from_table(
+            self.table(state, plan, self.n_passes(info) - 1),
+            plan,
+            units=self.unit_names(info),
+            tol=self.tol,
+            greedy=self.greedy,
+            blocks=self.mode == "direct",
+            positions=int(float(state["n"])),
+            resume=modes.pop() if len(modes) == 1 else (sorted(modes) or None),
         )
-
-    def _unit_word(self) -> str:
-        return "members" if self.mode == "direct" else "blocks"
-
-    def _metric_label(self) -> str:
-        return "−CE (nats)" if self.metric == "neg_ce" else "top-1 accuracy"
-
-    def _constant_note(self) -> str:
-        if self.mode == "removal":
-            return "none: true removal; the final norm and unembedding read the reduced residual"
-        if self.constant == "full":
-            return "z_S = Σ_{i∈S} z_i + (β·W_U + b_U): every subset gets the whole constant"
-        return "z_S = Σ_{i∈S} z_i + |S|/M·(β·W_U + b_U): the constant shared equally by members"
-
-    def _summary(
-        self, stats: SetStats, blocks: Curve | None, names: list[str], alone_ge_last: int
-    ) -> str:
-        K = len(names)
-        what = "members (direct-path logit sums)" if self.mode == "direct" else "blocks (removal)"
-        parts = [
-            f"{self._metric_label()} of the first k of {K} {what}: F goes from "
-            f"{stats.prefix.values[0]:.4g} (none) to {stats.prefix.values[-1]:.4g} (all)."
-        ]
-        parts.append("By " + self._unit_word() + ": " + _describe(stats.prefix))
-        if blocks is not None:
-            parts.append("By whole blocks (embedding first): " + _describe(blocks))
-        if stats.margins:
-            parts.append(
-                f"Submodularity fails in {stats.violations}/{len(stats.margins)} sampled nested "
-                f"pairs ({stats.violation_rate:.0%}, tol {self.tol:g}); a unit helps at least as "
-                f"much added first as added last for {alone_ge_last}/{K}."
-            )
-        if stats.greedy:
-            first = ", ".join(names[u] for u in stats.greedy[:4])
-            parts.append(f"Greedy adds {first}{', …' if len(stats.greedy) > 4 else ''} first.")
-        return " ".join(parts)
 
 
 def _resume_name(index: int) -> str:
     """The set of resume modes (:attr:`~lensdiv.ops.resume.Resumer.mode`) used in pass ``index``:
     a name of its own per pass, as a later pass writes only new names."""
     return "resume" if index == 0 else f"resume{index + 1}"
-
-
-def _describe(c: Curve) -> str:
-    """One sentence on a curve's shape."""
-    frac = c.diminishing_fraction
-    if not c.diminishing:
-        return "too few points to judge the gains."
-    verdict = (
-        "diminishing"
-        if frac >= 0.75
-        else "partly diminishing"
-        if frac >= 0.5
-        else "not diminishing"
-    )
-    text = (
-        f"gains are {verdict} (Δ_(k+1) ≤ Δ_k at {sum(c.diminishing)}/{len(c.diminishing)} "
-        f"steps, {frac:.0%})"
-    )
-    a, b, r2 = c.fit
-    if len(c.gains) >= 3:
-        text += f"; F(k) ≈ {a:.4g} + {b:.4g}·log k, R² = {r2:.3f}"
-    return text + "."
-
-
-def _curve_table(name: str, c: Curve, added: list[str], description: str) -> Table:
-    nan = math.nan
-    a, b, _ = c.fit
-    K = len(c.gains)
-    return Table(
-        name,
-        {
-            "k": list(range(K + 1)),
-            "added": added,
-            "F": c.values,
-            "gain": [nan, *c.gains],
-            "fit": [nan]
-            + [a + b * math.log(k) if not math.isnan(b) else nan for k in range(1, K + 1)],
-            "diminishing": [nan, *[float(d) for d in c.diminishing], nan] if K else [nan],
-        },
-        description,
-    )
