@@ -1,4 +1,4 @@
-"""The ensemble view of the residual stream (SCIENCE.md B1–B3): members and ``bias``.
+"""The ensemble view of the residual stream (docs/science.md B1–B3): members and ``bias``.
 
 Checked on every tiny architecture plus the TL-native model: the members' logit contributions
 plus the constant are the model's logits (also with random final-norm weights and biases, which
@@ -309,7 +309,7 @@ def test_sum_weighting_only_rescales(native_model: Any) -> None:
 
 def test_decomposition_holds_the_identities_and_the_tables_numbers(native_model: Any) -> None:
     """``Decomposition`` (the computation alone, no Result): ensemble loss = bias − diversity in
-    both forms, diversity ≥ 0, the last prefix ensemble is the full one (SCIENCE.md B2–B3); the
+    both forms, diversity ≥ 0, the last prefix ensemble is the full one (docs/science.md B2–B3); the
     result's tables hold exactly these numbers."""
     analyzer = BiasDiversity(every=2, ce_depth=True)
     info = ModelInfo.from_model(native_model)

@@ -1,4 +1,4 @@
-"""Sublayer contributions (SCIENCE.md A1) on tiny random models of every architecture.
+"""Sublayer contributions (docs/science.md A1) on tiny random models of every architecture.
 
 The residual identity (``h_L`` is ``h_0`` plus every sublayer's write) holds for the cached
 activations; the analyzer agrees with a per-token Python loop over ``run_with_cache``

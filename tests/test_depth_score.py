@@ -1,4 +1,4 @@
-"""The multi-hop depth score (SCIENCE.md A5): its definition, agreement with a naive full re-run,
+"""The multi-hop depth score (docs/science.md A5): its definition, agreement with a naive full re-run,
 the built-in graded tasks, and one-line errors for bad example files."""
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def test_depth_score_definition() -> None:
 
 def test_depth_scores_of_a_hand_made_state() -> None:
     """``DepthScores`` (the computation alone, no model, no Result) on sums written by hand: an
-    effect concentrated at block k scores k, a uniform one (L − 1)/2 (SCIENCE.md A5); means,
+    effect concentrated at block k scores k, a uniform one (L − 1)/2 (docs/science.md A5); means,
     accuracy, baseline and the slope are what the sums say, and the table shows them."""
     L, n = 5, 4
     state = Stats()

@@ -1,4 +1,4 @@
-"""Hidden-state dynamics (SCIENCE.md C1): its invariants on every architecture, and agreement with
+"""Hidden-state dynamics (docs/science.md C1): its invariants on every architecture, and agreement with
 naive references — the source paper's formulas (``arccos`` of cosines, per token, float64) on
 Hugging Face's own ``hidden_states``, numpy's PCA of the stored angle matrix, and a last-block
 lens computed by full forward passes with TransformerLens hooks.

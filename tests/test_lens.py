@@ -1,4 +1,4 @@
-"""The logit lens (SCIENCE.md A2) on tiny random models of every architecture (and a TL-native one).
+"""The logit lens (docs/science.md A2) on tiny random models of every architecture (and a TL-native one).
 
 Checked against independent computations: a naive logit lens built from ``ln_final``/``W_U``/
 ``b_U``, TransformerLens' own ``logit_lens`` and the model's own cross-entropy. Streaming (merged

@@ -1,4 +1,4 @@
-"""``linmap`` (SCIENCE.md A6): closed-form maps against ``numpy.linalg.lstsq`` on naively collected
+"""``linmap`` (docs/science.md A6): closed-form maps against ``numpy.linalg.lstsq`` on naively collected
 activations, the self-map and affine identities, streaming state, the document split, the
 tokenizer check and the command line.
 """
@@ -16,8 +16,6 @@ from typer.testing import CliRunner
 
 from lensdiv.analyzers.linmap import (
     LinearMaps,
-    augment,
-    fit_affine,
     heldout_mask,
     is_heldout,
     spearman,
@@ -29,6 +27,7 @@ from lensdiv.core.errors import OptionError
 from lensdiv.core.stats import Stats
 from lensdiv.data.sources import DataSpec, token_batches
 from lensdiv.data.tokenizer import byte_tokenizer
+from lensdiv.ops.ridge import augment, fit_affine
 from lensdiv.run.engine import Engine
 from lensdiv.run.runner import analyze
 from lensdiv.testing.models import boot_tiny, save_tiny_model, tiny_config

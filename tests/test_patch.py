@@ -1,4 +1,4 @@
-"""The ``patch`` analyzer (SCIENCE.md A4) on tiny random models.
+"""The ``patch`` analyzer (docs/science.md A4) on tiny random models.
 
 Patching agrees with TransformerLens' own ``get_act_patch_*`` sweeps (per pair and as normalised
 means and standard errors); erasure agrees with a naive one-position-at-a-time hook loop; the

@@ -1,4 +1,4 @@
-"""Layer skipping (SCIENCE.md A3) against a naive full-rerun implementation, and its invariants.
+"""Layer skipping (docs/science.md A3) against a naive full-rerun implementation, and its invariants.
 
 The naive reference (``tests.helpers.naive_effects``, shared with depth-score) re-runs the
 whole model once per (sequence, skipped block) with plain TransformerLens hooks and computes
@@ -199,7 +199,7 @@ def test_analyzer_end_to_end(native_model: Any, tmp_path: Any) -> None:
 
 def test_effects_are_the_numbers_of_the_result(native_model: Any) -> None:
     """``SkipEffects`` (the computation alone, no Result) holds what the tables show; future
-    mode leaves ``E[s, l] = 0`` for ``l ≤ s`` and ``O ∈ [0, √2]`` (SCIENCE.md A3)."""
+    mode leaves ``E[s, l] = 0`` for ``l ≤ s`` and ``O ∈ [0, √2]`` (docs/science.md A3)."""
     analyzer = LayerSkip(splits=2)
     info = ModelInfo.from_model(native_model)
     state = run_state(analyzer, native_model, batches_of(native_model, DataSpec(

@@ -1,4 +1,4 @@
-"""Submodularity of depth (SCIENCE.md B4).
+"""Submodularity of depth (docs/science.md B4).
 
 The set-function statistics are checked on synthetic functions whose answer is known (concave of a
 sum and coverage: submodular; square of a sum: supermodular; a + b log |S|: exact log fit;

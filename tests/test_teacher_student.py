@@ -1,4 +1,4 @@
-"""Toy teacher–student residual networks (SCIENCE.md C3): invariants on tiny settings; the CLI."""
+"""Toy teacher–student residual networks (docs/science.md C3): invariants on tiny settings; the CLI."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``contrib`` — relative sublayer contributions (SCIENCE.md A1).
+"""``contrib`` — relative sublayer contributions (docs/science.md A1).
 
 Per layer, averaged over tokens: ``r_attn = ||a_l||/||h_l||``, ``r_mlp = ||m_l||/||h_l + a_l||``
 (``||m_l||/||h_l||`` for parallel-residual models, whose MLP reads ``h_l``),

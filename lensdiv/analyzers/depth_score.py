@@ -1,4 +1,4 @@
-"""``depth-score`` — the multi-hop depth score by difficulty grade (SCIENCE.md A5).
+"""``depth-score`` — the multi-hop depth score by difficulty grade (docs/science.md A5).
 
 Each example is a prompt, its answer and a grade (number of hops, level). The future-effect skip
 of :mod:`lensdiv.analyzers.skip` is applied with the split at the first answer token ``t``: block

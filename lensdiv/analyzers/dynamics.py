@@ -1,4 +1,4 @@
-"""``dynamics`` — hidden-state dynamics along depth (SCIENCE.md C1).
+"""``dynamics`` — hidden-state dynamics along depth (docs/science.md C1).
 
 Every token's residual states form a trajectory ``h_0, h_1, …, h_L`` (``h_L`` before the final
 norm, or after it with ``final_state="post"``, which is what Hugging Face's ``hidden_states[-1]``
@@ -40,8 +40,9 @@ from lensdiv.core.analyzer import Analyzer, ModelInfo, Step
 from lensdiv.core.errors import HookError
 from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
-from lensdiv.ops.readout import cross_entropy, final_readout, readout_dtype, workspace
+from lensdiv.ops.readout import cross_entropy, final_readout, lens_of, readout_dtype, workspace
 from lensdiv.ops.resume import resumer_for
+from lensdiv.ops.translators import PHRASES
 
 FinalState = Literal["pre", "post"]
 
@@ -63,7 +64,7 @@ def angle(a: Float[Tensor, "*batch d"], b: Float[Tensor, "*batch d"]) -> Float[T
 
 @dataclass
 class TokenDynamics:
-    """Per-token quantities of a batch of trajectories (SCIENCE.md C1).
+    """Per-token quantities of a batch of trajectories (docs/science.md C1).
 
     Args:
         theta: ``θ_l = ∠(h_l, h_{l+1})``, ``l = 0..L-1``.
@@ -251,6 +252,15 @@ class Dynamics(Analyzer):
         last = step.resid(L).reshape(n_seq * n_pos, -1)[rows]
         ce[L - 1] = cross_entropy(readout, last, wanted, workspace=ws).sum().to(ce.device)
         state.add("lens_ce", ce)
+        translator = lens_of(step)
+        if not translator.identity:  # the run's fitted lens beside it: T_l(h_l), same rows
+            fitted = torch.zeros(L, dtype=torch.float64, device=tokens.device)
+            for layer in range(L):
+                h = step.resid(layer).reshape(n_seq * n_pos, -1)[rows]
+                h = translator.apply(h, layer, dtype=readout.dtype, device=readout.device)
+                fitted[layer] = cross_entropy(readout, h, wanted, workspace=ws).sum()
+            state.add("fitted_lens_ce", fitted)
+            state.fix("lens", translator.describe())
         state.add("lens_n", rows.numel())
         state.add("lens_blocks", len(inputs) * n_seq)
         state.fix("resume_mode", resumer.mode)
@@ -266,7 +276,7 @@ _KEYS = ("theta", "theta_update", "norm", "update", "rel_update", "to_final", "p
 # -- the numbers ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class LayerDynamics:
-    """The per-layer statistics over tokens of a run (SCIENCE.md C1): no tables, no prose.
+    """The per-layer statistics over tokens of a run (docs/science.md C1): no tables, no prose.
 
     Args:
         n_layers: Blocks ``L``.
@@ -285,6 +295,8 @@ class LayerDynamics:
         triangle_gap_max: The largest ``∠(h_0, h_L) − Σ θ_l`` (at most 0 up to rounding).
         readout: Precision of the lens' readout (``None`` without the lens).
         lens_resume: How the lens ran the final block (``None`` without the lens).
+        fitted: The run's fitted lens (``--lens``), if any: its description.
+        fitted_ce: Its next-token cross-entropy of ``h_l`` per block, at the same positions.
     """
 
     n_layers: int
@@ -301,6 +313,8 @@ class LayerDynamics:
     triangle_gap_max: float
     readout: Any
     lens_resume: Any
+    fitted: Any = None
+    fitted_ce: list[float] | None = None
 
     @classmethod
     def from_state(cls, state: Stats, info: ModelInfo, *, components: int) -> LayerDynamics:
@@ -325,6 +339,10 @@ class LayerDynamics:
             triangle_gap_max=float(state["triangle_gap"]),
             readout=state.get("readout"),
             lens_resume=state.get("resume_mode"),
+            fitted=state.get("lens"),
+            fitted_ce=(state["fitted_lens_ce"] / lens_n).tolist()
+            if "fitted_lens_ce" in state and lens_n
+            else None,
         )
 
     def per_block(self, key: str, values: Mapping[str, list[float]] | None = None) -> list[float]:
@@ -371,6 +389,7 @@ def present(dynamics: LayerDynamics, options: Dynamics) -> Result:
         "early_stop_fraction": dynamics.early_stop_fraction,
         "triangle_gap_max": dynamics.triangle_gap_max,
         "last_block_lens": dynamics.lens_resume,
+        **({"lens": dynamics.fitted} if dynamics.fitted else {}),
     }
     summary = (
         f"Middle blocks {middle[0]}-{middle[-1]} rotate each token by "
@@ -391,7 +410,10 @@ def present(dynamics: LayerDynamics, options: Dynamics) -> Result:
             "theta_update_hist": dynamics.theta_update_hist.tolist(),
             "pca_components": dynamics.components,
         },
-        plots=(*_line_plots(), *_heatmaps(dynamics.n_layers, options.bins, len(ratios))),
+        plots=(
+            *_line_plots(dynamics.fitted),
+            *_heatmaps(dynamics.n_layers, options.bins, len(ratios)),
+        ),
         meta=meta,
     )
 
@@ -411,6 +433,11 @@ def _tables(dynamics: LayerDynamics, settle: float) -> dict[str, Table]:
             "update": mean["update"],
             "rel_update": mean["rel_update"],
             "last_block_lens_ce": dynamics.lens_ce,
+            **(
+                {f"{dynamics.fitted['kind']}_lens_ce": dynamics.fitted_ce}
+                if dynamics.fitted and dynamics.fitted_ce is not None
+                else {}
+            ),
         },
         "Per block l: θ_l = ∠(h_l, h_{l+1}) and θΔ_l = ∠(Δ_l, Δ_{l+1}) in radians (mean, sem "
         "over tokens), ‖Δ_l‖, ‖Δ_l‖/‖h_l‖, and the last-block lens cross-entropy of h_l",
@@ -451,7 +478,7 @@ def _tables(dynamics: LayerDynamics, settle: float) -> dict[str, Table]:
     return {"updates": updates, "states": states_table, "stop": stop_table, "pca": pca_table}
 
 
-def _line_plots() -> tuple[Plot, ...]:
+def _line_plots(fitted: Any = None) -> tuple[Plot, ...]:
     """The curves along depth: angles, update sizes, progress, angle to the end, norms, lens."""
     state_axis = "residual state h_l (0 = embedding, L = final)"
     return (
@@ -512,14 +539,21 @@ def _line_plots() -> tuple[Plot, ...]:
         Plot(
             "line",
             "dynamics_last_block_lens",
-            "Last-block lens: loss of h_l through the final block",
+            "Last-block lens: loss of h_l through the final block"
+            + (f", and the {PHRASES[fitted['kind']]}" if fitted else ""),
             "updates",
             x="block",
-            y=("last_block_lens_ce",),
+            y=("last_block_lens_ce", *((f"{fitted['kind']}_lens_ce",) if fitted else ())),
             xlabel="input state h_l",
             ylabel="next-token cross-entropy (nats)",
             caption="h_l pushed through the final block, the final norm and the unembedding; "
-            "at l = L − 1 this is the model's own loss.",
+            "at l = L − 1 this is the model's own loss."
+            + (
+                f" {fitted['kind']}_lens_ce: h_l through the run's lens' translator T_l, then the "
+                "final norm and unembedding."
+                if fitted
+                else ""
+            ),
         ),
     )
 
@@ -602,7 +636,7 @@ def _mean_of(values: Any, index: list[int]) -> float:
 
 def update_scaling(results: Sequence[Result], key: str = "rel_update") -> dict[str, Any]:
     """Across models of different depth: the log–log slope of the mean middle-block update
-    against depth (SCIENCE.md C1; about −1 in LLMs, where many similar small updates add up).
+    against depth (docs/science.md C1; about −1 in LLMs, where many similar small updates add up).
 
     Args:
         results: ``dynamics`` results of models of at least two different depths.

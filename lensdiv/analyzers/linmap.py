@@ -1,4 +1,4 @@
-"""``linmap`` — cross-model linear maps (SCIENCE.md A6): how well does each residual state of the
+"""``linmap`` — cross-model linear maps (docs/science.md A6): how well does each residual state of the
 analysed (shallow) model predict each residual state of a second (deep) model with the same
 tokenizer, and does the best target layer follow *relative* depth?
 
@@ -53,14 +53,13 @@ from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
 from lensdiv.models.load import load_model
 from lensdiv.ops.capture import capture
+from lensdiv.ops.ridge import augment, fit_affine
 
 SELF = "self"
 EPS = 1e-6
 _GB = 1024**3
 # Doubles held at once by one chunk of rows × stacked target states (pass 0 and pass 1): 128 MB.
 _CHUNK_ELEMENTS = 1 << 24
-# Eigenvalues below this fraction of the largest count as zero in the minimum-norm fallback.
-_PINV_RTOL = 1e-12
 # The source-state × target-state heatmaps: (array, title, colour-bar label).
 _HEATMAPS = (
     ("r2", "R² of the affine map h_s (source) → h_j (target)", "R² on held-out tokens (1 = exact)"),
@@ -72,54 +71,7 @@ _HEATMAPS = (
 )
 
 
-# -- the closed-form core (pure functions, tested on synthetic data) ----------------------------
-
-
-def augment(x: Float[Tensor, "*batch n d"]) -> Float[Tensor, "*batch n d_aug"]:
-    """``[x, 1]`` in float64: the constant column carries the bias."""
-    x = x.double()
-    return torch.cat([x, x.new_ones((*x.shape[:-1], 1))], dim=-1)
-
-
-def fit_affine(
-    xtx: Float[Tensor, "d_aug d_aug"], xty: Float[Tensor, "d_aug k"], ridge: float
-) -> tuple[Float[Tensor, "d_aug k"], float, bool]:
-    """Ridge regression with an unregularised bias, from the moments of ``[x; 1]`` and ``y``.
-
-    Args:
-        xtx: ``Σ x̃ x̃ᵀ`` (the last row/column hold ``Σ x`` and the count).
-        xty: ``Σ x̃ yᵀ`` (the last row holds ``Σ y``).
-        ridge: ``λ`` relative to the mean eigenvalue of the source covariance.
-
-    Returns:
-        ``(maps, λ, exact)``: ``maps`` stacks ``W`` over ``bᵀ`` so that ``ŷ = [x, 1] @ maps``;
-        ``λ`` is the absolute penalty on the covariance scale; ``exact`` is False when the system
-        was singular and the minimum-norm solution was used.
-    """
-    d = xtx.shape[0] - 1
-    n = xtx[d, d]
-    if float(n) <= 0:
-        raise ValueError("no training positions to fit a map on")
-    mean_x = xtx[:d, d] / n
-    mean_y = xty[d] / n
-    cov_xx = xtx[:d, :d] / n - torch.outer(mean_x, mean_x)
-    cov_xx = (cov_xx + cov_xx.T) / 2
-    cov_xy = xty[:d] / n - torch.outer(mean_x, mean_y)
-    lam = float(ridge * torch.trace(cov_xx) / d)
-    system = cov_xx + lam * torch.eye(d, dtype=cov_xx.dtype, device=cov_xx.device)
-    factor, info = torch.linalg.cholesky_ex(system)
-    # Cholesky can succeed on a matrix that is singular up to rounding; its pivots tell.
-    pivots = factor.diagonal().square()
-    exact = int(info) == 0 and bool(pivots.min() > _PINV_RTOL * pivots.max())
-    if exact:
-        weight = torch.cholesky_solve(cov_xy, factor)
-    else:
-        evals, evecs = torch.linalg.eigh(system)
-        keep = evals > _PINV_RTOL * evals.abs().max().clamp_min(1e-300)
-        inv = torch.where(keep, 1.0 / torch.where(keep, evals, 1.0), 0.0)
-        weight = evecs @ (inv[:, None] * (evecs.T @ cov_xy))
-    bias = mean_y - mean_x @ weight
-    return torch.cat([weight, bias[None]], dim=0), lam, exact
+# -- pure functions, tested on synthetic data (the closed-form fit is lensdiv.ops.ridge) ---------
 
 
 def spearman(x: Any, y: Any) -> float:

@@ -1,4 +1,4 @@
-"""``skip`` — current and future effects of skipping each block (SCIENCE.md A3).
+"""``skip`` — current and future effects of skipping each block (docs/science.md A3).
 
 Skipping block ``s`` sets ``h_{s+1} := h_s`` (part ``block``) or zeroes only its attention or MLP
 write (parts ``attn``, ``mlp``) at the skipped positions. For every later layer ``l`` the effect is

@@ -1,4 +1,4 @@
-"""``bias`` — the residual stream as an ensemble: bias minus diversity (SCIENCE.md B1–B3).
+"""``bias`` — the residual stream as an ensemble: bias minus diversity (docs/science.md B1–B3).
 
 Members are the embedding and every attention and MLP output (``M = 2L + 1``, see
 :mod:`lensdiv.ops.members`); member ``i`` predicts ``f_i = M z_i`` where ``z_i`` is its exact logit
@@ -48,6 +48,7 @@ from torch import Tensor
 from lensdiv.analyzers.bias.decomposition import (
     Decomposition,
     Form,
+    Members,
     MemberTerms,
     PrefixTerms,
     Weighting,
@@ -63,6 +64,7 @@ from lensdiv.core.results import Result
 from lensdiv.core.stats import Stats
 from lensdiv.data.sources import read_task_jsonl
 from lensdiv.ops.members import keep_chunks, member_hooks, member_inputs, member_readout
+from lensdiv.ops.readout import final_readout, lens_of
 
 __all__ = [
     "BiasDiversity",
@@ -105,6 +107,11 @@ class BiasDiversity(Analyzer):
             cross-entropy form). Label mode always does.
         exclude_bos: Leave the BOS position out of every statistic.
         batch_size: Examples per forward pass (label mode).
+        members: ``sublayers`` (B1: the embedding and every attention and MLP output, whose
+            logit contributions add up to the model's logits) or ``states``: every residual
+            state ``h_0 .. h_L`` read out through the run's lens (``--lens``: logit, tuned,
+            Jacobian, affine) as a member predicting on its own; the ensemble is then the mean
+            of their logits (both identities hold exactly), taken at the ``every`` positions.
     """
 
     name = "bias"
@@ -120,6 +127,7 @@ class BiasDiversity(Analyzer):
     ce_depth: bool = False
     exclude_bos: bool = False
     batch_size: int = 16
+    members: Members = "sublayers"
 
     def __post_init__(self) -> None:
         if self.every < 1:
@@ -130,13 +138,20 @@ class BiasDiversity(Analyzer):
             raise ValueError(f"weighting must be 'mean' or 'sum', not {self.weighting!r}")
         if self.labels and not self.tasks:
             raise ValueError("labels needs tasks (a JSONL file of prompt/label rows)")
+        if self.members not in ("sublayers", "states"):
+            raise ValueError(f"members must be 'sublayers' or 'states', not {self.members!r}")
+        if self.members == "states" and self.tasks:
+            raise ValueError("members=states reads the corpus's next tokens (no tasks)")
 
     def hooks(self, info: ModelInfo) -> list[str]:
+        if self.members == "states":
+            return [info.resid(layer) for layer in range(info.n_layers + 1)]
         return member_hooks(info)
 
     # -- examples (label-set mode) -------------------------------------------------------------
     def examples(self, model: Any, info: ModelInfo) -> list[Batch] | None:
-        member_readout(model)  # an undecomposable final norm fails here, before any forward
+        if self.members == "sublayers":  # an undecomposable final norm fails here, at once
+            member_readout(model)
         if not self.tasks:
             return None
 
@@ -227,8 +242,46 @@ class BiasDiversity(Analyzer):
     def update(self, state: Stats, step: Step) -> None:
         if "label_ids" in step.batch.extra:
             self._update_labels(state, step)
+        elif self.members == "states":
+            self._update_states(state, step)
         else:
             self._update_next(state, step)
+
+    def _update_states(self, state: Stats, step: Step) -> None:
+        """Members ``h_0 .. h_L`` through the run's lens; both forms at the ``every``
+        positions, for the full ensemble and every prefix ``h_0 .. h_l``."""
+        batch, info = step.batch, step.info
+        targets, has_target = batch.next_tokens()
+        pos = torch.arange(batch.tokens.shape[1], device=batch.mask.device).expand_as(batch.mask)
+        keep = batch.positions(exclude_bos=self.exclude_bos) & has_target & (pos % self.every == 0)
+        readout, lens = final_readout(step.model), lens_of(step)
+        if not lens.identity:
+            state.fix("lens", lens.describe())
+        n_states = info.n_layers + 1
+        state.add("n", int(keep.sum()))
+        state.add("n_ce", int(keep.sum()))
+        y_all = targets[keep].to(readout.device)
+        states = [step.resid(layer)[keep] for layer in range(n_states)]
+        per_chunk = max(1, _LOGIT_ELEMENTS // (n_states * readout.d_vocab))
+        for start in range(0, y_all.shape[0], per_chunk):
+            rows = slice(start, start + per_chunk)
+            f = torch.stack(
+                [
+                    readout.logits(
+                        lens.apply(h[rows], layer, dtype=readout.dtype, device=readout.device)
+                    )
+                    for layer, h in enumerate(states)
+                ]
+            )
+            y = y_all[rows]
+            for p, size in enumerate(prefix_sizes(info, self.members)):
+                out = direct_decomposition(f[:size], y)
+                if size == n_states:
+                    self._add_full(state, out)
+                state.add("depth/sq_bias", _one_hot(p, info, out["sq_bias"].sum()))
+                state.add("depth/sq_div", _one_hot(p, info, out["sq_div"].sum()))
+                state.add("depth/sq_ens", _one_hot(p, info, out["sq_ens"].sum()))
+                self._add_depth_ce(state, p, info, out)
 
     def _update_labels(self, state: Stats, step: Step) -> None:
         batch, info = step.batch, step.info
@@ -246,7 +299,7 @@ class BiasDiversity(Analyzer):
         y = batch.extra["target"].to(device)  # one kept position (the last) per row
         state.add("n", y.shape[0])
         state.add("n_ce", y.shape[0])
-        for p, size in enumerate(prefix_sizes(info)):
+        for p, size in enumerate(prefix_sizes(info, "sublayers")):
             out = direct_decomposition(size * z[:size] + c, y)
             if size == u.shape[0]:
                 self._add_full(state, out)
@@ -263,7 +316,7 @@ class BiasDiversity(Analyzer):
         readout = member_readout(step.model)
         const = readout.const
         n_members, d_vocab = 2 * info.n_layers + 1, readout.W_U.shape[1]
-        sizes = prefix_sizes(info)
+        sizes = prefix_sizes(info, "sublayers")
         w_c = readout.W_U @ const
         c_sq = float(const.double().pow(2).sum())
         state.add("n", int(keep.sum()))
@@ -316,7 +369,7 @@ class BiasDiversity(Analyzer):
 
     # -- results ---------------------------------------------------------------------------------
     def finalize(self, state: Stats, info: ModelInfo) -> Result:
-        return present(Decomposition.from_state(state, info, self.weighting), self)
+        return present(Decomposition.from_state(state, info, self.weighting, self.members), self)
 
 
 def _one_hot(index: int, info: ModelInfo, value: Tensor) -> Tensor:

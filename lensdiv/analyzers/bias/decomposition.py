@@ -1,7 +1,7 @@
 """The decompositions of ``bias`` on plain tensors, and the :class:`Decomposition` of a run.
 
 The functions take member predictions (or the Gram terms that stand for them) and return the
-per-position terms of the two exact identities of SCIENCE.md B2–B3; :meth:`Decomposition.from_state`
+per-position terms of the two exact identities of docs/science.md B2–B3; :meth:`Decomposition.from_state`
 turns a run's summed terms into the per-member and per-depth numbers the result shows. Nothing here
 builds a table, a plot or a sentence (that is :mod:`lensdiv.analyzers.bias.present`).
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from jaxtyping import Float, Int
@@ -22,6 +22,7 @@ from lensdiv.ops.members import member_layers, member_names
 from lensdiv.ops.readout import log_partition
 
 Weighting = Literal["mean", "sum"]
+Members = Literal["sublayers", "states"]
 
 
 # -- the decompositions, on plain tensors ---------------------------------------------------------
@@ -128,9 +129,20 @@ def ce_terms(f: Float[Tensor, "member n vocab"], y: Int[Tensor, " n"]) -> dict[s
     }
 
 
-def prefix_sizes(info: ModelInfo) -> list[int]:
-    """Members written before ``h_l`` for ``l = 0..L``: ``2l + 1``."""
+def prefix_sizes(info: ModelInfo, members: Members = "sublayers") -> list[int]:
+    """Members of the prefix ensemble at ``h_l`` for ``l = 0..L``: the ``2l + 1`` sublayer
+    members written before it, or the ``l + 1`` states ``h_0 .. h_l``."""
+    if members == "states":
+        return [layer + 1 for layer in range(info.n_layers + 1)]
     return [2 * layer + 1 for layer in range(info.n_layers + 1)]
+
+
+def member_names_of(info: ModelInfo, members: Members) -> tuple[list[str], list[int]]:
+    """The members' names and layers: sublayer members (``embed``, ``attn0``, ... with their
+    block, -1 for the embedding), or the residual states ``h0 .. hL`` (with their index)."""
+    if members == "states":
+        return [f"h{layer}" for layer in range(info.n_layers + 1)], list(range(info.n_layers + 1))
+    return member_names(info), member_layers(info)
 
 
 # -- the numbers of a run -------------------------------------------------------------------------
@@ -216,6 +228,8 @@ class Decomposition:
         squared: The squared-error form of the full ensemble.
         ce: Its cross-entropy form (NaN when it was taken at no position).
         label_words: The label set (label mode; ``None`` on the corpus).
+        kind: What the members are: ``sublayers`` or ``states`` (read through ``lens``).
+        lens: The run's fitted lens (``states`` members; ``None`` for the logit lens).
     """
 
     names: list[str]
@@ -228,27 +242,31 @@ class Decomposition:
     squared: Form
     ce: Form
     label_words: list[str] | None = None
+    kind: Members = "sublayers"
+    lens: Any = None
 
     @classmethod
-    def from_state(cls, state: Stats, info: ModelInfo, weighting: Weighting) -> Decomposition:
+    def from_state(
+        cls, state: Stats, info: ModelInfo, weighting: Weighting, members: Members = "sublayers"
+    ) -> Decomposition:
         """The means of a merged state's sums (at least one position with a target)."""
         n, n_ce = float(state["n"]), float(state["n_ce"])
         if n == 0:
             raise ValueError("no position had a target, so there is nothing to decompose")
-        names = member_names(info)
+        names, layers = member_names_of(info, members)
         n_members = len(names)
         w = 1.0 / n_members if weighting == "mean" else 1.0
         scale_ens = 1.0 if weighting == "mean" else float(n_members)
         per_ce = 1.0 / n_ce if n_ce else math.nan
         nan = [math.nan] * n_members
-        members = MemberTerms(
+        terms = MemberTerms(
             sq_bias=(state["sq_bias"] / n * w).tolist(),
             sq_diversity=(state["sq_div"] / n * w).tolist(),
             ce_bias=(state["ce"] * per_ce * w).tolist() if "ce" in state else list(nan),
             ce_diversity=(state["kl"] * per_ce * w).tolist() if "kl" in state else list(nan),
             top1_acc=(state["correct"] * per_ce).tolist() if "correct" in state else list(nan),
         )
-        sizes = prefix_sizes(info)
+        sizes = prefix_sizes(info, members)
         m = torch.tensor(sizes, dtype=torch.float64)
         wm = 1.0 / m if weighting == "mean" else torch.ones_like(m)
         em = torch.ones_like(m) if weighting == "mean" else m
@@ -266,27 +284,29 @@ class Decomposition:
                 accuracy=(state["depth/correct_ens"] * per_ce).tolist(),
             )
         squared = Form(
-            sum(members.sq_bias),
-            sum(members.sq_diversity),
+            sum(terms.sq_bias),
+            sum(terms.sq_diversity),
             float(state["depth/sq_ens"][-1]) / n * scale_ens,
             n,
         )
         ce = Form(
-            sum(members.ce_bias),
-            sum(members.ce_diversity),
+            sum(terms.ce_bias),
+            sum(terms.ce_diversity),
             float(state.get("ce_ens", math.nan)) * per_ce * scale_ens,
             n_ce,
         )
         words = state.get("label_words")
         return cls(
             names=names,
-            layers=member_layers(info),
+            layers=layers,
             sizes=sizes,
             weighting=weighting,
-            members=members,
+            members=terms,
             depth=depth,
             depth_ce=depth_ce,
             squared=squared,
             ce=ce,
             label_words=None if words is None else list(words),
+            kind=members,
+            lens=state.get("lens"),
         )

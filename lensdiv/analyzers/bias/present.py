@@ -10,6 +10,7 @@ import torch
 
 from lensdiv.analyzers.bias.decomposition import Decomposition, Form
 from lensdiv.core.results import Plot, Result, Table
+from lensdiv.ops.translators import PHRASES
 
 if TYPE_CHECKING:  # the analyzer imports this module; its type is only an annotation here
     from lensdiv.analyzers.bias import BiasDiversity
@@ -30,6 +31,9 @@ def present(numbers: Decomposition, options: BiasDiversity) -> Result:
         if labelled
         else "next token, full vocabulary"
     )
+    states = numbers.kind == "states"
+    if states:
+        return _present_states(numbers, options, target)
     return Result(
         analyzer=options.name,
         summary=_summary(numbers, target),
@@ -56,6 +60,58 @@ def present(numbers: Decomposition, options: BiasDiversity) -> Result:
             "every": 1 if labelled else options.every,
             "ce_depth": labelled or options.ce_depth,
             "ce_positions": "every example" if labelled else "t mod every = 0",
+            "exclude_bos": options.exclude_bos,
+            "positions": int(numbers.squared.positions),
+            "positions_ce": int(numbers.ce.positions),
+        },
+    )
+
+
+def _lens_phrase(numbers: Decomposition) -> str:
+    """``"tuned lens"`` (the members' lens), ``"logit lens"`` without a fitted one."""
+    return PHRASES[numbers.lens["kind"]] if numbers.lens else PHRASES["logit"]
+
+
+def _present_states(numbers: Decomposition, options: BiasDiversity, target: str) -> Result:
+    """The result when the members are the residual states read through the run's lens."""
+    lens = _lens_phrase(numbers)
+    depth = _depth_table(numbers)
+    depth = Table(
+        depth.name,
+        dict(depth.columns),
+        f"Prefix ensembles: the readouts of h_0 .. h_l through the {lens}, averaged in logits",
+    )
+    sq, ce = numbers.squared, numbers.ce
+    summary = (
+        f"Target: {target}; {len(numbers.names)} members: the residual states h0..h"
+        f"{len(numbers.names) - 1} read through the {lens}, {numbers.weighting}-weighted. "
+        f"Cross-entropy: ensemble {ce.ensemble_loss:.4g} nats = bias {ce.bias:.4g} - diversity "
+        f"{ce.diversity:.4g}; squared error: {sq.ensemble_loss:.4g} = {sq.bias:.4g} - "
+        f"{sq.diversity:.4g}, over {int(ce.positions)} positions."
+    )
+    return Result(
+        analyzer=options.name,
+        summary=summary,
+        tables={
+            "bias": _forms_table(numbers),
+            "members": _members_table(numbers),
+            "depth": depth,
+        },
+        plots=_plots(True, True, lens),
+        meta={
+            "members": numbers.names,
+            "member_kind": "states",
+            "lens": numbers.lens or {"kind": "logit"},
+            "forms": {
+                "squared": "||z-y||^2 = (1/M) sum ||f_i-y||^2 - (1/M) sum ||f_i-z||^2, f_i = "
+                "the logits of h_i read through the lens, z their mean",
+                "ce": "CE(y, softmax z) = (1/M) sum CE(y, q_i) - (1/M) sum KL(softmax z || "
+                "q_i), q_i = softmax(f_i)",
+            },
+            "weighting": numbers.weighting,
+            "target": target,
+            "every": options.every,
+            "ce_positions": "t mod every = 0 (both forms)",
             "exclude_bos": options.exclude_bos,
             "positions": int(numbers.squared.positions),
             "positions_ce": int(numbers.ce.positions),
@@ -123,15 +179,28 @@ def _depth_table(numbers: Decomposition) -> Table:
     )
 
 
+# The same axes when the members are the residual states read through a lens.
+_STATE_AXES = {
+    "depth": ("layer", "residual state h_l (ensemble of the readouts of h_0 .. h_l)"),
+    "members": ("member", "member h_i (residual state i read through the lens)"),
+}
+
+
 def _line(
-    name: str, title: str, table: str, y: tuple[str, ...], ylabel: str, caption: str = ""
+    name: str,
+    title: str,
+    table: str,
+    y: tuple[str, ...],
+    ylabel: str,
+    caption: str = "",
+    states: bool = False,
 ) -> Plot:
     """A line plot of ``table``'s ``y`` columns along depth or along the members."""
-    x, xlabel = _AXES[table]
+    x, xlabel = (_STATE_AXES if states else _AXES)[table]
     return Plot("line", name, title, table, x=x, y=y, xlabel=xlabel, ylabel=ylabel, caption=caption)
 
 
-def _plots(ce_depth: bool) -> tuple[Plot, ...]:
+def _plots(ce_depth: bool, states: bool = False, lens: str = "") -> tuple[Plot, ...]:
     """Bias, diversity and loss along depth and per member (and along depth in CE)."""
     plots = [
         _line(
@@ -141,7 +210,8 @@ def _plots(ce_depth: bool) -> tuple[Plot, ...]:
             ("bias", "diversity", "ensemble_loss"),
             "squared error (logits²)",
             caption="Ensemble loss = bias − diversity (Krogh–Vedelsby), for the members "
-            "written before h_l.",
+            + (f"h_0 .. h_l read through the {lens}." if states else "written before h_l."),
+            states=states,
         ),
         _line(
             "bias_members",
@@ -149,6 +219,7 @@ def _plots(ce_depth: bool) -> tuple[Plot, ...]:
             "members",
             ("sq_bias", "sq_diversity"),
             "squared error (logits²)",
+            states=states,
         ),
         _line(
             "bias_members_ce",
@@ -156,6 +227,7 @@ def _plots(ce_depth: bool) -> tuple[Plot, ...]:
             "members",
             ("ce_bias", "ce_diversity"),
             "cross-entropy, KL (nats)",
+            states=states,
         ),
     ]
     if ce_depth:
@@ -166,6 +238,7 @@ def _plots(ce_depth: bool) -> tuple[Plot, ...]:
                 "depth",
                 ("ce_bias", "ce_diversity", "ce_loss"),
                 "cross-entropy, KL (nats)",
+                states=states,
             )
         )
     return tuple(plots)

@@ -1,4 +1,4 @@
-"""``patch`` — causal interventions on clean/corrupt prompt pairs (SCIENCE.md A4).
+"""``patch`` — causal interventions on clean/corrupt prompt pairs (docs/science.md A4).
 
 Three measurements on the same pairs ``{clean, corrupt, target[, foil]}``:
 

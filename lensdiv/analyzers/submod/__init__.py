@@ -1,4 +1,4 @@
-"""``submod`` — are the gains from adding layers submodular? (SCIENCE.md B4)
+"""``submod`` — are the gains from adding layers submodular? (docs/science.md B4)
 
 ``F(S)`` is next-token performance (``metric``: negative cross-entropy or top-1 accuracy, a
 mean over positions) of the model using only the units in ``S``, in one of two ``mode`` s:

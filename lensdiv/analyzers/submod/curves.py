@@ -14,7 +14,7 @@ from lensdiv.analyzers.submod.setfunction import Curve, Plan, SetStats, curve, s
 
 @dataclass(frozen=True)
 class SubmodCurves:
-    """The set-function statistics of a run (SCIENCE.md B4).
+    """The set-function statistics of a run (docs/science.md B4).
 
     Args:
         stats: Prefix curve, violation margins, alone/last gains and the greedy curve.

@@ -1,4 +1,4 @@
-"""Statistics of a set function ``F`` over subsets of units (SCIENCE.md B4), pure and exact.
+"""Statistics of a set function ``F`` over subsets of units (docs/science.md B4), pure and exact.
 
 Subsets are bit masks (unit ``i`` is in ``S`` when ``S >> i & 1``). The ``submod`` analyzer
 measures ``F`` on the data; everything here works on any table or callable of ``F``: the prefix
