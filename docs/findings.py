@@ -22,6 +22,7 @@ import math
 import os
 import resource
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +35,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
 REPRODUCED, PARTLY, NOT = "reproduced", "partly", "not reproduced"
+# A row that compares lensdiv's readings rather than testing a claim of a paper.
+COMPARED = "compared"
 
 
 # -- settings -----------------------------------------------------------------------------------
@@ -58,6 +61,11 @@ class Sizes:
         teacher_student_record: JSON file (from the repository root) of the recorded trials of
             ``bench/teacher_student_cpu.py``: the row reads the run of ``preset`` from it instead
             of training for 15 minutes; ``None`` runs the preset.
+        lens_model: The toy the fitted lenses are fitted on.
+        lens_tokens: Tokens the affine and Jacobian (a quarter) fits read, and held-out tokens
+            of every evaluation.
+        lens_preset: The tuned lens' preset.
+        lens_tuned: Overrides of the tuned lens' recipe.
     """
 
     shallow: str = "toy:d4"
@@ -74,6 +82,10 @@ class Sizes:
     preset: str = "cpu"
     teacher_student: dict[str, Any] = field(default_factory=dict)
     teacher_student_record: str | None = "bench/teacher_student_cpu.json"
+    lens_model: str = "toy"
+    lens_tokens: int = 16384
+    lens_preset: str = "cpu"
+    lens_tuned: dict[str, Any] = field(default_factory=dict)
 
 
 FULL = Sizes()
@@ -97,6 +109,9 @@ TINY = Sizes(
         "test_size": 128,
     },
     teacher_student_record=None,
+    lens_tokens=1024,
+    lens_preset="toy",
+    lens_tuned={"steps": 10, "tokens_per_step": 512},
 )
 
 #: The rule behind every verdict, as the document states it.
@@ -125,6 +140,16 @@ RULES = {
     "two, not reproduced if none",
     "chinchilla": "reproduced if the bootstrap 95 % intervals contain α_m = 1, α_ℓ = 1 and "
     "α_D = 0.3; partly if they contain α_ℓ = 1 only",
+    "tuned_lens": "reproduced if the tuned lens' KL to the output is below the logit lens' at "
+    "every residual state but the last (held-out tokens) and the reduction in nats is largest "
+    "in the first half of the states; partly if it is below at every state but not most in the "
+    "first half; not reproduced otherwise",
+    "jacobian_lens": "a comparison, not a claim of the paper (verdict: compared): the Jacobian "
+    "lens' KL to the output against the logit lens' and the tuned lens' (held-out tokens), and "
+    "which reads closer to the output",
+    "lens_bias": "reproduced if the ensemble of the residual states read through the tuned "
+    "lens has a lower cross-entropy than read through the logit lens, with lower bias; partly "
+    "if only one of the two holds",
     "teacher_student": "reproduced if α_ℓ of the independent teacher has a 95 % interval "
     "containing 1 or lies in 0.8–1.2, and the tied teacher's α_ℓ is larger with a "
     "non-overlapping interval; partly if one of the two holds",
@@ -706,6 +731,156 @@ def chinchilla(sizes: Sizes, out: Path) -> Finding:
     )
 
 
+def _lens_fits(sizes: Sizes, out: Path) -> dict[str, Any]:
+    """The toy's tuned and Jacobian lenses (fitted once, shared by the lens rows)."""
+    if "fits" not in _LENS_CACHE:
+        from lensdiv.lenses.fit import fit_lens
+
+        folder = Path(tempfile.mkdtemp(prefix="findings-lenses-"))
+        common = {"eval_tokens": sizes.lens_tokens, "progress": False, "overwrite": True}
+        _LENS_CACHE["fits"] = {
+            "tuned": fit_lens(sizes.lens_model, "tuned", out=folder / "tuned",
+                              preset=sizes.lens_preset, options=dict(sizes.lens_tuned), **common),
+            "jacobian": fit_lens(sizes.lens_model, "jacobian", out=folder / "jacobian",
+                                 max_tokens=max(sizes.lens_tokens // 4, 512), **common),
+        }
+    return _LENS_CACHE["fits"]
+
+
+_LENS_CACHE: dict[str, Any] = {}
+
+
+def _kl_plot(ax: Any, evaluation: Any, kinds: Sequence[str]) -> None:
+    ax.plot(evaluation["layer"], evaluation["kl_logit"], "o-", color="black", label="logit lens")
+    for kind in kinds:
+        ax.plot(evaluation["layer"], evaluation[f"kl_{kind}"], "o-", label=f"{kind} lens")
+    ax.set(xlabel="residual state h_l", ylabel="KL(p_l ‖ p_out), nats", yscale="symlog")
+    ax.legend()
+
+
+def tuned_lens(sizes: Sizes, out: Path) -> Finding:
+    """D1: the tuned lens reads every layer closer to the output than the logit lens."""
+    fit = _lens_fits(sizes, out)["tuned"]
+    table = fit.evaluation
+    logit, tuned = np.asarray(table["kl_logit"]), np.asarray(table["kl_tuned"])
+    below = bool(np.all(tuned[:-1] < logit[:-1]))
+    gain = logit[:-1] - tuned[:-1]
+    half = max(1, len(gain) // 2)
+    early = bool(gain[:half].max() >= gain[half:].max()) if len(gain) > 1 else True
+    verdict = REPRODUCED if below and early else PARTLY if below else NOT
+    fig, (ax,) = _figure(1, 6)
+    _kl_plot(ax, table, ["tuned"])
+    ax.set_title(f"{sizes.lens_model}: held-out tokens")
+    figure = _save(fig, out, "d1_tuned_lens.png")
+    pairs = ", ".join(f"h{i} {a:.2f} → {b:.2f}" for i, (a, b) in enumerate(zip(logit, tuned, strict=True)))
+    return Finding(
+        key="tuned_lens",
+        title="A tuned lens reads early layers much closer to the output than the logit lens",
+        paper="Tuned lens (Belrose et al. 2023, §3–4): an affine translator per layer trained on "
+        "KL to the final distribution has far lower KL than the logit lens, most in early and "
+        "middle layers, across model families",
+        toy=f"{sizes.lens_model}, preset {sizes.lens_preset}, KL(p_l ‖ p_out) on "
+        f"{sizes.lens_tokens} held-out tokens, logit → tuned: {pairs} nats",
+        scaling="—",
+        command=f"lensdiv lenses fit {sizes.lens_model} --kind tuned --preset "
+        f"{sizes.lens_preset} --eval-tokens {sizes.lens_tokens}",
+        verdict=verdict,
+        why="lower KL at every state but the output, the largest gain in nats in the first "
+        "half" if verdict == REPRODUCED else "see the figure",
+        figure=figure,
+        values={"kl_logit": logit.tolist(), "kl_tuned": tuned.tolist(),
+                "steps": fit.manifest.get("steps"), "tokens": fit.manifest.get("tokens")},
+    )
+
+
+def jacobian_lens(sizes: Sizes, out: Path) -> Finding:
+    """D2: the Jacobian lens' readout against the logit and tuned lenses'."""
+    fits = _lens_fits(sizes, out)
+    jac, tuned = fits["jacobian"].evaluation, fits["tuned"].evaluation
+    logit, j = np.asarray(jac["kl_logit"]), np.asarray(jac["kl_jacobian"])
+    t = np.asarray(tuned["kl_tuned"])
+    inner = slice(1, len(j) - 1)  # h_0 (not translated) and h_L (the output) aside
+    closer = bool(np.all(j[inner] < logit[inner]))
+    fig, (ax,) = _figure(1, 6)
+    _kl_plot(ax, jac, ["jacobian"])
+    ax.plot(tuned["layer"], t, "o--", label="tuned lens (its own held-out run)")
+    ax.legend()
+    ax.set_title(f"{sizes.lens_model}: held-out tokens")
+    figure = _save(fig, out, "d2_jacobian_lens.png")
+    pairs = ", ".join(f"h{i} {a:.2f} / {b:.2f}" for i, (a, b) in enumerate(zip(logit, j, strict=True)))
+    return Finding(
+        key="jacobian_lens",
+        title="The Jacobian lens reads what a state does downstream, not the output",
+        paper="Jacobian lens (Gurnee et al. 2026): J_l = the mean Jacobian of the last layer "
+        "with respect to layer l maps a state into the final layer's space; its readouts verbalise "
+        "what a state will contribute",
+        toy=f"{sizes.lens_model}, exact estimator, KL(p_l ‖ p_out) on {sizes.lens_tokens} "
+        f"held-out tokens, logit / Jacobian: {pairs} nats (tuned: "
+        + ", ".join(f"{x:.2f}" for x in t) + ")",
+        scaling="—",
+        command=f"lensdiv lenses fit {sizes.lens_model} --kind jacobian --max-tokens "
+        f"{max(sizes.lens_tokens // 4, 512)} --eval-tokens {sizes.lens_tokens}",
+        verdict=COMPARED,
+        why="the Jacobian lens reads closer to the output than the logit lens"
+        if closer
+        else "the Jacobian lens reads further from the output than the logit lens (and the "
+        "tuned lens): J_l h sums a state's effect over every later position, a different "
+        "question from predicting the output; a comparison, not a claim of the paper",
+        figure=figure,
+        values={"kl_logit": logit.tolist(), "kl_jacobian": j.tolist(), "kl_tuned": t.tolist()},
+    )
+
+
+def lens_bias(sizes: Sizes, out: Path) -> Finding:
+    """B2–B3 through D1: bias and diversity of the residual states read through each lens."""
+    import lensdiv
+
+    fits = _lens_fits(sizes, out)
+    rows = {}
+    for kind, lens in (("logit", "logit"), ("tuned", fits["tuned"].spec)):
+        run = lensdiv.analyze(sizes.lens_model, plugins="bias", lens=lens,
+                              max_tokens=sizes.lens_tokens, progress=False,
+                              options={"bias": {"members": "states"}})
+        forms = run["bias"].table("bias")
+        ce = list(forms["form"]).index("ce")
+        rows[kind] = {k: float(forms[k][ce]) for k in ("bias", "diversity", "ensemble_loss")}
+        rows[kind]["depth"] = {k: list(run["bias"].table("depth")[k])
+                               for k in ("ce_bias", "ce_diversity", "ce_loss")}
+    better = rows["tuned"]["ensemble_loss"] < rows["logit"]["ensemble_loss"]
+    lower_bias = rows["tuned"]["bias"] < rows["logit"]["bias"]
+    verdict = count_verdict(int(better) + int(lower_bias), 2)
+    fig, (ax,) = _figure(1, 6)
+    for kind, style in (("logit", "-"), ("tuned", "--")):
+        depth = rows[kind]["depth"]
+        ax.plot(depth["ce_bias"], "o" + style, label=f"{kind}: bias")
+        ax.plot(depth["ce_diversity"], "s" + style, label=f"{kind}: diversity")
+        ax.plot(depth["ce_loss"], "^" + style, label=f"{kind}: ensemble CE")
+    ax.set(xlabel="prefix ensemble h_0 … h_l", ylabel="nats")
+    ax.set_title(f"{sizes.lens_model}: states as members, through a lens")
+    ax.legend(fontsize=7)
+    figure = _save(fig, out, "b2_lens_members.png")
+    text = "; ".join(
+        f"{kind}: ensemble CE {r['ensemble_loss']:.2f} = bias {r['bias']:.2f} − diversity "
+        f"{r['diversity']:.2f}" for kind, r in rows.items())
+    return Finding(
+        key="lens_bias",
+        title="Read through a tuned lens, the layers are better and more alike ensemble members",
+        paper="Bias–diversity of the layers' ensemble (Kamigaito et al.) with the layers' "
+        "predictions read by the logit lens or by the tuned lens (Belrose et al.)",
+        toy=f"{sizes.lens_model}, members h_0 … h_L read through the lens, cross-entropy form, "
+        f"{sizes.lens_tokens} tokens: {text}",
+        scaling="—",
+        command=f"lensdiv analyze {sizes.lens_model} --plugins bias -O bias.members=states "
+        "--lens tuned:DIR",
+        verdict=verdict,
+        why="the tuned lens' members are more accurate (lower bias) and their ensemble is "
+        "better; much of the logit lens' diversity is its early layers being wrong in different "
+        "ways" if verdict == REPRODUCED else "see the figure",
+        figure=figure,
+        values=rows,
+    )
+
+
 def _term_plot(ax: Any, table: Any, term: str) -> None:
     rows = table.rows
     for series in dict.fromkeys(r["series"] for r in rows):
@@ -880,9 +1055,15 @@ MEASUREMENTS: dict[str, Callable[[Sizes, Path], Finding]] = {
     "dynamics": dynamics,
     "chinchilla": chinchilla,
     "teacher_student": teacher_student,
+    "tuned_lens": tuned_lens,
+    "jacobian_lens": jacobian_lens,
+    "lens_bias": lens_bias,
 }
 # Each finding's analysis in docs/science.md (its anchor there).
 DEFINITIONS = {
+    "tuned_lens": "tuned-lens",
+    "jacobian_lens": "fit-jacobian",
+    "lens_bias": "lenses",
     "contribution": "contrib",
     "skip": "skip",
     "depth_score": "depth-score",
@@ -922,7 +1103,10 @@ def render(findings: list[Finding], run: dict[str, Any]) -> str:
         "Language Models Use Their Depth Efficiently?* (NeurIPS 2025); B — Kamigaito et al., "
         "*Diversity of Transformer Layers: One Aspect of Parameter Scaling Laws* (2025); C — "
         "Liu, Kangaslahti, Liu, Gore, *Inverse Depth Scaling From Most Layers Being Similar* "
-        "(ICML 2026).",
+        "(ICML 2026); and the fitted lenses the depth analyses read layers through (D): "
+        "Belrose et al., *Eliciting Latent Predictions from Transformers with the Tuned Lens* "
+        "(2023), Gurnee et al., *Verbalizable Representations Form a Global Workspace in "
+        "Language Models* (2026).",
         "",
         f"**This run:** {run['date']}, `make findings` took {duration(run['wall_seconds'])} "
         f"of wall time and {duration(run['cpu_seconds'])} of CPU time on "
@@ -1025,11 +1209,27 @@ def main(argv: Sequence[str] | None = None) -> list[Finding]:
         "seconds": seconds,
     }
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.only:  # measure these again; the other rows stay as the last full run left them
+        findings, run = _with_recorded(findings, run, args.out / "findings.json")
     (args.out / "findings.md").write_text(render(findings, run))
     record = {"run": run, "sizes": dataclasses.asdict(sizes), "rules": RULES,
               "findings": [dataclasses.asdict(f) for f in findings]}  # fmt: skip
     (args.out / "findings.json").write_text(json.dumps(record, indent=1, default=_plain) + "\n")
     return findings
+
+
+def _with_recorded(
+    findings: list[Finding], run: dict[str, Any], path: Path
+) -> tuple[list[Finding], dict[str, Any]]:
+    """``findings`` merged into the rows recorded in ``path`` (by key, in the order of
+    :data:`MEASUREMENTS`); the run's figures are the recorded ones, with these rows' seconds."""
+    if not path.is_file():
+        return findings, run
+    recorded = json.loads(path.read_text())
+    rows = {f["key"]: Finding(**f) for f in recorded["findings"]}
+    rows.update({f.key: f for f in findings})
+    merged = {**recorded["run"], "seconds": {**recorded["run"]["seconds"], **run["seconds"]}}
+    return [rows[k] for k in MEASUREMENTS if k in rows], merged
 
 
 def _cached_toys() -> set[str]:

@@ -132,8 +132,13 @@ def fit(
     if done.evaluation is not None:
         term.print(done.evaluation)
     term.print(done.line(), soft_wrap=True, markup=False)  # one line a log keeps whole
-    if done.manifest.get("status") not in ("complete", None):
-        raise typer.Exit(1 if done.manifest.get("status") != "interrupted" else 130)
+    if "warning" in done.manifest:
+        term.print(f"warning: {done.manifest['warning']}", style="yellow", soft_wrap=True)
+    status = done.manifest.get("status")
+    if status == "interrupted":
+        raise typer.Exit(143 if done.manifest.get("signal") == "SIGTERM" else 130)
+    if status == "failed" or (done.run is not None and (done.run.errors or done.run.problems)):
+        raise typer.Exit(1)
 
 
 @app.command("evaluate")

@@ -283,7 +283,9 @@ def _fit_tuned(
     if preset not in PRESETS:
         raise OptionError(f"unknown preset {preset!r}", hint=f"use one of {', '.join(PRESETS)}")
     recipe = recipe_with(PRESETS[preset], options)
-    tokens = max_tokens or recipe.steps * recipe.tokens_per_step
+    # A step takes whole batches: budget the steps' batches, not their nominal tokens.
+    batch_tokens = batch_size * seq_len
+    tokens = max_tokens or recipe.steps * -(-recipe.tokens_per_step // batch_tokens) * batch_tokens
     spec = DataSpec.from_data(
         data, seq_len=seq_len, max_tokens=tokens, batch_size=batch_size, seed=seed
     )
@@ -301,9 +303,14 @@ def _fit_tuned(
         start.check(info)
     started = time.time()
     with handle_signals(), progress_allowed(progress and world.main):
-        bar = progress_bar("[bold]tuned lens[/bold]", "steps", enabled=progress and world.main)
+        from rich.progress import TextColumn
+
+        rate = TextColumn("[cyan]{task.fields[rate]}[/cyan] · KL {task.fields[kl]}")
+        bar = progress_bar(
+            "[bold]tuned lens[/bold]", "steps", rate, enabled=progress and world.main
+        )
         with bar:
-            task = bar.add_task("training", total=recipe.steps)
+            task = bar.add_task("training", total=recipe.steps, rate="… tok/s", kl="…")
             lens, done = train_tuned(
                 bridge,
                 info,
@@ -311,13 +318,23 @@ def _fit_tuned(
                 recipe,
                 start=start,
                 world=world,
-                on_step=lambda p: bar.update(task, completed=p.steps),
+                on_step=lambda p: bar.update(
+                    task,
+                    completed=p.steps,
+                    rate=f"{p.tokens / max(p.seconds, 1e-9):,.0f} tok/s",
+                    kl=f"{sum(p.loss or [0.0]):.3g}",
+                ),
             )
     manifest = {
         "lensdiv_manifest": 1,
         "kind": "lens-fit",
         "lens": "tuned",
-        "status": "complete" if done.complete else "interrupted",
+        "status": "complete" if done.complete else "interrupted" if done.interrupted else "partial",
+        **(
+            {"warning": f"the data ran out after {done.steps} of {recipe.steps} steps"}
+            if not (done.complete or done.interrupted)
+            else {}
+        ),
         "model": {"spec": info.name, "n_layers": info.n_layers, "d_model": info.d_model},
         "data": spec.describe(),
         "recipe": dataclasses.asdict(recipe),

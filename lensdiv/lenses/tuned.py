@@ -105,7 +105,8 @@ class Translators(nn.Module):
 
 @dataclass
 class TunedProgress:
-    """What training did: steps, tokens and the mean KL per layer of the last step."""
+    """What training did: steps, tokens and the mean KL per layer of the last step; whether it
+    ran every step (``complete``) or was stopped (``interrupted``; else the data ran out)."""
 
     steps: int = 0
     tokens: int = 0
@@ -113,6 +114,7 @@ class TunedProgress:
     forward_s: float = 0.0
     loss: list[float] | None = None
     complete: bool = False
+    interrupted: bool = False
 
 
 def train_tuned(
@@ -187,7 +189,7 @@ def train_tuned(
                 break
         progress.complete = progress.steps >= recipe.steps
     except KeyboardInterrupt:
-        progress.complete = False
+        progress.complete, progress.interrupted = False, True
     return lens, progress
 
 
