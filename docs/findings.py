@@ -754,7 +754,10 @@ def _kl_plot(ax: Any, evaluation: Any, kinds: Sequence[str]) -> None:
     ax.plot(evaluation["layer"], evaluation["kl_logit"], "o-", color="black", label="logit lens")
     for kind in kinds:
         ax.plot(evaluation["layer"], evaluation[f"kl_{kind}"], "o-", label=f"{kind} lens")
-    ax.set(xlabel="residual state h_l", ylabel="KL(p_l ‖ p_out), nats", yscale="symlog")
+    ax.set_yscale("symlog", linthresh=0.01)
+    ax.set_yticks([0, 0.01, 0.1, 1, 10], ["0", "0.01", "0.1", "1", "10"])
+    ax.set(xlabel="residual state h_l", ylabel="KL(p_l ‖ p_out), nats")
+    ax.set_xticks(list(evaluation["layer"]))
     ax.legend()
 
 
@@ -856,6 +859,7 @@ def lens_bias(sizes: Sizes, out: Path) -> Finding:
         ax.plot(depth["ce_diversity"], "s" + style, label=f"{kind}: diversity")
         ax.plot(depth["ce_loss"], "^" + style, label=f"{kind}: ensemble CE")
     ax.set(xlabel="prefix ensemble h_0 … h_l", ylabel="nats")
+    ax.set_xticks(range(len(rows["logit"]["depth"]["ce_loss"])))
     ax.set_title(f"{sizes.lens_model}: states as members, through a lens")
     ax.legend(fontsize=7)
     figure = _save(fig, out, "b2_lens_members.png")

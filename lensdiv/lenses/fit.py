@@ -31,7 +31,14 @@ from lensdiv.core.results import Rendered, Table, write_json_atomic
 from lensdiv.data.sources import DataSpec, check_source, token_batches
 from lensdiv.lenses.affine import AFFINE_FOLDER, AffineFit
 from lensdiv.lenses.jacobian import JacobianFit
-from lensdiv.lenses.tuned import PRESETS, TUNED_FOLDER, TunedRecipe, save_trained, train_tuned
+from lensdiv.lenses.tuned import (
+    PRESETS,
+    TUNED_FOLDER,
+    TunedProgress,
+    TunedRecipe,
+    save_trained,
+    train_tuned,
+)
 from lensdiv.models.load import load_model
 from lensdiv.ops.translators import JACOBIAN_FILE, LABELS, PHRASES, parse_lens
 from lensdiv.run.distributed import current_world, gather_objects
@@ -302,39 +309,12 @@ def _fit_tuned(
     if start is not None:
         start.check(info)
     started = time.time()
-    with handle_signals(), progress_allowed(progress and world.main):
-        from rich.progress import TextColumn
-
-        rate = TextColumn("[cyan]{task.fields[rate]}[/cyan] · KL {task.fields[kl]}")
-        bar = progress_bar(
-            "[bold]tuned lens[/bold]", "steps", rate, enabled=progress and world.main
-        )
-        with bar:
-            task = bar.add_task("training", total=recipe.steps, rate="… tok/s", kl="…")
-            lens, done = train_tuned(
-                bridge,
-                info,
-                lambda: token_batches(spec, bridge.tokenizer),
-                recipe,
-                start=start,
-                world=world,
-                on_step=lambda p: bar.update(
-                    task,
-                    completed=p.steps,
-                    rate=f"{p.tokens / max(p.seconds, 1e-9):,.0f} tok/s",
-                    kl=f"{sum(p.loss or [0.0]):.3g}",
-                ),
-            )
+    lens, done = _train_with_progress(bridge, info, spec, recipe, start, world, progress)
     manifest = {
         "lensdiv_manifest": 1,
         "kind": "lens-fit",
         "lens": "tuned",
-        "status": "complete" if done.complete else "interrupted" if done.interrupted else "partial",
-        **(
-            {"warning": f"the data ran out after {done.steps} of {recipe.steps} steps"}
-            if not (done.complete or done.interrupted)
-            else {}
-        ),
+        **_status(done, recipe),
         "model": {"spec": info.name, "n_layers": info.n_layers, "d_model": info.d_model},
         "data": spec.describe(),
         "recipe": dataclasses.asdict(recipe),
@@ -371,6 +351,56 @@ def _fit_tuned(
             progress=progress,
         )
     return fit
+
+
+def _train_with_progress(
+    bridge: Any,
+    info: ModelInfo,
+    spec: DataSpec,
+    recipe: TunedRecipe,
+    start: Any,
+    world: Any,
+    progress: bool,
+) -> tuple[Any, TunedProgress]:
+    """:func:`train_tuned` with a progress bar (steps, tokens/s, the summed KL) on rank 0;
+    Ctrl-C and SIGTERM stop it between steps with what it has."""
+    from rich.progress import TextColumn
+
+    shown = progress and world.main
+    with handle_signals(), progress_allowed(shown):
+        rate = TextColumn("[cyan]{task.fields[rate]}[/cyan] · KL {task.fields[kl]}")
+        with progress_bar("[bold]tuned lens[/bold]", "steps", rate, enabled=shown) as bar:
+            task = bar.add_task("training", total=recipe.steps, rate="… tok/s", kl="…")
+
+            def advance(done: TunedProgress) -> None:
+                speed = done.tokens / max(done.seconds, 1e-9)
+                total_kl = sum(done.loss or [0.0])
+                bar.update(
+                    task, completed=done.steps, rate=f"{speed:,.0f} tok/s", kl=f"{total_kl:.3g}"
+                )
+
+            return train_tuned(
+                bridge,
+                info,
+                lambda: token_batches(spec, bridge.tokenizer),
+                recipe,
+                start=start,
+                world=world,
+                on_step=advance,
+            )
+
+
+def _status(done: TunedProgress, recipe: TunedRecipe) -> dict[str, Any]:
+    """The manifest's status of a training: complete, interrupted, or partial (the data ran
+    out before the last step, with a warning)."""
+    if done.complete:
+        return {"status": "complete"}
+    if done.interrupted:
+        return {"status": "interrupted"}
+    return {
+        "status": "partial",
+        "warning": f"the data ran out after {done.steps} of {recipe.steps} steps",
+    }
 
 
 def recipe_with(recipe: TunedRecipe, options: dict[str, Any]) -> TunedRecipe:
