@@ -1,0 +1,99 @@
+"""``study.html``: one self-contained page for a study of many models.
+
+The page holds every model's status, size facts and a link to its own ``report.html``, failures
+and models still to run at the top, the papers' numbers against model size, and one figure per
+depth profile (every model on relative depth, coloured by size) with the paper's reading under
+it. Plots are drawn from the summary result's declarative specs and inlined as PNG, styles are
+inline, and nothing is loaded from the network (the links to the reports are relative).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from lensdiv.core.results import Result
+from lensdiv.view.html import figure_data_uri, render
+from lensdiv.view.report import MAX_ROWS
+
+_STATUS_CLASS = {"complete": "ok", "partial": "warn", "pending": "warn", "interrupted": "warn"}
+
+
+def study_html(
+    manifest: Mapping[str, Any], summary: Result, models: Sequence[Mapping[str, Any]]
+) -> str:
+    """The page of a study.
+
+    Args:
+        manifest: The study's ``study.json`` contents (settings, status).
+        summary: The study's summary result (tables ``models``, ``numbers``, profile tables and
+            their plots).
+        models: One row per model: ``model``, ``run``, ``status``, ``reason``, ``seconds``,
+            size facts and ``report`` (the relative link to its report, or ``None``).
+
+    Returns:
+        The complete HTML document.
+    """
+    settings = manifest.get("settings", {})
+    rows = [
+        {
+            **m,
+            "status_class": _STATUS_CLASS.get(str(m.get("status")), "bad"),
+            "params_text": f"{m['params']:,}" if isinstance(m.get("params"), int) else "–",
+        }
+        for m in models
+    ]
+    numbers = summary.tables.get("numbers")
+    figures: list[dict[str, Any]] = []
+    scaling: list[dict[str, Any]] = []
+    for spec in summary.plots:
+        try:
+            fig, _ = spec.figure(summary, caption=False)
+        except (KeyError, ValueError, TypeError, IndexError) as err:
+            item = {"title": spec.title, "name": spec.name, "error": f"{type(err).__name__}: {err}"}
+        else:
+            item = {
+                "title": spec.title,
+                "name": spec.name,
+                "uri": figure_data_uri(fig),
+                "caption": spec.full_caption(summary),
+            }
+        (scaling if spec.name == "update_scaling" else figures).append(item)
+    status = str(manifest.get("status", "partial"))
+    return render(
+        "study.html.j2",
+        title=f"lensdiv study: {len(rows)} models",
+        status=status,
+        status_class=_STATUS_CLASS.get(status, "warn"),
+        summary=summary.summary,
+        settings=settings,
+        plugins=", ".join(settings.get("plugins", {})),
+        data=settings.get("data", {}),
+        models=rows,
+        failures=[m for m in rows if m.get("status") in ("failed", "partial", "interrupted")],
+        pending=[m for m in rows if m.get("status") == "pending"],
+        numbers=_table(numbers) if numbers is not None and len(numbers) else None,
+        descriptions=summary.meta.get("numbers", {}),
+        scaling=scaling,
+        figures=figures,
+        settings_json=json.dumps(settings, indent=1, default=str),
+        written=time.strftime("%Y-%m-%d %H:%M:%S"),
+    )
+
+
+def _table(table: Any) -> dict[str, Any]:
+    rows = table.rows
+    return {
+        "columns": list(table.columns),
+        "rows": [{k: _cell(v) for k, v in row.items()} for row in rows[:MAX_ROWS]],
+        "description": table.description,
+    }
+
+
+def _cell(value: Any) -> Any:
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer() and value > 1e4:
+        return f"{int(value):,}"  # parameter counts
+    return value
