@@ -17,6 +17,7 @@ from lensdiv.cli import lens as _lens
 from lensdiv.cli import merge as _merge
 from lensdiv.cli import plugins as _plugins
 from lensdiv.cli import scaling as _scaling
+from lensdiv.cli import study as _study
 from lensdiv.cli import teacher as _teacher
 from lensdiv.cli import toy as _toy
 from lensdiv.cli.common import Group
@@ -40,6 +41,7 @@ app.add_typer(_plugins.app, name="plugins")
 app.add_typer(_toy.app, name="toy")
 # Whole studies rather than analyzers of one model: fits over many runs, toy experiments.
 app.add_typer(_scaling.app, name="scaling")
+app.add_typer(_study.app, name="study")
 app.command("teacher-student")(_teacher.teacher_student)
 
 
