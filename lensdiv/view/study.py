@@ -3,12 +3,13 @@
 The page holds every model's status, size facts and a link to its own ``report.html``, failures
 and models still to run at the top, the papers' numbers against model size, and one figure per
 depth profile (every model on relative depth, coloured by size) with the paper's reading under
-it. Plots are drawn from the summary result's declarative specs and inlined as PNG, styles are
+it. Plots are the summary's PNG files (or drawn from its declarative specs) inlined, styles are
 inline, and nothing is loaded from the network (the links to the reports are relative).
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import time
@@ -23,7 +24,10 @@ _STATUS_CLASS = {"complete": "ok", "partial": "warn", "pending": "warn", "interr
 
 
 def study_html(
-    manifest: Mapping[str, Any], summary: Result, models: Sequence[Mapping[str, Any]]
+    manifest: Mapping[str, Any],
+    summary: Result,
+    models: Sequence[Mapping[str, Any]],
+    images: Mapping[str, bytes] | None = None,
 ) -> str:
     """The page of a study.
 
@@ -33,6 +37,8 @@ def study_html(
             their plots).
         models: One row per model: ``model``, ``run``, ``status``, ``reason``, ``seconds``,
             size facts and ``report`` (the relative link to its report, or ``None``).
+        images: The summary's PNG files as written (caption inside), by plot name: shown as
+            they are, so each figure is drawn once. A plot without one is drawn here.
 
     Returns:
         The complete HTML document.
@@ -50,17 +56,15 @@ def study_html(
     figures: list[dict[str, Any]] = []
     scaling: list[dict[str, Any]] = []
     for spec in summary.plots:
-        try:
-            fig, _ = spec.figure(summary, caption=False)
-        except (KeyError, ValueError, TypeError, IndexError) as err:
-            item = {"title": spec.title, "name": spec.name, "error": f"{type(err).__name__}: {err}"}
+        item = {"title": spec.title, "name": spec.name, "caption": spec.full_caption(summary)}
+        if images is not None and spec.name in images:
+            item["uri"] = "data:image/png;base64," + base64.b64encode(images[spec.name]).decode()
+            item["captioned"] = True
         else:
-            item = {
-                "title": spec.title,
-                "name": spec.name,
-                "uri": figure_data_uri(fig),
-                "caption": spec.full_caption(summary),
-            }
+            try:
+                item["uri"] = figure_data_uri(spec.figure(summary, caption=False)[0])
+            except (KeyError, ValueError, TypeError, IndexError) as err:
+                item["error"] = f"{type(err).__name__}: {err}"
         (scaling if spec.name == "update_scaling" else figures).append(item)
     status = str(manifest.get("status", "partial"))
     return render(

@@ -299,7 +299,10 @@ def run_study(
         except KeyboardInterrupt as err:  # between two models: every record is on disk
             study.interrupted = signal_name(signum_of(err))
         if world.main:
-            _finish(study, classes, report=report and part.count == 1 and not study.interrupted)
+            gather = report and part.count == 1 and not study.interrupted
+            if gather and out_dir is not None:
+                say(f"study: writing the dataset, figures and page of {out_dir}")
+            _finish(study, classes, report=gather)
             if study.interrupted is None and report and part.count > 1 and out_dir is not None:
                 say(
                     f"task {part} done; once every task is, `lensdiv study report {out_dir}` "
@@ -318,16 +321,13 @@ def report_study(out: str | Path, *, progress: bool = True) -> Study:
     out_dir = Path(out)
     manifest = read_study(out_dir)
     settings = manifest["settings"]
-    specs = list(settings.get("models", []))
+    entries = _entries(manifest)
     task = Task()
-    entries = [ModelEntry(m, r) for m, r in zip(specs, run_names(specs), strict=True)]
-    recorded = {row.get("model"): row.get("run") for row in manifest.get("models", [])}
-    for entry in entries:  # the names the study gave (a folder may have moved since)
-        entry.run = str(recorded.get(entry.model) or entry.run)
     study = Study(out_dir, entries, settings, task)
     _refresh(out_dir, entries)
     say = _Lines(progress)
-    say(f"study {out_dir}: gathering {sum(e.status in FINISHED for e in entries)} finished runs")
+    finished = sum(e.status in FINISHED for e in entries)
+    say(f"study {out_dir}: writing the dataset, figures and page of {finished} finished runs")
     with handle_signals():
         try:
             _finish(study, {}, report=True)
@@ -354,8 +354,7 @@ def load_study(out: str | Path) -> Any:
     records = list((out_dir / STATUS).glob("*.json"))
     if parquet.is_file() and all(r.stat().st_mtime <= parquet.stat().st_mtime for r in records):
         return to_pandas(pq.read_table(parquet))
-    specs = list(manifest["settings"].get("models", []))
-    entries = [ModelEntry(m, r) for m, r in zip(specs, run_names(specs), strict=True)]
+    entries = _entries(manifest)
     study = Study(out_dir, entries, manifest["settings"])
     _refresh(out_dir, entries)
     study.runs = _finished_runs(study)
@@ -381,6 +380,17 @@ def read_study(out: Path) -> dict[str, Any]:
     if not isinstance(data, dict) or not isinstance(data.get("settings"), dict):
         raise StudyError(f"{path} is not a lensdiv study manifest", hint="rerun the study")
     return data
+
+
+def _entries(manifest: Mapping[str, Any]) -> list[ModelEntry]:
+    """The models of a study manifest, under the folder names it gave them (a local model
+    folder that has moved since keeps its run's name)."""
+    specs = list(manifest["settings"].get("models", []))
+    recorded = {row.get("model"): row.get("run") for row in manifest.get("models", [])}
+    return [
+        ModelEntry(m, str(recorded.get(m) or r))
+        for m, r in zip(specs, run_names(specs), strict=True)
+    ]
 
 
 # -- one model ----------------------------------------------------------------------------------
@@ -556,14 +566,17 @@ def _finish(study: Study, classes: Mapping[str, type[Analyzer]], *, report: bool
     folder = study.out / SUMMARY
     shutil.rmtree(folder, ignore_errors=True)  # profiles of an earlier gathering go too
     try:
-        study.summary.save(folder)
+        written = study.summary.save(folder)
     except LensdivError as err:
         study.problems.append(str(err))
+        written = getattr(err, "written", [])
+    images = {p.stem: p.read_bytes() for p in written if p.suffix == ".png"}
     try:
         page = study_html(
             _manifest(study.settings, study.models),
             study.summary,
             [_page_row(study.out, m) for m in study.models],
+            images,
         )
         (study.out / HTML).write_text(page, encoding="utf-8")
     except Exception as err:  # the page is a view: the numbers are on disk already

@@ -156,7 +156,7 @@ def model_numbers(results: Mapping[str, Result], n_layers: int) -> dict[str, flo
     return numbers
 
 
-def half_ratio(r_block: Sequence[float] | np.ndarray) -> float:
+def half_ratio(r_block: Sequence[Any] | np.ndarray) -> float:
     """Second half over first half of blocks ``1..L−1`` (NaN below 3 blocks)."""
     rest = np.asarray(r_block, float)[1:]
     if len(rest) < 2:
@@ -166,7 +166,7 @@ def half_ratio(r_block: Sequence[float] | np.ndarray) -> float:
     return float(second / first) if first else math.nan
 
 
-def fall_depth(later: Sequence[float] | np.ndarray, n_layers: int) -> float:
+def fall_depth(later: Sequence[Any] | np.ndarray, n_layers: int) -> float:
     """Relative depth of the first block after the peak (over blocks ``1..L−2``) whose effect
     is below half the peak; NaN when the effect never halves or there are too few blocks."""
     values = np.asarray(later, float)[1 : n_layers - 1]
@@ -179,7 +179,7 @@ def fall_depth(later: Sequence[float] | np.ndarray, n_layers: int) -> float:
     return math.nan
 
 
-def loglog_slope(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
+def loglog_slope(x: Sequence[Any], y: Sequence[Any]) -> tuple[float, float]:
     """Least-squares ``(slope, intercept)`` of ``log y`` on ``log x`` (NaN without two
     distinct positive ``x`` with positive ``y``)."""
     pairs = [(a, b) for a, b in zip(x, y, strict=True) if a > 0 and b > 0 and math.isfinite(b)]
@@ -341,7 +341,7 @@ def _update_scaling(numbers: Mapping[str, list[Any]], slope: float, intercept: f
     return Table("update_scaling", columns, "Mean middle update against depth, and its fit")
 
 
-def _span(values: Sequence[float]) -> str:
+def _span(values: Sequence[Any]) -> str:
     finite = [v for v in values if math.isfinite(v)]
     if not finite:
         return "–"
