@@ -56,7 +56,11 @@ def study_html(
     figures: list[dict[str, Any]] = []
     scaling: list[dict[str, Any]] = []
     for spec in summary.plots:
-        item = {"title": spec.title, "name": spec.name, "caption": spec.full_caption(summary)}
+        item: dict[str, Any] = {
+            "title": spec.title,
+            "name": spec.name,
+            "caption": spec.full_caption(summary),
+        }
         if images is not None and spec.name in images:
             item["uri"] = "data:image/png;base64," + base64.b64encode(images[spec.name]).decode()
             item["captioned"] = True

@@ -4,21 +4,17 @@ mean loss) and fit the law to the losses."""
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lensdiv.core.analyzer import Analyzer, ModelInfo, Step
 from lensdiv.core.errors import DataError, OptionError, StudyError
 from lensdiv.core.results import Result, Table
-from lensdiv.core.stats import Stats
 from lensdiv.data.sources import DataSpec
 from lensdiv.models.load import resolve_spec
 from lensdiv.models.toy import ToySpec, cached_log, parse_toy
-from lensdiv.studies.crossmodel import resolve_models, run_study
+from lensdiv.studies.crossmodel.models import resolve_models
 from lensdiv.studies.scaling.fit import Uncertainty
 from lensdiv.studies.scaling.law import parse_terms
 from lensdiv.studies.scaling.result import scaling_result
@@ -37,46 +33,6 @@ def expand_models(models: str | Sequence[str]) -> list[str]:
     return out
 
 
-@dataclass(frozen=True)
-class FamilyLoss(Analyzer):
-    """The model's mean next-token cross-entropy on the corpus (nats), and a fingerprint of the
-    tokens it read, so a family's losses are known to come from the same tokens."""
-
-    name = "loss"
-    description = "Mean next-token cross-entropy on the corpus, with the tokens' fingerprint"
-    needs_logits = True
-    depth_profiles = ()
-
-    def hooks(self, info: ModelInfo) -> list[str]:
-        return []
-
-    def update(self, state: Stats, step: Step) -> None:
-        # start-up: fitting a CSV needs no torch; it loads only when a family is evaluated.
-        import torch.nn.functional as F
-
-        logits = step.logits
-        assert logits is not None  # needs_logits
-        targets, valid = step.batch.next_tokens()
-        targets, valid = targets.to(logits.device), valid.to(logits.device)
-        loss = F.cross_entropy(logits[valid].float(), targets[valid], reduction="sum")
-        state.add("loss", float(loss))
-        state.add("count", int(valid.sum()))
-        state.include("batches", f"{step.batch.index}:{_fingerprint([step.batch])}")
-
-    def finalize(self, state: Stats, info: ModelInfo) -> Result:
-        count = int(state["count"])
-        loss = float(state["loss"]) / count if count else math.nan
-        tokens = hashlib.sha256("\n".join(sorted(state["batches"])).encode()).hexdigest()
-        return Result(
-            self.name,
-            f"Mean next-token cross-entropy {loss:.4g} nats over {count} positions.",
-            tables={
-                "loss": Table("loss", {"loss": [loss], "count": [count]}, "Mean next-token CE")
-            },
-            meta={"tokens_sha256": tokens},
-        )
-
-
 def collect_family(
     models: str | Sequence[str],
     data: Any = None,
@@ -89,8 +45,8 @@ def collect_family(
 ) -> Table:
     """Evaluate each model on the same tokens: mean next-token cross-entropy and its sizes.
 
-    A study (:func:`~lensdiv.studies.crossmodel.run_study`) of the :class:`FamilyLoss`
-    analyzer: one run per model, loaded one at a time.
+    A study (:func:`~lensdiv.studies.crossmodel.run_study`) of one analyzer,
+    :class:`~lensdiv.studies.scaling.loss.FamilyLoss`: one run per model, loaded one at a time.
 
     Args:
         models: Model specs (see :func:`expand_models`).
@@ -110,6 +66,10 @@ def collect_family(
         StudyError: A model could not be evaluated (its one-line reason; the others' runs are
             kept in ``study``).
     """
+    # start-up: a CSV fit needs no torch; the study (the runner) loads with a family.
+    from lensdiv.studies.crossmodel import run_study  # start-up: as above
+    from lensdiv.studies.scaling.loss import FamilyLoss  # start-up: torch, as above
+
     specs = expand_models(models)
     data = data if data is not None else DataSpec()
     done = run_study(
@@ -149,15 +109,6 @@ def collect_family(
     return Table("family", rows, "each model's mean next-token cross-entropy on the same tokens")
 
 
-def _fingerprint(batches: Sequence[Any]) -> str:
-    """sha256 of the token ids and masks of ``batches``."""
-    digest = hashlib.sha256()
-    for batch in batches:
-        digest.update(batch.tokens.cpu().numpy().astype("int64").tobytes())
-        digest.update(batch.mask.cpu().numpy().tobytes())
-    return digest.hexdigest()
-
-
 def _check_same_tokens(reference: tuple[str, Any], spec: str, batches: Any) -> None:
     """``spec`` read the tokens the reference model read (batches, or their fingerprint)."""
     first, expected = reference
@@ -170,7 +121,10 @@ def _check_same_tokens(reference: tuple[str, Any], spec: str, batches: Any) -> N
 
 
 def _as_fingerprint(batches: Any) -> str:
-    return batches if isinstance(batches, str) else _fingerprint(batches)
+    # start-up: batches are torch tensors; a fingerprint of them needs the loss module.
+    from lensdiv.studies.scaling.loss import fingerprint
+
+    return batches if isinstance(batches, str) else fingerprint(batches)
 
 
 def _toy(spec: str) -> ToySpec | None:
