@@ -96,12 +96,13 @@ def _table(table: Any) -> dict[str, Any]:
     rows = table.rows
     return {
         "columns": list(table.columns),
-        "rows": [{k: _cell(v) for k, v in row.items()} for row in rows[:MAX_ROWS]],
+        "rows": [{k: _cell(k, v) for k, v in row.items()} for row in rows[:MAX_ROWS]],
         "description": table.description,
     }
 
 
-def _cell(value: Any) -> Any:
-    if isinstance(value, float) and math.isfinite(value) and value.is_integer() and value > 1e4:
-        return f"{int(value):,}"  # parameter counts
+def _cell(column: str, value: Any) -> Any:
+    """Parameter counts with thousands separators; every other cell as it is."""
+    if column == "params" and isinstance(value, (int, float)) and math.isfinite(value):
+        return f"{int(value):,}"
     return value

@@ -307,7 +307,11 @@ def run_study(
             gather = report and part.count == 1 and not study.interrupted
             if gather and out_dir is not None:
                 say(f"study: writing the dataset, figures and page of {out_dir}")
-            _finish(study, classes, report=gather)
+            try:
+                _finish(study, classes, report=gather)
+            except KeyboardInterrupt as err:  # the runs and records are on disk already
+                study.interrupted = signal_name(signum_of(err))
+                study.problems.append(f"stopped while gathering: `lensdiv study report {out}`")
             if study.interrupted is None and report and part.count > 1 and out_dir is not None:
                 say(
                     f"task {part} done; once every task is, `lensdiv study report {out_dir}` "

@@ -63,9 +63,8 @@ READINGS: dict[tuple[str, str], Reading] = {
     ),
     ("lens", "lens.ce"): Reading(
         "next-token cross-entropy (nats)",
-        "Csordás et al. (A2): the logit lens' next-token loss of each residual state; larger "
-        "models end lower, and where along ℓ/L the loss falls says which part of the depth "
-        "does the predicting.",
+        "Csordás et al. (A2): the logit lens' next-token loss of each residual state; where "
+        "along ℓ/L it falls says which part of the depth does the predicting.",
     ),
     ("skip", "skip.later_mean"): Reading(
         "mean over l > s of E[s, l]",
@@ -75,8 +74,8 @@ READINGS: dict[tuple[str, str], Reading] = {
     ),
     ("skip", "skip.output_mean"): Reading(
         "‖p − p̃‖₂ (mean)",
-        "Csordás et al. (A3): the effect of skipping one block on the output distribution; "
-        "second-half blocks matter less, except the last ones, which write the prediction.",
+        "Csordás et al. (A3): the effect of skipping one block on the output distribution, "
+        "much smaller for a block of the second half than for one of the first half.",
     ),
     ("dynamics", "updates.rel_update"): Reading(
         "‖Δ_ℓ‖ / ‖h_ℓ‖",
@@ -131,7 +130,7 @@ NUMBERS = {
     "effect on later layers is below half the peak (A3; blocks 1..L−2)",
     "lens_kl_mid": "lens: KL(p_ℓ ‖ p_out) at relative depth ½, interpolated between states (A2)",
     "update_norm": "dynamics: mean ‖Δ_ℓ‖/‖h_ℓ‖ of the middle blocks (C1; its log–log slope "
-    "against L in the update-scaling table)",
+    "against L over the models of at least 3 blocks in the update-scaling table)",
 }
 
 
@@ -265,7 +264,12 @@ def summarize(
         {k: v for k, v in numbers.items() if k in ("model", "params", "n_layers", "d_model", *ran)},
         "The papers' numbers for each model, against its size",
     )
-    slope, intercept = loglog_slope(numbers["n_layers"], numbers["update_norm"])
+    # Below 3 blocks the "middle" blocks include the first or the last (dynamics' middle_blocks),
+    # whose updates are unlike the rest: the slope is fitted over the models of 3 blocks or more.
+    deep = [i for i, n in enumerate(numbers["n_layers"]) if n >= 3]
+    slope, intercept = loglog_slope(
+        [numbers["n_layers"][i] for i in deep], [numbers["update_norm"][i] for i in deep]
+    )
     if math.isfinite(slope):
         tables["update_scaling"] = _update_scaling(numbers, slope, intercept)
         plots.append(
@@ -283,7 +287,9 @@ def summarize(
                 xlabel="blocks L",
                 ylabel="mean middle ‖Δ_ℓ‖ / ‖h_ℓ‖",
                 caption="Liu et al. (C1): the mean update of the middle blocks shrinks about as "
-                f"1/L (slope −1) across a family; here the log–log slope is {slope:.2f}.",
+                f"1/L (slope −1) across a family; here the log–log slope is {slope:.2f}, fitted "
+                "over the models of at least 3 blocks (with fewer, the middle blocks include the "
+                "first or the last).",
             )
         )
     for (analyzer, table_name, column), curve in curves.items():
@@ -330,7 +336,7 @@ def _update_scaling(numbers: Mapping[str, list[Any]], slope: float, intercept: f
         )
         if math.isfinite(u) and L > 0
     ]
-    depths = sorted({L for _, L, _ in rows})
+    depths = sorted({L for _, L, _ in rows if L >= 3})
     fit = [(f"L^{slope:.2f} fit", L, math.exp(intercept) * L**slope) for L in depths]
     columns = {
         "series": ["measured"] * len(rows) + [s for s, _, _ in fit],
