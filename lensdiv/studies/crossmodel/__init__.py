@@ -2,8 +2,9 @@
 one ordinary run per model, compared at relative depth ℓ/L.
 
 Modules: ``models`` (what MODELS names, run folder names, the task split of a job array),
-``study`` (running, resuming and gathering a study folder), ``dataset`` (the tidy long table:
-Parquet and CSV) and ``summary`` (the depth profiles and the papers' numbers against size).
+``folder`` (the study folder: layout, manifest, each model's status), ``study`` (running,
+resuming and gathering a study), ``dataset`` (the tidy long table: Parquet and CSV) and
+``summary`` (the depth profiles and the papers' numbers against size).
 """
 
 from __future__ import annotations
@@ -11,20 +12,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from lensdiv.studies.crossmodel.dataset import COLUMNS, tidy_columns
+from lensdiv.studies.crossmodel.folder import ModelEntry, read_study
 from lensdiv.studies.crossmodel.models import FAMILIES, Task, parse_task, resolve_models, run_names
 from lensdiv.studies.crossmodel.summary import NUMBERS, READINGS, Reading, summarize
 
 if TYPE_CHECKING:
-    from lensdiv.studies.crossmodel.study import ModelEntry as ModelEntry
     from lensdiv.studies.crossmodel.study import Study as Study
     from lensdiv.studies.crossmodel.study import load_study as load_study
-    from lensdiv.studies.crossmodel.study import read_study as read_study
     from lensdiv.studies.crossmodel.study import report_study as report_study
     from lensdiv.studies.crossmodel.study import run_study as run_study
 
 # start-up: `study` imports the runner (torch); the family names and the model lists do not, so
 # `lensdiv scaling fit` (which reads FAMILIES) stays free of torch.
-_STUDY = ("ModelEntry", "Study", "load_study", "read_study", "report_study", "run_study")
+_STUDY = ("Study", "load_study", "report_study", "run_study")
 
 __all__ = [
     "COLUMNS",

@@ -10,10 +10,9 @@ A study folder::
     summary/            the summary result: models, numbers, profiles (CSV, PNG, result.json)
     study.html          one self-contained page linking every model's report.html
 
-A model's status comes from disk: the record of its last attempt, else its run's manifest (a run
-whose manifest still says ``running`` was killed: ``interrupted``), else ``pending``. A rerun
-keeps every ``complete`` run and redoes the others from scratch, so nothing is coordinated but
-the folder: tasks of a job array each run their share and write only their own records.
+Each model's status comes from disk (:mod:`~lensdiv.studies.crossmodel.folder`): a rerun keeps
+every ``complete`` run and redoes the others from scratch, so nothing is coordinated but the
+folder, and the tasks of a job array each run their share.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ from __future__ import annotations
 import gc
 import inspect
 import json
-import os
 import shutil
 import sys
 import time
@@ -33,10 +31,8 @@ from typing import Any
 
 from lensdiv.core.analyzer import Analyzer
 from lensdiv.core.depth import depth_profiles
-from lensdiv.core.errors import LensdivError, OptionError, PluginError, ResultError, StudyError
-from lensdiv.core.files import folder_problem
+from lensdiv.core.errors import LensdivError, PluginError, ResultError
 from lensdiv.core.progress import progress_allowed
-from lensdiv.core.provenance import versions
 from lensdiv.core.registry import get_analyzer, make_analyzers
 from lensdiv.core.results import Rendered, Result, write_json_atomic
 from lensdiv.data.sources import DataSpec, check_source
@@ -44,7 +40,6 @@ from lensdiv.ops.translators import parse_lens
 from lensdiv.run.distributed import current_world
 from lensdiv.run.engine import describe
 from lensdiv.run.interrupts import handle_signals, interruption, signal_name, signum_of
-from lensdiv.run.outcome import FINAL, MANIFEST
 from lensdiv.run.runner import Run, analyze, load_run
 from lensdiv.run.validate import clear_output
 from lensdiv.studies.crossmodel.dataset import (
@@ -54,63 +49,33 @@ from lensdiv.studies.crossmodel.dataset import (
     to_pandas,
     write_dataset,
 )
+from lensdiv.studies.crossmodel.folder import (
+    CSV,
+    FINISHED,
+    HTML,
+    PARQUET,
+    RUNS,
+    STATUS,
+    STUDY,
+    SUMMARY,
+    ModelEntry,
+    entries_of,
+    host,
+    now,
+    open_folder,
+    read_study,
+    refresh,
+    status_on_disk,
+    study_manifest,
+)
 from lensdiv.studies.crossmodel.models import Task, parse_task, resolve_models, run_names
 from lensdiv.studies.crossmodel.summary import summarize
 from lensdiv.view.study import study_html
 
-STUDY = "study.json"
-RUNS = "runs"
-STATUS = "status"
-SUMMARY = "summary"
-PARQUET = "study.parquet"
-CSV = "study.csv"
-HTML = "study.html"
-FINISHED = ("complete", "partial")  # a run whose results are on disk
 # Arguments of `analyze` a study sets itself; every other one passes through to each run.
 _OWN = {"model", "data", "plugins", "out", "options", "overwrite", "shard", "feed", "progress"}
 _OWN |= {"seq_len", "max_tokens", "batch_size", "field", "split", "bos", "seed", "lens"}
 _RUN_OPTIONS = tuple(p for p in inspect.signature(analyze).parameters if p not in _OWN)
-# Settings that change a study's numbers: a folder holding a study with others is refused.
-_IDENTITY = ("models", "plugins", "data", "lens", "dtype")
-
-
-@dataclass
-class ModelEntry:
-    """One model of a study.
-
-    Args:
-        model: The spec, as the study names it.
-        run: Its run folder's name under ``runs/``.
-        task: The task (of the split the study runs under) that runs it.
-        status: ``pending``, or the run's final state (``complete``, ``partial``, ``failed``,
-            ``interrupted``).
-        reason: Why it is not complete, on one line.
-        seconds: Wall time of its last attempt.
-        action: What this call did with it: ``ran``, ``kept`` (finished before), or ``""``
-            (another task's).
-        size: ``params``, ``n_layers``, ``d_model``, ``d_vocab`` (``None`` where unknown).
-    """
-
-    model: str
-    run: str
-    task: int = 0
-    status: str = "pending"
-    reason: str | None = None
-    seconds: float | None = None
-    action: str = ""
-    size: dict[str, int | None] = field(default_factory=dict)
-
-    def row(self) -> dict[str, Any]:
-        """The entry as the study manifest and the summary's models table record it."""
-        return {
-            "model": self.model,
-            "run": self.run,
-            "task": self.task,
-            "status": self.status,
-            "reason": self.reason,
-            "seconds": None if self.seconds is None else round(self.seconds, 3),
-            **{k: self.size.get(k) for k in ("params", "n_layers", "d_model", "d_vocab")},
-        }
 
 
 @dataclass
@@ -279,7 +244,7 @@ def run_study(
     settings = _plain(settings)
     out_dir = Path(out) if out is not None else None
     if out_dir is not None and world.main:
-        _open(out_dir, settings)
+        open_folder(out_dir, settings)
     study = Study(out_dir, entries, settings, part)
     classes = {a.name: type(a) for a in analyzers}
     say = _Lines(progress and world.main)
@@ -287,7 +252,7 @@ def run_study(
     with handle_signals(), progress_allowed(progress), _collecting():
         try:
             if out_dir is not None:
-                _refresh(out_dir, entries)
+                refresh(out_dir, entries)
             for number, entry in enumerate(mine, 1):
                 if entry.status == "complete":
                     entry.action = "kept"
@@ -330,10 +295,10 @@ def report_study(out: str | Path, *, progress: bool = True) -> Study:
     out_dir = Path(out)
     manifest = read_study(out_dir)
     settings = manifest["settings"]
-    entries = _entries(manifest)
+    entries = entries_of(manifest)
     task = Task()
     study = Study(out_dir, entries, settings, task)
-    _refresh(out_dir, entries)
+    refresh(out_dir, entries)
     say = _Lines(progress)
     finished = sum(e.status in FINISHED for e in entries)
     say(f"study {out_dir}: writing the dataset, figures and page of {finished} finished runs")
@@ -363,43 +328,11 @@ def load_study(out: str | Path) -> Any:
     records = list((out_dir / STATUS).glob("*.json"))
     if parquet.is_file() and all(r.stat().st_mtime <= parquet.stat().st_mtime for r in records):
         return to_pandas(pq.read_table(parquet))
-    entries = _entries(manifest)
+    entries = entries_of(manifest)
     study = Study(out_dir, entries, manifest["settings"])
-    _refresh(out_dir, entries)
+    refresh(out_dir, entries)
     study.runs = _finished_runs(study)
     return study.table()
-
-
-def read_study(out: Path) -> dict[str, Any]:
-    """The manifest of the study folder ``out``.
-
-    Raises:
-        StudyError: No ``study.json`` there, or one that cannot be read.
-    """
-    path = out / STUDY
-    if not path.is_file():
-        raise StudyError(
-            f"{str(out)!r} is not a lensdiv study folder (no {STUDY})",
-            hint="pass the --out folder of `lensdiv study run`",
-        )
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise StudyError(f"cannot read {path}: {err}", hint="rerun the study") from None
-    if not isinstance(data, dict) or not isinstance(data.get("settings"), dict):
-        raise StudyError(f"{path} is not a lensdiv study manifest", hint="rerun the study")
-    return data
-
-
-def _entries(manifest: Mapping[str, Any]) -> list[ModelEntry]:
-    """The models of a study manifest, under the folder names it gave them (a local model
-    folder that has moved since keeps its run's name)."""
-    specs = list(manifest["settings"].get("models", []))
-    recorded = {row.get("model"): row.get("run") for row in manifest.get("models", [])}
-    return [
-        ModelEntry(m, str(recorded.get(m) or r))
-        for m, r in zip(specs, run_names(specs), strict=True)
-    ]
 
 
 # -- one model ----------------------------------------------------------------------------------
@@ -438,9 +371,9 @@ def _run_model(
         entry.status, entry.reason = "interrupted", "interrupted before any result"
         stopped = err
     except LensdivError as err:  # e.g. a model that cannot be loaded: one line, the study goes on
-        entry.status, entry.reason = _status_on_disk(folder) or "failed", str(err)
+        entry.status, entry.reason = status_on_disk(folder) or "failed", str(err)
     except Exception as err:  # a crash on one model must not cost the others
-        entry.status, entry.reason = _status_on_disk(folder) or "failed", describe(err)
+        entry.status, entry.reason = status_on_disk(folder) or "failed", describe(err)
     else:
         entry.status = str(run.manifest.get("status", "failed"))
         entry.size = size_facts(run.manifest)
@@ -455,7 +388,7 @@ def _run_model(
         _free()
     if record is not None and main:
         try:
-            write_json_atomic(record, {**entry.row(), "finished": _now(), "host": _host()})
+            write_json_atomic(record, {**entry.row(), "finished": now(), "host": host()})
         except OSError as err:
             study.problems.append(f"{record} could not be written: {err.strerror or err}")
     return stopped
@@ -490,68 +423,10 @@ def _why(run: Run) -> str:
     return "; ".join(lines) or str(run.manifest.get("status"))
 
 
-def _status_on_disk(folder: Path | None) -> str | None:
-    """The final status of the run in ``folder`` when its manifest has one."""
-    if folder is None or not (folder / MANIFEST).is_file():
-        return None
-    try:
-        status = json.loads((folder / MANIFEST).read_text()).get("status")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return status if status in FINAL else None
-
-
 def _signum(name: Any) -> int:
     import signal
 
     return int(getattr(signal, str(name), signal.SIGINT))
-
-
-# -- the folder ---------------------------------------------------------------------------------
-def _open(out: Path, settings: dict[str, Any]) -> None:
-    """Start ``out`` as a study folder, or check that it holds this study."""
-    problem = folder_problem(out)
-    if problem is not None:
-        raise OptionError(
-            f"cannot write the study to --out {out}: {problem}",
-            hint="choose a folder you can write to",
-        )
-    if (out / STUDY).is_file():
-        old = read_study(out)["settings"]
-        for key in _IDENTITY:
-            if old.get(key) != settings.get(key):
-                raise StudyError(
-                    f"--out {out} holds a study with other {key} ({_short(old.get(key))}, not "
-                    f"{_short(settings.get(key))})",
-                    hint="resume it with the same settings, or choose another --out",
-                )
-        return
-    if out.is_dir() and any(out.iterdir()) and not (out / RUNS).is_dir():
-        raise OptionError(
-            f"--out {out} is a folder with other files in it, not a study",
-            hint="choose an empty or new folder for the study",
-        )
-    write_json_atomic(out / STUDY, _manifest(settings, []))
-
-
-def _refresh(out: Path, entries: Sequence[ModelEntry]) -> None:
-    """Every model's status from disk: its last attempt's record, else its run's manifest."""
-    for entry in entries:
-        folder = out / RUNS / entry.run
-        record = _read_json(out / STATUS / f"{entry.run}.json")
-        manifest = _read_json(folder / MANIFEST)
-        entry.size = size_facts(manifest) if manifest else {}
-        if record is not None and not (record.get("status") in FINISHED and manifest is None):
-            entry.status = str(record.get("status", "failed"))
-            entry.reason = record.get("reason")
-            entry.seconds = record.get("seconds")
-        elif manifest is not None:  # no record: the attempt never ended (killed)
-            status = manifest.get("status")
-            entry.status = status if status in FINAL else "interrupted"
-            entry.reason = None if entry.status == "complete" else "the run did not finish"
-            entry.seconds = manifest.get("timings", {}).get("total_s")
-        else:
-            entry.status, entry.reason, entry.seconds = "pending", None, None
 
 
 def _finish(study: Study, classes: Mapping[str, type[Analyzer]], *, report: bool) -> None:
@@ -560,7 +435,7 @@ def _finish(study: Study, classes: Mapping[str, type[Analyzer]], *, report: bool
     if study.out is not None:
         _refresh_kept(study)
         try:
-            write_json_atomic(study.out / STUDY, _manifest(study.settings, study.models))
+            write_json_atomic(study.out / STUDY, study_manifest(study.settings, study.models))
         except OSError as err:
             study.problems.append(f"{study.out / STUDY} could not be written: {err}")
     study.runs = _finished_runs(study) if study.out is not None else study.runs
@@ -593,7 +468,7 @@ def _finish(study: Study, classes: Mapping[str, type[Analyzer]], *, report: bool
     images = {p.stem: p.read_bytes() for p in written if p.suffix == ".png"}
     try:
         page = study_html(
-            _manifest(study.settings, study.models),
+            study_manifest(study.settings, study.models),
             study.summary,
             [_page_row(study.out, m) for m in study.models],
             images,
@@ -608,7 +483,7 @@ def _refresh_kept(study: Study) -> None:
     them meanwhile); those it ran keep what it recorded."""
     assert study.out is not None
     others = [m for m in study.models if m.action != "ran"]
-    _refresh(study.out, others)
+    refresh(study.out, others)
 
 
 def _finished_runs(study: Study) -> dict[str, Run]:
@@ -658,22 +533,6 @@ def _profiles(classes: Mapping[str, type[Analyzer]]) -> Any:
     return profiles
 
 
-def _manifest(settings: Mapping[str, Any], models: Sequence[ModelEntry]) -> dict[str, Any]:
-    counts: dict[str, int] = {}
-    for m in models:
-        counts[m.status] = counts.get(m.status, 0) + 1
-    complete = bool(models) and all(m.status == "complete" for m in models)
-    return {
-        "lensdiv_study": 1,
-        "status": "complete" if complete else "partial",
-        "counts": counts,
-        "settings": dict(settings),
-        "models": [m.row() for m in models],
-        "versions": versions(),
-        "updated": _now(),
-    }
-
-
 def _page_row(out: Path, m: ModelEntry) -> dict[str, Any]:
     report = Path(RUNS) / m.run / "report.html"
     return {**m.row(), "report": report.as_posix() if (out / report).is_file() else None}
@@ -693,22 +552,9 @@ def _lens_for(lens: Any, entry: ModelEntry) -> Any:
     return lens
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
 def _plain(value: Any) -> Any:
     """JSON data as it reads back (tuples as lists, paths as text)."""
     return json.loads(json.dumps(value, default=str))
-
-
-def _short(value: Any) -> str:
-    text = json.dumps(value, default=str)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _where(out: Path | None, entry: ModelEntry) -> str:
@@ -720,14 +566,6 @@ def _outcome(entry: ModelEntry) -> str:
     if entry.status == "complete":
         return f"complete{seconds}"
     return f"{entry.status}{seconds}: {entry.reason}"
-
-
-def _now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
-
-
-def _host() -> str:
-    return os.uname().nodename if hasattr(os, "uname") else ""
 
 
 class _Lines:
