@@ -66,6 +66,10 @@ class Sizes:
             of every evaluation.
         lens_preset: The tuned lens' preset.
         lens_tuned: Overrides of the tuned lens' recipe.
+        study_depth: The depth family of the cross-model rows (a ``lensdiv study``).
+        study_width: The width family they are set against.
+        study_plugins: The analyzers of those studies.
+        study_tokens: Tokens each model of those studies reads.
     """
 
     shallow: str = "toy:d4"
@@ -86,6 +90,10 @@ class Sizes:
     lens_tokens: int = 16384
     lens_preset: str = "cpu"
     lens_tuned: dict[str, Any] = field(default_factory=dict)
+    study_depth: str = "zoo:depth"
+    study_width: str = "zoo:width"
+    study_plugins: str = "lens,contrib,skip,dynamics"
+    study_tokens: int = 8192
 
 
 FULL = Sizes()
@@ -112,6 +120,9 @@ TINY = Sizes(
     lens_tokens=1024,
     lens_preset="toy",
     lens_tuned={"steps": 10, "tokens_per_step": 512},
+    study_depth="toy:d1,toy:d2,toy:d3,toy:d4",
+    study_width="toy:d4-w32,toy:d4",
+    study_tokens=256,
 )
 
 #: The rule behind every verdict, as the document states it.
@@ -153,6 +164,16 @@ RULES = {
     "teacher_student": "reproduced if α_ℓ of the independent teacher has a 95 % interval "
     "containing 1 or lies in 0.8–1.2, and the tied teacher's α_ℓ is larger with a "
     "non-overlapping interval; partly if one of the two holds",
+    "study_alignment": "for each depth profile, the mean absolute difference between the "
+    "curves of every two models of the depth family, in units of the profile's spread (its "
+    "standard deviation over the family), compared three ways: at the same relative depth, at "
+    "the same layer counted from the input, and counted from the output; reproduced if the "
+    "curves lie closest at the same relative depth for at least three quarters of the profiles, "
+    "partly if for at least half, not reproduced otherwise",
+    "study_updates": "the log–log slope of the mean middle-block update ‖Δ_ℓ‖/‖h_ℓ‖ against "
+    "depth over the family's models of at least 3 blocks (with fewer, the middle blocks include "
+    "the first or the last): reproduced if within −1 ± 0.25, partly if negative, not "
+    "reproduced otherwise",
 }
 
 
@@ -1049,6 +1070,305 @@ def _teacher_student_why(
     return text
 
 
+_STUDIES: dict[tuple[str, str, int], Any] = {}
+
+
+def _study(models: str, plugins: str, tokens: int) -> Any:
+    """A study of ``models`` in memory (both cross-model rows read the same two)."""
+    import lensdiv
+
+    key = (models, plugins, tokens)
+    if key not in _STUDIES:
+        _STUDIES[key] = lensdiv.run_study(
+            models, plugins=plugins, max_tokens=tokens, progress=False
+        )
+    return _STUDIES[key]
+
+
+def _curves(study: Any) -> dict[str, dict[str, Any]]:
+    """Every depth profile of a study: ``{name: {model: (layers, rel_depth, values, L)}}``."""
+    curves: dict[str, dict[str, Any]] = {}
+    summary = study.summary
+    for analyzer, table, column in summary.meta["profiles"]:
+        name = f"{analyzer}.{column}"
+        rows = summary.table(_profile_table(analyzer, table, column)).rows
+        for model in dict.fromkeys(r["model"] for r in rows):
+            mine = [r for r in rows if r["model"] == model]
+            curves.setdefault(name, {})[model] = (
+                np.array([r["layer"] for r in mine]),
+                np.array([r["rel_depth"] for r in mine]),
+                np.array([r["value"] for r in mine], float),
+                int(mine[0]["n_layers"]),
+            )
+    return curves
+
+
+def _profile_table(analyzer: str, table: str, column: str) -> str:
+    from lensdiv.studies.crossmodel.summary import profile_name
+
+    return profile_name(analyzer, table, column)
+
+
+def alignment(curves: dict[str, Any], *, inner: bool = False) -> dict[str, float]:
+    """Mean over pairs of models of different depth of the mean absolute difference of their
+    curves, in units of the profile's standard deviation over every model: at the same relative
+    depth (the deeper curve interpolated at the shallower one's points), at the same layer from
+    the input, and at the same layer from the output. ``inner`` leaves out layer 0 (block 0 and
+    the embedding h_0) and the models of fewer than 3 blocks."""
+    if inner:
+        curves = {
+            m: (layers[layers > 0], rel[layers > 0], values[layers > 0], depth)
+            for m, (layers, rel, values, depth) in curves.items()
+            if depth >= 3
+        }
+    pooled = np.concatenate([v for _, _, v, _ in curves.values()])
+    spread = float(np.nanstd(pooled)) or 1.0
+    out: dict[str, list[float]] = {"relative": [], "input": [], "output": []}
+    items = sorted(curves.values(), key=lambda c: c[3])
+    for i, (layers_s, rel_s, values_s, depth_s) in enumerate(items):
+        for layers_d, rel_d, values_d, depth_d in items[i + 1 :]:
+            ok = np.isfinite(values_d)
+            if depth_d == depth_s or ok.sum() < 1:
+                continue
+            at_rel = np.interp(rel_s, rel_d[ok], values_d[ok])
+            out["relative"].append(_mean(np.abs(at_rel - values_s)))
+            by_layer = dict(zip(layers_d.tolist(), values_d, strict=True))
+            for kind, shift in (("input", 0), ("output", depth_d - depth_s)):
+                pairs = [
+                    (v, by_layer.get(int(layer) + shift))
+                    for layer, v in zip(layers_s, values_s, strict=True)
+                ]
+                out[kind].append(_mean([abs(a - b) for a, b in pairs if b is not None]))
+    return {k: _mean(v) / spread for k, v in out.items()}
+
+
+def _mean(values: Any) -> float:
+    """Mean of the finite values (NaN when there are none), without a warning."""
+    finite = [float(v) for v in values if np.isfinite(v)]
+    return sum(finite) / len(finite) if finite else math.nan
+
+
+def width_spread(curves: dict[str, Any]) -> float:
+    """For models of one depth: the mean absolute difference of every two curves, layer by
+    layer, in units of the profile's standard deviation over them."""
+    values = [v for _, _, v, _ in curves.values()]
+    spread = float(np.nanstd(np.concatenate(values))) or 1.0
+    diffs = [
+        float(np.nanmean(np.abs(a - b)))
+        for i, a in enumerate(values)
+        for b in values[i + 1 :]
+        if len(a) == len(b)
+    ]
+    return float(np.mean(diffs)) / spread if diffs else math.nan
+
+
+def alignment_verdict(closest: int, total: int) -> str:
+    """The alignment rule (see ``RULES``)."""
+    if total and closest >= 0.75 * total:
+        return REPRODUCED
+    return PARTLY if total and closest >= 0.5 * total else NOT
+
+
+def update_slope_verdict(slope: float) -> str:
+    """The update-scaling rule (see ``RULES``)."""
+    if abs(slope + 1) <= 0.25:
+        return REPRODUCED
+    return PARTLY if slope < 0 else NOT
+
+
+def study_alignment(sizes: Sizes, out: Path) -> Finding:
+    """Across the depth family: do the depth profiles line up at relative depth?"""
+    depth = _study(sizes.study_depth, sizes.study_plugins, sizes.study_tokens)
+    width = _study(sizes.study_width, sizes.study_plugins, sizes.study_tokens)
+    curves, control = _curves(depth), _curves(width)
+    scores = {name: alignment(c) for name, c in curves.items()}
+    closest = [n for n, s in scores.items() if s["relative"] < min(s["input"], s["output"])]
+    inner = {name: alignment(c, inner=True) for name, c in curves.items()}
+    inner_closest = [n for n, s in inner.items() if s["relative"] < min(s["input"], s["output"])]
+    widths = {name: width_spread(c) for name, c in control.items()}
+    verdict = alignment_verdict(len(closest), len(scores))
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    shown = [n for n in scores if n in ("contrib.r_block", "lens.kl", "skip.later_mean",
+                                        "dynamics.rel_update")]  # fmt: skip
+    fig = Figure(figsize=(10, 7), dpi=100)
+    FigureCanvasAgg(fig)
+    import matplotlib
+
+    cmap = matplotlib.colormaps["viridis"]
+    depths = sorted({c[3] for c in next(iter(curves.values())).values()}) if curves else [1]
+    for i, name in enumerate(shown):
+        ax = fig.add_subplot(2, 2, i + 1)
+        for _, rel, values, L in curves[name].values():
+            colour = cmap(0.85 * depths.index(L) / max(len(depths) - 1, 1))
+            ax.plot(rel, values, "o-", ms=3, color=colour, label=f"L = {L}")
+        if name in ("contrib.r_block", "dynamics.rel_update"):
+            ax.set_yscale("log")
+        s = scores[name]
+        ax.set_title(f"{name}: relative {s['relative']:.2f}, input {s['input']:.2f}, "
+                     f"output {s['output']:.2f}", fontsize=9)  # fmt: skip
+        ax.set(xlabel="relative depth ℓ/L", ylabel=_YLABELS[name])
+        if i == 0:
+            ax.legend(fontsize=7)
+    figure = _save(fig, out, "x1_study_alignment.png")
+    text = "; ".join(
+        f"{n}: {s['relative']:.2f} / {s['input']:.2f} / {s['output']:.2f}"
+        for n, s in scores.items()
+    )
+    mean_rel = float(np.mean([s["relative"] for s in scores.values()])) if scores else math.nan
+    mean_width = float(np.nanmean(list(widths.values()))) if widths else math.nan
+    return Finding(
+        key="study_alignment",
+        title="Depth profiles line up at relative depth across a depth family",
+        paper="Models of one family compared at relative depth (Llama 3.1 8B and 70B, the Qwen 3 "
+        "sizes): a deeper model spreads the same computation over more layers, so what its "
+        "layers do lines up with a shallower model's at the same relative depth (Csordás et "
+        "al., finding 4)",
+        toy=f"a study of {sizes.study_depth} ({sizes.study_plugins}, {sizes.study_tokens} tokens "
+        "each); per depth profile, the mean distance between the curves of every two depths in "
+        "units of the profile's spread, at the same relative depth / the same layer from the "
+        f"input / from the output: {text}. Closest at relative depth: {len(closest)} of "
+        f"{len(scores)} profiles. Leaving out block 0 and h_0 and the models of fewer than 3 "
+        f"blocks: {len(inner_closest)} of {len(inner)} ("
+        + ", ".join(
+            f"{n} {s['relative']:.2f} / {s['input']:.2f} / {s['output']:.2f}"
+            for n, s in inner.items()
+        )
+        + f"). For scale, the models of {sizes.study_width} (one depth, different widths) "
+        f"differ by {mean_width:.2f} on average, the depth family at relative depth by "
+        f"{mean_rel:.2f}",
+        scaling="—",
+        command=_study_commands(sizes),
+        verdict=verdict,
+        why=_alignment_why(scores, inner),
+        figure=figure,
+        values={
+            "alignment": scores,
+            "closest_at_relative_depth": closest,
+            "alignment_inner": inner,
+            "inner_closest_at_relative_depth": inner_closest,
+            "width_spread": widths,
+            "models": [m.model for m in depth.models],
+            "width_models": [m.model for m in width.models],
+        },
+    )
+
+
+_YLABELS = {
+    "lens.kl": "KL(p_ℓ ‖ p_out), nats",
+    "contrib.r_block": "‖a+m‖ / ‖h‖",
+    "skip.later_mean": "effect on later layers",
+    "dynamics.rel_update": "‖Δ_ℓ‖ / ‖h_ℓ‖",
+}
+
+
+def _plain_ticks(ax: Any, xs: Sequence[float]) -> None:
+    """Log axes labelled with the plain numbers plotted (no 2×10⁰ labels)."""
+    from matplotlib.ticker import FixedLocator, LogFormatter, NullFormatter, ScalarFormatter
+
+    ax.xaxis.set_major_locator(FixedLocator(list(xs)))
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.yaxis.set_major_formatter(LogFormatter(labelOnlyBase=False))
+    ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(1, 0.4)))
+
+
+def _alignment_why(scores: dict[str, Any], inner: dict[str, Any]) -> str:
+    """Which profiles line up best which way, with and without layer 0 and the shallowest."""
+    ways = {"relative": "at the same relative depth", "input": "by layer from the input",
+            "output": "by layer from the output"}  # fmt: skip
+    best: dict[str, list[str]] = {}
+    for name, s in scores.items():
+        best.setdefault(min(s, key=s.get), []).append(name)
+    text = "; ".join(f"{ways[w]}: {', '.join(names)}" for w, names in best.items())
+    closest = len(best.get("relative", []))
+    inner_closest = sum(s["relative"] < min(s["input"], s["output"]) for s in inner.values())
+    text = f"the curves line up best {text}"
+    text += (
+        f"; without block 0, h_0 and the models of fewer than 3 blocks, {inner_closest} of "
+        f"{len(inner)} line up best at relative depth"
+    )
+    if inner_closest >= 0.75 * len(inner) > closest:
+        text += ", so the first block and the shallowest models decide the verdict"
+    return text
+
+
+def _study_commands(sizes: Sizes) -> str:
+    return "; ".join(
+        f"lensdiv study run {family} --plugins {sizes.study_plugins} "
+        f"--max-tokens {sizes.study_tokens} --out study-{family.split(':')[-1]}"
+        for family in (sizes.study_depth, sizes.study_width)
+    )
+
+
+def study_updates(sizes: Sizes, out: Path) -> Finding:
+    """Across the depth family: the mean middle update against depth, and against width."""
+    depth = _study(sizes.study_depth, sizes.study_plugins, sizes.study_tokens)
+    width = _study(sizes.study_width, sizes.study_plugins, sizes.study_tokens)
+    rows = depth.summary.table("numbers").rows
+    from lensdiv.studies.crossmodel.summary import loglog_slope
+
+    L = [int(r["n_layers"]) for r in rows]
+    u = [float(r["update_norm"]) for r in rows]
+    deep = [(a, b) for a, b in zip(L, u, strict=True) if a >= 3]
+    slope, intercept = loglog_slope([a for a, _ in deep], [b for _, b in deep])
+    slope_all, _ = loglog_slope(L, u)
+    wrows = width.summary.table("numbers").rows
+    W = [int(r["d_model"]) for r in wrows]
+    wu = [float(r["update_norm"]) for r in wrows]
+    wslope, _ = loglog_slope(W, wu)
+    verdict = update_slope_verdict(slope)
+    fig, (ax1, ax2) = _figure(2)
+    ax1.loglog(L, u, "o", label="middle ‖Δ‖/‖h‖")
+    xs = np.array([a for a, _ in deep], float)
+    if len(xs):
+        ax1.loglog(xs, np.exp(intercept) * xs**slope, "-", label=f"L ≥ 3: slope {slope:.2f}")
+    ax1.loglog(xs, xs[0] ** 1 * (deep[0][1] if deep else 1) / xs, "k:", lw=0.8, label="1/L")
+    ax1.set(xlabel="blocks L", ylabel="mean middle ‖Δ_ℓ‖/‖h_ℓ‖", title=sizes.study_depth)
+    ax1.legend(fontsize=8)
+    ax2.loglog(W, wu, "s-", label=f"slope {wslope:.2f}")
+    ax2.set(xlabel="d_model", ylabel="mean middle ‖Δ_ℓ‖/‖h_ℓ‖", title=sizes.study_width)
+    ax2.legend(fontsize=8)
+    _plain_ticks(ax1, L)
+    _plain_ticks(ax2, W)
+    figure = _save(fig, out, "x2_study_updates.png")
+    return Finding(
+        key="study_updates",
+        title="The mean update shrinks as 1/depth across a model family",
+        paper="Across a family of models, the mean update of the middle layers shrinks about as "
+        "1/depth, the signature of many small updates averaging like an ensemble (Liu et al., "
+        "Fig. 2a–e)",
+        toy=f"a study of {sizes.study_depth}: mean middle ‖Δ_ℓ‖/‖h_ℓ‖ "
+        + ", ".join(f"{v:.3f} (L = {d})" for d, v in zip(L, u, strict=True))
+        + f"; log–log slope {slope:.2f} over L ≥ 3 ({slope_all:.2f} with every depth). "
+        f"Across {sizes.study_width} (depth 4): "
+        + ", ".join(f"{v:.3f} (d_model {w})" for w, v in zip(W, wu, strict=True))
+        + f", slope {wslope:.2f} against width",
+        scaling="—",
+        command=_study_commands(sizes),
+        verdict=verdict,
+        why=f"the slope is {slope:.2f}"
+        + (
+            ", within −1 ± 0.25"
+            if verdict == REPRODUCED
+            else ", negative but outside −1 ± 0.25"
+            if verdict == PARTLY
+            else ": the update does not shrink with depth"
+        ),
+        figure=figure,
+        values={
+            "n_layers": L,
+            "update_norm": u,
+            "slope": slope,
+            "slope_all_depths": slope_all,
+            "width": W,
+            "width_update_norm": wu,
+            "width_slope": wslope,
+        },
+    )
+
+
 MEASUREMENTS: dict[str, Callable[[Sizes, Path], Finding]] = {
     "contribution": contribution,
     "skip": skip,
@@ -1062,6 +1382,8 @@ MEASUREMENTS: dict[str, Callable[[Sizes, Path], Finding]] = {
     "tuned_lens": tuned_lens,
     "jacobian_lens": jacobian_lens,
     "lens_bias": lens_bias,
+    "study_alignment": study_alignment,
+    "study_updates": study_updates,
 }
 # Each finding's analysis in docs/science.md (its anchor there).
 DEFINITIONS = {
@@ -1077,6 +1399,8 @@ DEFINITIONS = {
     "dynamics": "dynamics",
     "chinchilla": "scaling-fit",
     "teacher_student": "teacher-student",
+    "study_alignment": "study",
+    "study_updates": "study",
 }
 
 

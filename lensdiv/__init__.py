@@ -29,6 +29,8 @@ if TYPE_CHECKING:
     from lensdiv.run.runner import Run as Run
     from lensdiv.run.runner import analyze as analyze
     from lensdiv.run.runner import load_run as load_run
+    from lensdiv.studies.crossmodel import load_study as load_study
+    from lensdiv.studies.crossmodel import run_study as run_study
     from lensdiv.view.prompt import PromptView as PromptView
 
 _EXPORTS = {
@@ -48,6 +50,8 @@ _EXPORTS = {
     "Run": "lensdiv.run.runner",
     "analyze": "lensdiv.run.runner",
     "load_run": "lensdiv.run.runner",
+    "run_study": "lensdiv.studies.crossmodel",
+    "load_study": "lensdiv.studies.crossmodel",
     "Stats": "lensdiv.core.stats",
     "prompt_view": "lensdiv.ops.prompt",
     "PromptView": "lensdiv.view.prompt",

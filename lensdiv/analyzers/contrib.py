@@ -46,6 +46,7 @@ class Contribution(Analyzer):
     name = "contrib"
     aliases = ("contribution", "sublayer")
     description = "Relative contribution and cosines of each attention/MLP sublayer, per layer"
+    depth_profiles = ("contrib.r_block", "contrib.cos_update")
 
     exclude_bos: bool = True
 

@@ -183,6 +183,7 @@ class DepthScore(Analyzer):
     name = "depth-score"
     aliases = ("depthscore", "multihop")
     description = "Multi-hop depth score: where skipping a layer affects the answer, by grade"
+    depth_profiles = ()
     extra_forwards = True
 
     tasks: str = "auto"

@@ -139,6 +139,7 @@ class Dynamics(Analyzer):
         "Hidden-state dynamics: per-layer rotation, update angles, norms, chord progress, "
         "last-block lens loss, angle PCA"
     )
+    depth_profiles = ("updates.rel_update", "updates.theta", "updates.theta_update")
     extra_forwards = True
 
     final_state: FinalState = "pre"

@@ -43,6 +43,7 @@ class LogitLens(Analyzer):
     description = (
         "Logit lens: KL to the output, top-k overlap, next-token CE/rank, entropy per layer"
     )
+    depth_profiles = ("lens.kl", "lens.ce")
 
     top_k: int = 5
     exclude_bos: bool = False

@@ -189,6 +189,7 @@ class LinearMaps(Analyzer):
     name = "linmap"
     aliases = ("linear-maps", "linmaps", "crossmap")
     description = "Cross-model linear maps: R² from each layer onto each layer of a deeper model"
+    depth_profiles = ("linmap.best_rel_depth", "linmap.r2")
     passes = 2
 
     target: str = SELF

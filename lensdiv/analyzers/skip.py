@@ -58,6 +58,7 @@ class LayerSkip(Analyzer):
     name = "skip"
     aliases = ("layer-skip", "skipping")
     description = "Layer skipping: effect of skipping each block on later layers and the output"
+    depth_profiles = ("skip.later_mean", "skip.output_mean")
     extra_forwards = True
 
     mode: Mode = "future"

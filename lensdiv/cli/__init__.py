@@ -18,6 +18,7 @@ from lensdiv.cli import lenses as _lenses
 from lensdiv.cli import merge as _merge
 from lensdiv.cli import plugins as _plugins
 from lensdiv.cli import scaling as _scaling
+from lensdiv.cli import study as _study
 from lensdiv.cli import teacher as _teacher
 from lensdiv.cli import toy as _toy
 from lensdiv.cli.common import Group
@@ -42,6 +43,7 @@ app.add_typer(_lenses.app, name="lenses")
 app.add_typer(_toy.app, name="toy")
 # Whole studies rather than analyzers of one model: fits over many runs, toy experiments.
 app.add_typer(_scaling.app, name="scaling")
+app.add_typer(_study.app, name="study")
 app.command("teacher-student")(_teacher.teacher_student)
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -25,6 +23,7 @@ from lensdiv.cli.common import (
     console,
     default_out,
     error_line,
+    interrupted,
     out_option,
     parse_options,
     show_run,
@@ -158,7 +157,7 @@ def analyze(
     from lensdiv.run.distributed import launched_world
     from lensdiv.run.runner import analyze as run_analyze
 
-    with user_errors(), _interrupted(), launched_world(dist_timeout) as world:
+    with user_errors(), interrupted(), launched_world(dist_timeout) as world:
         folder = default_out(model) if out is None else check_out(out)
         options = parse_options(option or [])
         if ref is not None:
@@ -194,17 +193,6 @@ def analyze(
         raise typer.Exit(143 if run.manifest.get("signal") == "SIGTERM" else 130)
     if run.errors or run.problems:
         raise typer.Exit(1)
-
-
-@contextmanager
-def _interrupted() -> Iterator[None]:
-    """Ctrl-C or SIGTERM before the run could keep anything: one line, exit 130 or 143."""
-    try:
-        yield
-    except KeyboardInterrupt as err:
-        signum = int(getattr(err, "signum", 2))
-        error_line(f"interrupted ({'SIGTERM' if signum == 15 else 'Ctrl-C'}) before any result")
-        raise typer.Exit(128 + signum) from None
 
 
 def _show(run: Any, out: Path) -> None:

@@ -128,6 +128,17 @@ def user_errors() -> Iterator[None]:
         fail(err)
 
 
+@contextmanager
+def interrupted() -> Iterator[None]:
+    """Ctrl-C or SIGTERM before a run could keep anything: one line, exit 130 or 143."""
+    try:
+        yield
+    except KeyboardInterrupt as err:
+        signum = int(getattr(err, "signum", 2))
+        error_line(f"interrupted ({'SIGTERM' if signum == 15 else 'Ctrl-C'}) before any result")
+        raise typer.Exit(128 + signum) from None
+
+
 def show_run(run: Any) -> None:
     """Print a run's results, then one unbroken line per skipped or failed analyzer (so a log
     keeps each on one line)."""

@@ -145,7 +145,9 @@ def family(
 
     Sizes that are the same for every model (a depth family's width) are left out of the fit.
 
-    Toy models that are not cached yet are trained first.
+    A study of the models' loss (lensdiv study): one run folder per model under OUT/study, so
+    the same command with the same --out resumes where it stopped. Toy models that are not
+    cached yet are trained first.
 
     Example: lensdiv scaling family toy:d2,toy:d4,toy:d6,toy:d8 --folds 0
     """
@@ -178,5 +180,6 @@ def family(
             dtype=dtype,
             trust_remote_code=trust_remote_code,
             progress=progress,
+            study=out / "study",
         )
     save_and_show(result, out)

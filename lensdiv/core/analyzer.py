@@ -34,6 +34,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
+from lensdiv.core.depth import depth_profiles
 from lensdiv.core.errors import OptionError, did_you_mean
 from lensdiv.core.stats import Stats
 
@@ -283,6 +284,11 @@ class Analyzer(abc.ABC):
             statistic before it can measure (a mean residual, a fitted map) asks for 2; the
             runner calls :meth:`start_pass` before each later pass and streams the data again.
             Where the count depends on the model, override :meth:`n_passes` instead.
+        depth_profiles: The per-layer columns that are this analyzer's depth profile, as
+            ``"table.column"`` names: the curves a study of several models draws over relative
+            depth ℓ/L, one line per model (:mod:`lensdiv.core.depth` says which tables are
+            per-layer). ``None`` (the default, right for most third-party analyzers): every
+            numeric column of every per-layer table; ``()``: none.
 
     Analyzers that measure on task examples rather than on the corpus (patching pairs, graded
     prompts) override :meth:`examples`; they still stream through ``update``.
@@ -296,10 +302,17 @@ class Analyzer(abc.ABC):
     needs_grad: ClassVar[bool] = False
     numerics: ClassVar[Numerics] = "raw"
     passes: ClassVar[int] = 1
+    depth_profiles: ClassVar[tuple[str, ...] | None] = None
 
     @abc.abstractmethod
     def hooks(self, info: ModelInfo) -> list[str]:
         """TransformerLens hook names this analyzer reads from the clean pass."""
+
+    @classmethod
+    def profiles(cls, result: Result, n_layers: int) -> list[tuple[str, str]]:
+        """``(table, column)`` of each depth profile of ``result`` on a model of ``n_layers``
+        blocks: the declared :attr:`depth_profiles` the result has, or the default."""
+        return depth_profiles(result, n_layers, cls.depth_profiles)
 
     def n_passes(self, info: ModelInfo) -> int:
         """Passes over the data this analyzer needs on this model (default :attr:`passes`)."""

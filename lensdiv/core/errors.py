@@ -85,6 +85,11 @@ class LensError(LensdivError):
     fit the model."""
 
 
+class StudyError(LensdivError):
+    """A study folder that holds another study (other models, analyzers or data), or whose
+    ``study.json`` cannot be read."""
+
+
 class StateError(LensdivError):
     """Analyzer states that cannot be combined or read (different runs, passes or shapes)."""
 

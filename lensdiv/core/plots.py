@@ -77,6 +77,10 @@ class Plot:
             ``"col<=row"`` (e.g. skip's ``E[s, l]`` for ``l ≤ s``), ``"col<row"``,
             ``"col>=row"`` or ``"col>row"``.
         caption: A sentence under the figure: what a cell or line is, why cells are blank.
+        color: Column whose value colours each ``group``'s line on the sequential colour map,
+            with a colour bar labelled ``clabel`` (e.g. one line per model coloured by its
+            parameter count; lines are then labelled by their group value alone). The scale is
+            logarithmic when every value is positive and they span a factor of 10 or more.
     """
 
     kind: Literal["line", "heatmap"]
@@ -98,6 +102,7 @@ class Plot:
     extent: tuple[float, float, float, float] | None = None
     mask: str = ""
     caption: str = ""
+    color: str | None = None
 
     def __post_init__(self) -> None:
         if self.mask and self.mask not in _MASKS:
@@ -108,8 +113,12 @@ class Plot:
             object.__setattr__(self, "extent", tuple(float(v) for v in self.extent))
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON data (tuples as lists); :meth:`from_dict` inverts it."""
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()}
+        """Plain JSON data (tuples as lists); :meth:`from_dict` inverts it. ``color`` is absent
+        when unset, so plots without it read as in earlier versions."""
+        data = {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()}
+        if data["color"] is None:
+            del data["color"]
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Plot:
@@ -169,6 +178,7 @@ class Plot:
             xs = table[self.x] if self.x else np.arange(len(table))
             group = self.group
             groups = [None] if group is None else list(dict.fromkeys(table[group]))
+            colours = self._colours(table, groups, ax)
             for value in groups:
                 rows = (
                     np.ones(len(table), dtype=bool)
@@ -177,12 +187,16 @@ class Plot:
                 )
                 for col in self.y:
                     label = col if value is None else f"{self.group}={value}"
+                    if colours:
+                        label = str(value)
                     if value is not None and len(self.y) > 1:
                         label = f"{col}, {label}"
                     dots = col in self.points or str(value) in self.points
-                    style = {"marker": "o", "markersize": 5 if dots else 3}
+                    style: dict[str, Any] = {"marker": "o", "markersize": 5 if dots else 3}
                     if dots:
                         style["linestyle"] = "none"
+                    if colours:
+                        style["color"] = colours[value]
                     ax.plot(
                         np.asarray(xs)[rows], np.asarray(table[col])[rows], label=label, **style
                     )
@@ -204,6 +218,30 @@ class Plot:
         ax.set_title(self.title)
         ax.set_xlabel(self.xlabel or (self.x or ""))
         ax.set_ylabel(self.ylabel)
+
+    def _colours(self, table: Any, groups: list[Any], ax: Any) -> dict[Any, Any]:
+        """Each group's colour from its ``color`` value (grey where it has none), and the colour
+        bar; empty without ``color`` and ``group``."""
+        if self.color is None or self.group is None:
+            return {}
+        import matplotlib
+        from matplotlib.cm import ScalarMappable
+        from matplotlib.colors import ListedColormap, LogNorm, Normalize
+
+        keys, values = np.asarray(table[self.group]), np.asarray(table[self.color], dtype=float)
+        first = {g: values[np.flatnonzero(keys == g)[0]] for g in groups}
+        finite = np.array([v for v in first.values() if np.isfinite(v)])
+        low = float(finite.min()) if finite.size else 0.0
+        high = float(finite.max()) if finite.size else 1.0
+        logarithmic = finite.size > 0 and low > 0 and high >= 10 * low
+        norm = (
+            LogNorm(low, high) if logarithmic else Normalize(low, high if high > low else low + 1)
+        )
+        # The map's last (palest) sixth is cut: a yellow line on white is hard to see.
+        cmap = ListedColormap(matplotlib.colormaps[SEQUENTIAL_CMAP](np.linspace(0, 0.85, 256)))
+        bar = ax.figure.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=ax)
+        bar.set_label(self.clabel or self.color)
+        return {g: cmap(norm(v)) if np.isfinite(v) else "0.6" for g, v in first.items()}
 
     def _heatmap(self, result: Plotted, ax: Any) -> None:
         import matplotlib

@@ -307,6 +307,7 @@ def _run(
             "n_layers": info.n_layers,
             "d_model": info.d_model,
             "d_vocab": info.d_vocab,
+            "parameters": sum(p.numel() for p in bridge.parameters()),  # a study's size axis
             "normalization": info.normalization,
             "parallel_residual": info.parallel_residual,
             "device": str(input_device(bridge)),

@@ -17,7 +17,9 @@ On tiny random models of several architectures (built locally, no download) it c
   change the state, and a padded batch finalizes to the result of its rows cut to their real
   tokens (pad positions never enter a statistic);
 - **serialisation**: the state survives ``save``/``load`` (safetensors + JSON) unchanged;
-- **results**: the result round-trips through JSON and renders in a terminal of fixed width.
+- **results**: the result round-trips through JSON and renders in a terminal of fixed width;
+- **depth profiles**: every column ``depth_profiles`` declares is a numeric column of a
+  per-layer table of the result (what a study draws over relative depth).
 """
 
 from __future__ import annotations
@@ -201,6 +203,7 @@ def check_merge(
     one, two = results[0][name], results[1][name]
     assert_results_close(two, one, rtol=rtol, what=f"{name}: result of merged halves")
     check_result(one)
+    check_depth_profiles(type(analyzer), one, info.n_layers)
     return engine.n_passes
 
 
@@ -316,6 +319,19 @@ def check_result(result: Result, width: int = 100) -> None:
     console.print(result)
     text = console.export_text()
     assert result.analyzer in text, f"{result.analyzer}: the rendering does not name it"
+
+
+def check_depth_profiles(cls: type[Analyzer], result: Result, n_layers: int) -> None:
+    """Each declared depth profile is a numeric column of a per-layer table of ``result``."""
+    if cls.depth_profiles is None:
+        return
+    found = {f"{table}.{column}" for table, column in cls.profiles(result, n_layers)}
+    missing = [name for name in cls.depth_profiles if name not in found]
+    assert not missing, (
+        f"{cls.name}: depth_profiles names {', '.join(missing)}, which the result has not as a "
+        f"numeric column of a per-layer table (a column holding 0..{n_layers} or "
+        f"0..{n_layers - 1}, see lensdiv.core.depth)"
+    )
 
 
 def assert_states_close(a: Stats, b: Stats, *, rtol: float, what: str) -> None:

@@ -119,6 +119,7 @@ class BiasDiversity(Analyzer):
     description = (
         "Layer diversity: ensemble loss = bias - diversity of embedding/attn/MLP members (B1-B3)"
     )
+    depth_profiles = ("depth.bias", "depth.diversity")
 
     tasks: str = ""
     labels: tuple[str, ...] = ()

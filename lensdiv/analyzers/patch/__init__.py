@@ -121,6 +121,7 @@ class Patching(Analyzer):
         "Activation patching (resid/attn/mlp x position), residual erasure and integrated "
         "gradients on clean/corrupt pairs"
     )
+    depth_profiles = ("depth.resid_pre_max",)
     extra_forwards = True
     needs_grad = True
     passes: ClassVar[int] = 2

@@ -114,6 +114,7 @@ class Submodularity(Analyzer):
     name = "submod"
     aliases = ("submodularity", "diminishing")
     description = "Submodularity of depth: prefix gains, log fit, violations, greedy curve"
+    depth_profiles = ()
     extra_forwards = True
 
     mode: Mode = "direct"

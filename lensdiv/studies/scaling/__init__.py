@@ -12,14 +12,14 @@ are in the data's own units. Uncertainty comes three ways: standard errors from 
 Modules: ``law`` (the terms and the law on the fit's scale), ``datasets`` (the built-in tables
 of runs), ``runs`` (reading and validating runs), ``fit`` (least squares, standard errors,
 bootstrap, k-fold), ``result`` (the whole fit of runs or a CSV as a Result) and ``family``
-(evaluating a model family and fitting it).
+(evaluating a model family, a study of the one analyzer in ``loss``, and fitting it).
 """
 
 from __future__ import annotations
 
+from lensdiv.studies.crossmodel.models import FAMILIES
 from lensdiv.studies.scaling.datasets import DATASETS, RunsDataset, builtin_dataset
 from lensdiv.studies.scaling.family import (
-    FAMILIES,
     collect_family,
     expand_models,
     fit_family,

@@ -1,42 +1,30 @@
-"""A model family's runs: evaluate every model on the same tokens and fit the law to the losses."""
+"""A model family's runs: evaluate every model on the same tokens (a study of one analyzer, the
+mean loss) and fit the law to the losses."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
-from lensdiv.core.errors import DataError, OptionError, did_you_mean
-from lensdiv.core.progress import progress_bar
+from lensdiv.core.errors import DataError, OptionError, StudyError
 from lensdiv.core.results import Result, Table
-from lensdiv.data.sources import DataSpec, check_source, token_batches
-from lensdiv.models.load import load_model, resolve_spec
+from lensdiv.data.sources import DataSpec
+from lensdiv.models.load import resolve_spec
 from lensdiv.models.toy import ToySpec, cached_log, parse_toy
+from lensdiv.studies.crossmodel.models import resolve_models
 from lensdiv.studies.scaling.fit import Uncertainty
 from lensdiv.studies.scaling.law import parse_terms
 from lensdiv.studies.scaling.result import scaling_result
 from lensdiv.studies.scaling.runs import runs_from_columns
 
-# Model-family shortcuts for `lensdiv scaling family`: the toy zoo's depth and width families.
-FAMILIES = {
-    "zoo:depth": ("toy:d1", "toy:d2", "toy:d3", "toy:d4", "toy:d6", "toy:d8"),
-    "zoo:width": ("toy:d4-w32", "toy:d4-w64", "toy:d4-w128"),
-}
-
 
 def expand_models(models: str | Sequence[str]) -> list[str]:
-    """Model specs from a comma-separated list; ``zoo:depth`` / ``zoo:width`` expand to the toy
-    zoo's depth family (width 64) and width family (depth 4)."""
-    names = models.split(",") if isinstance(models, str) else list(models)
-    out: list[str] = []
-    for name in (n.strip() for n in names):
-        if name.startswith("zoo:") and name not in FAMILIES:
-            raise OptionError(
-                f"unknown model family {name!r}{did_you_mean(name, list(FAMILIES))}",
-                hint=f"use {' or '.join(FAMILIES)}, or list the models",
-            )
-        out += FAMILIES.get(name, (name,) if name else ())
+    """Model specs of a family: what :func:`~lensdiv.studies.crossmodel.resolve_models` reads
+    (comma lists, ``zoo:depth`` / ``zoo:width``, files of specs, folders), at least two."""
+    out = resolve_models(models)
     if len(out) < 2:
         raise OptionError(
             f"a family needs at least two models, got {len(out)}",
@@ -53,15 +41,21 @@ def collect_family(
     dtype: Any = None,
     trust_remote_code: bool = False,
     progress: bool = True,
+    study: str | Path | None = None,
 ) -> Table:
     """Evaluate each model on the same tokens: mean next-token cross-entropy and its sizes.
 
+    A study (:func:`~lensdiv.studies.crossmodel.run_study`) of one analyzer,
+    :class:`~lensdiv.studies.scaling.loss.FamilyLoss`: one run per model, loaded one at a time.
+
     Args:
-        models: Model specs (see :func:`expand_models`), loaded one at a time.
+        models: Model specs (see :func:`expand_models`).
         data: A :class:`~lensdiv.data.sources.DataSpec` (default: the built-in corpus, 16384 tokens).
         device, dtype: Where and in which precision the models run.
         trust_remote_code: Allow hub models with custom code.
-        progress: Show a progress bar over the models.
+        progress: Show each model's progress.
+        study: A folder for the study (one run folder per model; a rerun keeps the models that
+            finished); ``None``: in memory.
 
     Returns:
         Table ``family``: ``model``, ``loss``, ``d_model``, ``n_layers``, ``tokens`` (trained on,
@@ -69,51 +63,56 @@ def collect_family(
 
     Raises:
         DataError: The models tokenize the data differently (a family shares one tokenizer).
-        ModelLoadError: A spec names nothing loadable.
+        StudyError: A model could not be evaluated (its one-line reason; the others' runs are
+            kept in ``study``).
     """
+    # start-up: a CSV fit needs no torch; the study (the runner) loads with a family.
+    from lensdiv.studies.crossmodel import run_study  # start-up: as above
+    from lensdiv.studies.scaling.loss import FamilyLoss  # start-up: torch, as above
+
     specs = expand_models(models)
     data = data if data is not None else DataSpec()
-    check_source(data)
+    done = run_study(
+        specs,
+        data,
+        [FamilyLoss()],
+        out=study,
+        progress=progress,
+        report=study is not None,
+        device=device,
+        dtype=dtype,
+        trust_remote_code=trust_remote_code,
+    )
+    failed = [m for m in done.models if m.status != "complete"]
+    if failed:
+        raise StudyError(
+            f"{failed[0].model} could not be evaluated: {failed[0].reason}",
+            hint="fix it and run again"
+            + (" (the models that finished are kept)" if study is not None else ""),
+        )
     rows: dict[str, list[Any]] = {
         k: [] for k in ("model", "loss", "d_model", "n_layers", "tokens", "params", "eval_tokens")
     }
-    reference: tuple[str, list[Any]] | None = None
-    bar = progress_bar("[bold]evaluating[/bold] {task.fields[model]}", "models", enabled=progress)
-    with bar:
-        task = bar.add_task("models", total=len(specs), model="")
-        for spec in specs:
-            bar.update(task, model=spec + _training_note(spec))
-            # Nested live displays are not allowed: a toy model that must train does so quietly.
-            model = load_model(
-                spec,
-                device=device,
-                dtype=dtype,
-                trust_remote_code=trust_remote_code,
-                progress=False,
-            )
-            batches = list(token_batches(data, model.tokenizer))
-            if reference is None:
-                reference = (spec, batches)
-            _check_same_tokens(reference, spec, batches)
-            loss, count = _mean_cross_entropy(model, batches)
-            rows["model"].append(spec)
-            rows["loss"].append(loss)
-            rows["d_model"].append(int(model.cfg.d_model))
-            rows["n_layers"].append(int(model.cfg.n_layers))
-            rows["tokens"].append(_tokens_trained(spec))
-            rows["params"].append(sum(p.numel() for p in model.parameters()))
-            rows["eval_tokens"].append(count)
-            del model  # one model in memory at a time
-            bar.advance(task)
+    reference: tuple[str, str] | None = None
+    for entry in done.models:
+        result = done[entry.model]["loss"]
+        fingerprint = str(result.meta["tokens_sha256"])
+        reference = reference or (entry.model, fingerprint)
+        _check_same_tokens(reference, entry.model, fingerprint)
+        rows["model"].append(entry.model)
+        rows["loss"].append(float(result.table()["loss"][0]))
+        rows["d_model"].append(entry.size["d_model"])
+        rows["n_layers"].append(entry.size["n_layers"])
+        rows["tokens"].append(_tokens_trained(entry.model))
+        rows["params"].append(entry.size["params"])
+        rows["eval_tokens"].append(int(result.table()["count"][0]))
     return Table("family", rows, "each model's mean next-token cross-entropy on the same tokens")
 
 
-def _check_same_tokens(reference: tuple[str, list[Any]], spec: str, batches: list[Any]) -> None:
+def _check_same_tokens(reference: tuple[str, Any], spec: str, batches: Any) -> None:
+    """``spec`` read the tokens the reference model read (batches, or their fingerprint)."""
     first, expected = reference
-    same = len(batches) == len(expected) and all(
-        a.tokens.shape == b.tokens.shape and bool((a.tokens == b.tokens).all())
-        for a, b in zip(batches, expected, strict=True)
-    )
+    same = _as_fingerprint(expected) == _as_fingerprint(batches)
     if not same:
         raise DataError(
             f"{spec} and {first} tokenize the data differently, so their losses are not comparable",
@@ -121,37 +120,17 @@ def _check_same_tokens(reference: tuple[str, list[Any]], spec: str, batches: lis
         )
 
 
-def _mean_cross_entropy(model: Any, batches: list[Any]) -> tuple[float, int]:
-    """Mean next-token cross-entropy (nats) over the real positions, and their number."""
-    # start-up: fitting a CSV needs no torch; it loads only when a family is evaluated.
-    import torch
-    import torch.nn.functional as F
+def _as_fingerprint(batches: Any) -> str:
+    # start-up: batches are torch tensors; a fingerprint of them needs the loss module.
+    from lensdiv.studies.scaling.loss import fingerprint
 
-    device = next(model.parameters()).device
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for batch in batches:
-            tokens, mask = batch.tokens.to(device), batch.mask.to(device)
-            logits = model(tokens)
-            valid = mask[:, 1:] & mask[:, :-1]
-            targets = tokens[:, 1:][valid]
-            total += float(F.cross_entropy(logits[:, :-1][valid].float(), targets, reduction="sum"))
-            count += int(valid.sum())
-    return total / count, count
+    return batches if isinstance(batches, str) else fingerprint(batches)
 
 
 def _toy(spec: str) -> ToySpec | None:
     """The toy model ``spec`` names, or ``None`` for any other model."""
     parsed = resolve_spec(spec)
     return parse_toy(parsed.resolved) if parsed.kind == "toy" else None
-
-
-def _training_note(spec: str) -> str:
-    """What the progress bar adds for a toy model that is not cached (it trains first)."""
-    toy = _toy(spec)
-    if toy is None or cached_log(toy):
-        return ""
-    return " (not cached: training it first)"
 
 
 def _tokens_trained(spec: str) -> float:
@@ -178,9 +157,10 @@ def fit_family(
     dtype: Any = None,
     trust_remote_code: bool = False,
     progress: bool = True,
+    study: str | Path | None = None,
 ) -> Result:
-    """Collect a model family's losses on the same data (:func:`collect_family`) and fit them
-    (:func:`fit_family_table`).
+    """Collect a model family's losses on the same data (:func:`collect_family`, a study whose
+    folder is ``study``) and fit them (:func:`fit_family_table`).
 
     Example: ``fit_family("zoo:depth", terms="depth", folds=0)``.
     """
@@ -194,6 +174,7 @@ def fit_family(
         dtype=dtype,
         trust_remote_code=trust_remote_code,
         progress=progress,
+        study=study,
     )
     return fit_family_table(
         family,
