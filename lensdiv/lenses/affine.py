@@ -44,6 +44,7 @@ class AffineFit(Analyzer):
 
     name = "fit-affine"
     description = "Fit an affine lens (least squares from h_l to h_L) in tuned-lens's layout"
+    depth_profiles = ()  # a fit, not a depth analysis: nothing for a study to compare
 
     ridge: float = 1e-4
     exclude_bos: bool = True

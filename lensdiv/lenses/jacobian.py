@@ -66,6 +66,7 @@ class JacobianFit(Analyzer):
 
     name = "fit-jacobian"
     description = "Fit a Jacobian lens (mean ∂h_L/∂h_l over prompts) in TransformerLens' format"
+    depth_profiles = ()  # a fit, not a depth analysis: nothing for a study to compare
 
     estimator: Estimator = "exact"
     dim_batch: int = 8
