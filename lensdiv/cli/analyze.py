@@ -329,7 +329,12 @@ def report(
         term.print(f"[yellow]missing (not finished):[/yellow] {', '.join(missing)}")
     if html:
         term.print(f"wrote [bold]{written}[/bold]")
-    for line in not_drawn:
+    damaged = [
+        f"{name}/result.json is damaged: {line}"
+        for name, result in run.results.items()
+        for line in result.missing()
+    ]
+    for line in damaged if not plots else not_drawn:  # --plots: the files not drawn say it
         error_line(line)
-    if not_drawn:
+    if damaged or not_drawn:
         raise typer.Exit(2)
