@@ -27,6 +27,7 @@ from lensdiv.cli.common import (
     error_line,
     out_option,
     parse_options,
+    plugin_warnings,
     show_run,
     user_errors,
 )
@@ -158,7 +159,7 @@ def analyze(
     from lensdiv.run.distributed import launched_world
     from lensdiv.run.runner import analyze as run_analyze
 
-    with user_errors(), _interrupted(), launched_world(dist_timeout) as world:
+    with user_errors(), _interrupted(), plugin_warnings(), launched_world(dist_timeout) as world:
         folder = default_out(model) if out is None else check_out(out)
         options = parse_options(option or [])
         if ref is not None:
