@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from lensdiv.core.analyzer import Analyzer as Analyzer
     from lensdiv.core.analyzer import Batch as Batch
+    from lensdiv.core.analyzer import DataFacts as DataFacts
     from lensdiv.core.analyzer import ModelInfo as ModelInfo
     from lensdiv.core.analyzer import Step as Step
     from lensdiv.core.errors import LensdivError as LensdivError
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
 _EXPORTS = {
     "Analyzer": "lensdiv.core.analyzer",
     "Batch": "lensdiv.core.analyzer",
+    "DataFacts": "lensdiv.core.analyzer",
     "ModelInfo": "lensdiv.core.analyzer",
     "Step": "lensdiv.core.analyzer",
     "DataSpec": "lensdiv.data.sources",

@@ -43,8 +43,10 @@ from lensdiv.run.validate import (
     check_budget,
     check_model,
     check_output,
+    check_runs,
     checked,
     clear_output,
+    corpus_facts,
     prepare,
     short_data_warning,
 )
@@ -274,12 +276,13 @@ def _run(
     parsed = bridge.lensdiv_spec
     info = ModelInfo.from_model(bridge, name=parsed.spec)
     check_model(bridge, info, spec)
+    check_runs(bridge, info)
     translator.check(info)
     # Task analyzers bring their own examples, and setup() loads what else a run needs (a
     # reference model): all of it is read and checked before any forward pass, so a bad task
     # file fails at once and nothing is written. An analyzer that cannot support the model is
     # skipped with its reason; one that crashes here is marked failed; the others run.
-    prepared = prepare(analyzers, bridge, info)
+    prepared = prepare(analyzers, bridge, info, corpus_facts(spec, bridge.tokenizer))
     if not prepared.ready(analyzers) and not prepared.failed:
         by_reason: dict[str, list[str]] = {}
         for name, why in prepared.skipped.items():
