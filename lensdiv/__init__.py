@@ -2,6 +2,11 @@
 
 The public surface is small: load a model, run analyzers, read results, write your own analyzer.
 Heavy modules (torch, TransformerLens) load on first use, so ``import lensdiv`` is cheap.
+
+The plugin API (the README's "The plugin API") is ``__all__`` here, ``lensdiv.testing.__all__``
+and ``lensdiv.ops.resume.__all__``: a plugin that imports only these names keeps working when
+modules inside the package move (``tests/test_public_api.py`` holds the scaffold's plugin and
+``plugins/lensdiv-attention`` to it).
 """
 
 from __future__ import annotations
@@ -13,9 +18,11 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from lensdiv.core.analyzer import Analyzer as Analyzer
     from lensdiv.core.analyzer import Batch as Batch
+    from lensdiv.core.analyzer import DataFacts as DataFacts
     from lensdiv.core.analyzer import ModelInfo as ModelInfo
     from lensdiv.core.analyzer import Step as Step
     from lensdiv.core.errors import LensdivError as LensdivError
+    from lensdiv.core.errors import UnsupportedModelError as UnsupportedModelError
     from lensdiv.core.registry import get_analyzer as get_analyzer
     from lensdiv.core.registry import list_plugins as list_plugins
     from lensdiv.core.results import Plot as Plot
@@ -36,10 +43,12 @@ if TYPE_CHECKING:
 _EXPORTS = {
     "Analyzer": "lensdiv.core.analyzer",
     "Batch": "lensdiv.core.analyzer",
+    "DataFacts": "lensdiv.core.analyzer",
     "ModelInfo": "lensdiv.core.analyzer",
     "Step": "lensdiv.core.analyzer",
     "DataSpec": "lensdiv.data.sources",
     "LensdivError": "lensdiv.core.errors",
+    "UnsupportedModelError": "lensdiv.core.errors",
     "load_model": "lensdiv.models.load",
     "merge_runs": "lensdiv.run.merge",
     "get_analyzer": "lensdiv.core.registry",

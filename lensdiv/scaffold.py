@@ -3,7 +3,8 @@
 The package holds an analyzer skeleton that already works (the mean norm of every residual
 state, streamed as sums that merge), its entry point under ``lensdiv.plugins``, a README, and a
 test that runs :func:`lensdiv.testing.check_analyzer` plus one identity of its own. Replace the
-science, keep the shape.
+science, keep the shape. Both import only the plugin API (:mod:`lensdiv`,
+:mod:`lensdiv.testing`), as ``tests/test_public_api.py`` checks.
 """
 
 from __future__ import annotations
@@ -177,7 +178,8 @@ from __future__ import annotations
 
 import torch
 
-from lensdiv.testing import boot_native_tiny, check_analyzer
+import lensdiv
+from lensdiv.testing import boot_native_tiny, check_analyzer, token_batches
 from {module} import {cls}
 
 
@@ -187,18 +189,14 @@ def test_contract() -> None:
 
 
 def test_mean_norm_matches_a_direct_computation() -> None:
-    import lensdiv
-
     model = boot_native_tiny()
     run = lensdiv.analyze(model, plugins=[{cls}()], max_tokens=256, seq_len=32, progress=False)
     assert run.ok, run.errors
     table = run["{plugin}"].table()
-    from lensdiv.data.sources import DataSpec, token_batches
-
     names = [f"blocks.{l}.hook_resid_pre" for l in range(model.cfg.n_layers)]
     names.append(f"blocks.{model.cfg.n_layers - 1}.hook_resid_post")
     total, count = torch.zeros(len(names), dtype=torch.float64), 0
-    for batch in token_batches(DataSpec(max_tokens=256, seq_len=32), model.tokenizer):
+    for batch in token_batches(lensdiv.DataSpec(max_tokens=256, seq_len=32), model.tokenizer):
         _, cache = model.run_with_cache(batch.tokens, names_filter=names)
         for i, name in enumerate(names):
             total[i] += cache[name][batch.mask].double().norm(dim=-1).sum()

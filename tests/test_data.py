@@ -427,3 +427,115 @@ def test_builtin_sources_and_the_data_help() -> None:
     for source in registered_sources():
         assert (source.syntax in help_text) == (source.command_line and source.kind != "builtin")
     assert help_text.endswith("Default: the built-in corpus.")
+
+
+# -- packing in chunks is packing one document at a time -------------------------------------------
+
+
+def _pack_one_at_a_time(docs: Iterator[str], tokenizer: Any, spec: DataSpec) -> Iterator[Batch]:
+    """The packing of lensdiv 0.1 (one tokenizer call per document, rows as lists of ``(token,
+    document)``): the oracle that the chunked, array-based :func:`pack` must equal exactly."""
+    bos = tokenizer.bos_token_id if spec.bos == "prepend" else None
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    width = spec.seq_len - (bos is not None)
+    rows: list[list[tuple[int, int]]] = []
+    buffer: list[tuple[int, int]] = []
+    budget, index, n_docs = spec.max_tokens, 0, 0
+
+    def emit(final: bool) -> Iterator[Batch]:
+        nonlocal rows, index
+        while rows and (len(rows) >= spec.batch_size or final):
+            chunk, rows = rows[: spec.batch_size], rows[spec.batch_size:]
+            length = max(len(r) for r in chunk)
+            tokens = torch.full((len(chunk), length), pad, dtype=torch.long)
+            doc = torch.full((len(chunk), length), -1, dtype=torch.long)
+            for i, r in enumerate(chunk):
+                tokens[i, : len(r)] = torch.tensor([t for t, _ in r])
+                doc[i, : len(r)] = torch.tensor([d for _, d in r])
+            yield Batch(tokens=tokens, mask=doc >= 0, bos=bos is not None, index=index, doc=doc)
+            index += 1
+
+    def take(content: list[tuple[int, int]]) -> None:
+        nonlocal budget
+        row = (([(bos, content[0][1])] if bos is not None else []) + content)[:budget]
+        budget -= len(row)
+        if len(row) > (bos is not None):
+            rows.append(row)
+
+    for text in docs:
+        if not text.strip():
+            continue
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [eos]
+        buffer += [(t, n_docs) for t in ids]
+        n_docs += 1
+        while len(buffer) >= width and budget > 0:
+            take(buffer[:width])
+            buffer = buffer[width:]
+        yield from emit(False)
+        if budget <= 0:
+            break
+    if budget > 0 and buffer:
+        take(buffer)
+    if index == 0 and not rows:
+        raise DataError("data 'documents' produced no tokens",
+                        hint="check that the text (or --field) is not empty")
+    yield from emit(True)
+
+
+def _outcome(batches: Iterator[Batch]) -> list[Any]:
+    """Every batch as plain data, then what stopped the stream (an error's message)."""
+    out: list[Any] = []
+    try:
+        for b in batches:
+            out.append((b.index, b.bos, b.tokens.dtype, b.tokens.tolist(), b.mask.dtype,
+                        b.mask.tolist(), b.doc.tolist() if b.doc is not None else None))
+    except DataError as err:
+        out.append(str(err))
+    return out
+
+
+def _failing_at(docs: list[str], bad: int | None) -> Iterator[str]:
+    for i, doc in enumerate(docs):
+        if i == bad:
+            raise DataError(f"rows.jsonl line {i + 1} is not JSON: Expecting value")
+        yield doc
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_packing_in_chunks_equals_one_document_at_a_time(tokenizer: Any, seed: int) -> None:
+    """The same batches, bit for bit, on random streams: blank and tiny documents, budgets that
+    cut rows short or end the data, a document that fails to read before or after the budget
+    runs out (raised after the same batches, or not at all)."""
+    import random
+
+    from lensdiv.data.sources import pack
+
+    rng = random.Random(seed)
+    pool = [*islice(builtin_documents(seed=seed), 60), *DOCS, "", "  \n", "é", "<eos> literal"]
+    for _ in range(60):
+        docs = [rng.choice(pool) for _ in range(rng.randint(0, 30))]
+        spec = DataSpec(seq_len=rng.choice([2, 3, 5, 16, 64]), batch_size=rng.choice([1, 2, 3, 8]),
+                        max_tokens=rng.choice([2, 3, 17, 100, 1000, 10**6]),
+                        bos=rng.choice(["prepend", "none"]))
+        bad = rng.randint(0, len(docs)) if rng.random() < 0.3 else None
+        expected = _outcome(_pack_one_at_a_time(_failing_at(docs, bad), tokenizer, spec))
+        assert _outcome(pack(_failing_at(docs, bad), tokenizer, spec)) == expected, (spec, bad)
+
+
+def test_one_tokenizer_call_per_chunk_equals_one_per_document(tokenizer: Any) -> None:
+    """A fast tokenizer's batch call gives each text the ids of its own call: lensdiv's byte
+    tokenizer, and a GPT-2-style byte-level BPE (regex pre-tokenizer, merges) trained here."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from lensdiv.data.sources import _encode
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.train_from_iterator([*islice(builtin_documents(seed=1), 200), *DOCS], trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|endoftext|>")
+    texts = [*DOCS, *islice(builtin_documents(seed=2), 50), "<|endoftext|> inside", " lead"]
+    for tok in (tokenizer, bpe):
+        assert _encode(tok, texts) == [tok(t, add_special_tokens=False)["input_ids"] for t in texts]

@@ -455,7 +455,7 @@ def test_report_on_a_damaged_result(tmp_path: Path) -> None:
     )
     result = invoke("report", str(out), "--plots")
     assert "Traceback" not in result.output and result.exit_code == 2
-    assert "p.png (cannot draw: KeyError: 'gone')" in result.output
+    assert "p.png (cannot draw: the result has no table 'gone' (it has none))" in result.output
 
 
 # == 6. the Python API: in-memory data and wrong types ===========================================

@@ -135,7 +135,8 @@ def test_a_plot_that_cannot_be_drawn_costs_only_its_png(result: Result, tmp_path
     bad = dataclasses.replace(result, plots=(broken, *result.plots))
     with pytest.raises(SaveError) as err:
         bad.save(tmp_path / "demo")
-    assert "broken.png (cannot draw: KeyError: 'nowhere')" in str(err.value)
+    assert "broken.png (cannot draw: the result has no table 'nowhere' (it has: main, extra))" \
+        in str(err.value)
     assert list(err.value.failed) == [tmp_path / "demo" / "broken.png"]
     names = {p.name for p in err.value.written}
     assert names == {"main.csv", "extra.csv", "result.json"} | {f"{p.name}.png" for p in result.plots}

@@ -30,7 +30,8 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from lensdiv.core.analyzer import Analyzer, ModelInfo, Step
+from lensdiv.core.analyzer import Analyzer, DataFacts, ModelInfo, Step
+from lensdiv.core.errors import OptionError
 from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
 from lensdiv.ops.resume import resumer_for
@@ -77,6 +78,21 @@ class LayerSkip(Analyzer):
             raise ValueError(f"stride must be at least 1, got {self.stride}")
         if self.chunk < 0:
             raise ValueError(f"chunk must be 0 (auto) or positive, got {self.chunk}")
+
+    def check_data(self, data: DataFacts, info: ModelInfo) -> None:
+        """A split point needs a row longer than ``stride + 4`` tokens (``future``, ``local``)."""
+        need = self.stride + 5
+        if self.mode != "current" and data.longest < need:
+            raise OptionError(
+                f"skip.stride={self.stride} needs rows of at least {need} tokens for a split "
+                f"point, but {data.limit}",
+                hint=(
+                    f"use -O skip.stride={data.longest - 5} or less, "
+                    if data.longest > 5
+                    else "use "
+                )
+                + "longer rows, or -O skip.mode=current",
+            )
 
     def hooks(self, info: ModelInfo) -> list[str]:
         names = [info.resid(layer) for layer in range(info.n_layers + 1)]

@@ -26,6 +26,7 @@ from lensdiv.cli.common import (
     interrupted,
     out_option,
     parse_options,
+    plugin_warnings,
     show_run,
     user_errors,
 )
@@ -157,7 +158,7 @@ def analyze(
     from lensdiv.run.distributed import launched_world
     from lensdiv.run.runner import analyze as run_analyze
 
-    with user_errors(), interrupted(), launched_world(dist_timeout) as world:
+    with user_errors(), interrupted(), plugin_warnings(), launched_world(dist_timeout) as world:
         folder = default_out(model) if out is None else check_out(out)
         options = parse_options(option or [])
         if ref is not None:
@@ -317,7 +318,12 @@ def report(
         term.print(f"[yellow]missing (not finished):[/yellow] {', '.join(missing)}")
     if html:
         term.print(f"wrote [bold]{written}[/bold]")
-    for line in not_drawn:
+    damaged = [
+        f"{name}/result.json is damaged: {line}"
+        for name, result in run.results.items()
+        for line in result.missing()
+    ]
+    for line in damaged if not plots else not_drawn:  # --plots: the files not drawn say it
         error_line(line)
-    if not_drawn:
+    if damaged or not_drawn:
         raise typer.Exit(2)

@@ -14,7 +14,7 @@ import typer
 from typer import _click as click  # typer ships its own click; its exceptions live here
 from typer.core import TyperGroup
 
-from lensdiv.core.errors import LensdivError, OptionError, SaveError
+from lensdiv.core.errors import LensdivError, OptionError, PluginWarning, SaveError
 from lensdiv.core.files import folder_problem
 from lensdiv.data.sources import DataSpec, registered_sources, source_of
 
@@ -117,6 +117,29 @@ class Group(TyperGroup):
             typer.echo("Aborted!", err=True)
             sys.exit(1)
         sys.exit(code if isinstance(code, int) else 0)
+
+
+@contextmanager
+def plugin_warnings() -> Iterator[None]:
+    """A :class:`~lensdiv.core.errors.PluginWarning` inside is printed at once as one
+    ``warning:`` line on standard error (other warnings as Python prints them)."""
+    import warnings
+
+    from rich.text import Text
+
+    with warnings.catch_warnings():
+        shown = warnings.showwarning
+
+        def show(message: Any, category: type[Warning], *args: Any, **kwargs: Any) -> None:
+            if not issubclass(category, PluginWarning):
+                shown(message, category, *args, **kwargs)
+                return
+            line = Text.assemble(("warning:", "yellow"), " ", " ".join(str(message).split()))
+            console(stderr=True).print(line, soft_wrap=True)
+
+        warnings.simplefilter("always", PluginWarning)
+        warnings.showwarning = show
+        yield
 
 
 @contextmanager

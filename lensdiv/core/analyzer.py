@@ -4,6 +4,7 @@ An analyzer is a frozen dataclass whose fields are its options. It declares, as 
 what it needs (hooks, logits, extra forward passes, gradients, numerics), so the runner can fuse
 all selected analyzers into one forward pass per batch. The data flow of a run::
 
+    analyzer.check_data(data, info)            # once: options that cannot work on this data
     resource = analyzer.setup(model, info)     # once: a reference model, checked inputs
     state = analyzer.init(info)                # a mergeable Stats
     for each pass p:                           # most analyzers have one
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 import math
 import numbers
 import os
@@ -266,6 +268,41 @@ class Step:
         return logits
 
 
+@dataclass(frozen=True)
+class DataFacts:
+    """What a run knows of its corpus before the first forward pass, for
+    :meth:`Analyzer.check_data`.
+
+    Args:
+        seq_len: Tokens per packed row, BOS included (``--seq-len``).
+        max_tokens: The token budget (``--max-tokens``).
+        batch_size: Rows per batch.
+        first_row: Reads ``(real tokens of the first row, why no row is longer)``, on first
+            use of :attr:`longest` (it tokenises the start of the data). No later row is longer:
+            packing fills every row but the last, and a token tensor's rows share one width.
+    """
+
+    seq_len: int
+    max_tokens: int
+    batch_size: int
+    first_row: Callable[[], tuple[int, str]] = field(repr=False, compare=False)
+
+    @functools.cached_property
+    def _longest(self) -> tuple[int, str]:
+        return self.first_row()
+
+    @property
+    def longest(self) -> int:
+        """The most real tokens (BOS included) any row of the run holds."""
+        return self._longest[0]
+
+    @property
+    def limit(self) -> str:
+        """What makes :attr:`longest` the most, for messages (``--seq-len 32 makes rows of at
+        most 32 tokens``, ``the data holds only 9 tokens``)."""
+        return self._longest[1]
+
+
 class Analyzer(abc.ABC):
     """Base class of every analysis. Subclasses are ``@dataclass(frozen=True)``; fields = options.
 
@@ -323,6 +360,15 @@ class Analyzer(abc.ABC):
         floor). A ``--max-tokens`` below it is refused before the run; a corpus that runs out
         below it puts a warning on the result."""
         return 0
+
+    def check_data(self, data: DataFacts, info: ModelInfo) -> None:  # noqa: B027
+        """Refuse, before any forward pass, options that cannot work on the run's corpus (a
+        stride longer than any row); the default accepts all. Called once, after the model
+        loaded, for an analyzer that reads the corpus (not for one with :meth:`examples`).
+
+        Raises:
+            OptionError: Naming the option, what it needs and what the data gives.
+        """
 
     def setup(self, model: Any, info: ModelInfo) -> Any:
         """Load and check what the run needs beyond the model (e.g. a reference model), once,

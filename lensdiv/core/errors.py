@@ -24,6 +24,12 @@ class LensdivError(Exception):
         return f"{self.message} — {self.hint}" if self.hint else self.message
 
 
+class PluginWarning(UserWarning):
+    """Something about the installed plugins the user should know when selecting analyzers
+    (a plugin refused for claiming a built-in's name: the built-in runs). The CLI prints it as
+    one ``warning:`` line."""
+
+
 class ModelLoadError(LensdivError):
     """A model spec that names nothing loadable."""
 

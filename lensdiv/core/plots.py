@@ -13,6 +13,8 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
+from lensdiv.core.errors import ResultError
+
 
 @runtime_checkable
 class Plotted(Protocol):
@@ -23,6 +25,11 @@ class Plotted(Protocol):
 
     @property
     def arrays(self) -> Mapping[str, Any]: ...
+
+
+def _holds(names: Mapping[str, Any]) -> str:
+    """``it has: a, b`` (or ``it has none``), for lines about what a result lacks."""
+    return f"it has: {', '.join(names)}" if names else "it has none"
 
 
 # How a masked cell rule reads: cells (row, col) of a heatmap drawn blank.
@@ -136,6 +143,21 @@ class Plot:
             values[_MASKS[self.mask](rows, cols)] = np.nan
         return values
 
+    def missing(self, result: Plotted) -> str | None:
+        """What this plot reads that ``result`` lacks (a damaged ``result.json``, a plugin's
+        spec naming a table it never made), in one line; ``None`` when nothing is."""
+        if self.kind == "heatmap":
+            if self.source not in result.arrays:
+                return f"the result has no array {self.source!r} ({_holds(result.arrays)})"
+            return None
+        if self.source not in result.tables:
+            return f"the result has no table {self.source!r} ({_holds(result.tables)})"
+        columns = result.tables[self.source].columns
+        for column in (self.x, *self.y, self.group):
+            if column is not None and column not in columns:
+                return f"table {self.source!r} has no column {column!r} ({_holds(columns)})"
+        return None
+
     def figure(self, result: Plotted, *, caption: bool = True) -> tuple[Any, Any]:
         """A ``(Figure, Axes)`` on a private Agg canvas with this plot drawn.
 
@@ -143,7 +165,14 @@ class Plot:
             result: The result whose table or array the plot draws.
             caption: Write the caption under the axes (a PNG file carries its own; a page
                 shows it as text instead).
+
+        Raises:
+            ResultError: The result lacks the table, array or column the plot reads
+                (:meth:`missing`).
         """
+        problem = self.missing(result)
+        if problem is not None:
+            raise ResultError(problem)
         fig, ax = agg_figure()
         self.draw(result, ax)
         text = self.full_caption(result) if caption else ""

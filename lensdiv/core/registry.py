@@ -8,6 +8,7 @@ and the others keep working.
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -15,7 +16,7 @@ from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
 from lensdiv.core.analyzer import Analyzer, checked_options
-from lensdiv.core.errors import OptionError, PluginError, did_you_mean
+from lensdiv.core.errors import OptionError, PluginError, PluginWarning, did_you_mean
 
 if TYPE_CHECKING:
     from lensdiv.core.analyzer import Analyzer
@@ -55,10 +56,23 @@ class PluginEntry:
 
 @dataclass
 class Registry:
-    """All plugins found, plus problems met while collecting them."""
+    """All plugins found, plus problems met while collecting them.
+
+    Args:
+        entries: The plugins by name.
+        problems: One line per problem.
+        refused: The problems of plugins refused for a name that a built-in analyzer (or its
+            alias) keeps, by that name: selecting it runs the built-in, with these warnings.
+    """
 
     entries: dict[str, PluginEntry] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    refused: dict[str, list[str]] = field(default_factory=dict)
+
+    def refuse(self, name: str, line: str) -> None:
+        """Record a plugin refused for ``name``, which another analyzer keeps."""
+        self.problems.append(line)
+        self.refused.setdefault(name, []).append(line)
 
     def names(self) -> list[str]:
         """Plugin names and aliases that resolve."""
@@ -123,10 +137,11 @@ def collect(entry_points: Iterable[metadata.EntryPoint] | None = None) -> Regist
             if other.target == entry.target:  # the same distribution seen twice on sys.path
                 continue
             if name in builtin_names:
-                registry.problems.append(
+                registry.refuse(
+                    name,
                     f"analyzer name {name!r} of {entry.provider} ({entry.target}) is a built-in "
                     f"analyzer of {other.provider} ({other.target}); {entry.provider}'s plugin is "
-                    "refused and the built-in kept (rename the plugin)"
+                    "refused and the built-in kept (rename the plugin)",
                 )
                 continue
             registry.problems.append(
@@ -137,10 +152,11 @@ def collect(entry_points: Iterable[metadata.EntryPoint] | None = None) -> Regist
             continue
         if name in seen_aliases:
             owner = registry.entries[seen_aliases[name]]
-            registry.problems.append(
+            registry.refuse(
+                name,
                 f"analyzer name {name!r} of {entry.provider} ({entry.target}) is an alias of "
                 f"{owner.name!r} from {owner.provider}; {entry.provider}'s plugin is refused "
-                "(rename the plugin)"
+                "(rename the plugin)",
             )
             continue
         try:
@@ -199,7 +215,9 @@ def make_analyzers(
     options: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> list[Analyzer]:
     """Instantiate analyzers from names (comma-separated string or list), analyzer classes or
-    ready instances; every option value is checked against its annotation.
+    ready instances; every option value is checked against its annotation. A name that an
+    installed plugin claimed in vain (a built-in keeps it) selects the built-in, with a
+    :class:`~lensdiv.core.errors.PluginWarning` saying so.
 
     Raises:
         PluginError: Something other than names, classes or instances; an unknown name; an
@@ -227,6 +245,8 @@ def make_analyzers(
             cls = type(item)
         elif isinstance(item, str):
             cls = get_analyzer(item)
+            for line in default_registry().refused.get(item.strip().lower(), ()):
+                warnings.warn(line, PluginWarning, stacklevel=3)  # at the caller of analyze()
         else:
             raise PluginError(
                 f"plugins holds {item!r} ({type(item).__name__}), which is neither an analyzer "

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 from rich.jupyter import JupyterMixin
 
-from lensdiv.core.errors import ResultError, SaveError
+from lensdiv.core.errors import LensdivError, ResultError, SaveError
 
 # Re-exported: a result's plots are drawn by lensdiv.core.plots, where Plot now lives.
 from lensdiv.core.plots import BLANK_NOTE as BLANK_NOTE
@@ -299,6 +299,12 @@ class Result(Rendered):
             self._draw_each(files)
         return files.done()
 
+    def missing(self) -> list[str]:
+        """What the plots read that this result lacks (a damaged ``result.json``), one line per
+        table, array or column; empty for a sound result."""
+        lines = (spec.missing(self) for spec in self.plots)
+        return list(dict.fromkeys(line for line in lines if line is not None))
+
     def redraw(self, directory: str | os.PathLike[str]) -> list[Path]:
         """Draw every plot into ``directory`` again (``lensdiv report --plots``), each on its own.
 
@@ -448,6 +454,8 @@ def _reason(err: BaseException) -> str:
     """Why a file was not written, in a few words (``No space left on device``)."""
     if isinstance(err, OSError) and err.strerror:
         return err.strerror
+    if isinstance(err, LensdivError):  # a line of its own (a table the result lacks)
+        return str(err).splitlines()[0][:200]
     return f"{type(err).__name__}: {err}".splitlines()[0][:200]
 
 

@@ -795,64 +795,215 @@ def pack(
     docs: Iterable[str], tokenizer: Any, spec: DataSpec, *, source: str = "documents"
 ) -> Iterator[Batch]:
     """Pack any stream of documents the way :func:`token_batches` does (``spec`` gives the sizes):
-    the one place where text is tokenised."""
-    import torch
+    the one place where text is tokenised.
 
-    # start-up: the --data help reads this module; torch loads when batches are made.
-    from lensdiv.core.analyzer import Batch
-
-    bos_id = tokenizer.bos_token_id if spec.bos == "prepend" else None
-    eos_id = tokenizer.eos_token_id
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_id or 0)
-    width = spec.seq_len - (bos_id is not None)
-    # Each row is a list of (token, document index); BOS belongs to the row's first document.
-    rows: list[list[tuple[int, int]]] = []
-    buffer: list[tuple[int, int]] = []
-    budget = spec.max_tokens
-    index = 0
-
-    def emit(final: bool = False) -> Iterator[Batch]:
-        nonlocal rows, index
-        while rows and (len(rows) >= spec.batch_size or final):
-            chunk, rows = rows[: spec.batch_size], rows[spec.batch_size :]
-            length = max(len(r) for r in chunk)
-            tokens = torch.full((len(chunk), length), pad_id, dtype=torch.long)
-            mask = torch.zeros((len(chunk), length), dtype=torch.bool)
-            doc = torch.full((len(chunk), length), -1, dtype=torch.long)
-            for i, r in enumerate(chunk):
-                tokens[i, : len(r)] = torch.tensor([t for t, _ in r])
-                doc[i, : len(r)] = torch.tensor([d for _, d in r])
-                mask[i, : len(r)] = True
-            yield Batch(tokens=tokens, mask=mask, bos=bos_id is not None, index=index, doc=doc)
-            index += 1
-
-    def take(content: list[tuple[int, int]]) -> None:
-        nonlocal budget
-        row = ([(bos_id, content[0][1])] if bos_id is not None else []) + content
-        row = row[:budget]
-        budget -= len(row)
-        if len(row) > (bos_id is not None):
-            rows.append(row)
-
-    n_docs = 0
-    for doc in docs:
-        if not doc.strip():
-            continue
-        ids = tokenizer(doc, add_special_tokens=False)["input_ids"]
-        ids = ids + ([eos_id] if eos_id is not None else [])
-        buffer.extend((t, n_docs) for t in ids)
-        n_docs += 1
-        while len(buffer) >= width and budget > 0:
-            take(buffer[:width])
-            buffer = buffer[width:]
-        yield from emit()
-        if budget <= 0:
+    Documents are read in chunks and each chunk is tokenised with one call of the tokenizer (a
+    fast tokenizer encodes a list in native code, off the interpreter's lock); the ids are cut
+    into rows with array operations. The batches are those of packing one document at a time:
+    a document that fails to read (bad data met mid-way) raises after the batches of the
+    documents before it, and only if the token budget was not spent before it.
+    """
+    packer = _Packer(tokenizer, spec)
+    stream = iter(docs)
+    while packer.budget > 0:
+        chunk, error, ended = _next_chunk(stream, packer.chars_wanted())
+        if chunk:
+            yield from packer.add(_encode(tokenizer, chunk), chunk)
+        if error is not None and packer.budget > 0:  # one document at a time would read it
+            raise error
+        if ended:
             break
-    if budget > 0 and buffer:
-        take(buffer)
-    if index == 0 and not rows:
-        raise DataError(
-            f"data {source!r} produced no tokens",
-            hint="check that the text (or --field) is not empty",
+    yield from packer.finish(source)
+
+
+# A chunk of documents holds the text of about this many batches (at the ratio of characters
+# to tokens seen so far; less when the budget left needs less), so that a reader on another
+# thread (lensdiv.data.prefetch) stays a few chunks ahead of the model; the tokenizer's cost per
+# call is negligible from a few documents on. Within these bounds, in characters:
+_CHUNK_BATCHES = 2
+_CHUNK_CHARS = (1 << 10, 1 << 20)
+
+
+def _encode(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    """The ids of each text, as ``tokenizer(text, add_special_tokens=False)`` gives them, from
+    one call (only the ids are asked for: the masks would be built for nothing)."""
+    encoded = tokenizer(
+        texts, add_special_tokens=False, return_attention_mask=False, return_token_type_ids=False
+    )
+    return list(encoded["input_ids"])
+
+
+def _next_chunk(stream: Iterator[str], chars: int) -> tuple[list[str], Exception | None, bool]:
+    """``(documents, error, ended)``: the next non-blank documents, about ``chars`` characters
+    of them; the error the stream raised after them, if it did; whether the stream ended."""
+    chunk: list[str] = []
+    size = 0
+    try:
+        for doc in stream:
+            if not doc.strip():
+                continue
+            chunk.append(doc)
+            size += len(doc)
+            if size >= chars:
+                return chunk, None, False
+    except Exception as err:  # raised where one document at a time would meet it (see pack)
+        return chunk, err, True
+    return chunk, None, True
+
+
+class _Packer:
+    """Rows of ``spec.seq_len`` tokens from tokenised documents (each followed by EOS, each row
+    after BOS), ``spec.batch_size`` rows a batch, until ``spec.max_tokens`` real tokens."""
+
+    def __init__(self, tokenizer: Any, spec: DataSpec) -> None:
+        import numpy as np
+
+        self.bos = tokenizer.bos_token_id if spec.bos == "prepend" else None
+        self.eos = tokenizer.eos_token_id
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (self.eos or 0)
+        self.lead = int(self.bos is not None)  # positions of a row before its content
+        self.width = spec.seq_len - self.lead  # content tokens of a full row
+        self.batch_size = spec.batch_size
+        self.batch_tokens = spec.batch_size * spec.seq_len
+        self.budget = spec.max_tokens
+        # Content not yet in a row (ids, and the document of each); rows not yet in a batch,
+        # in blocks of rows of one length (ids, documents).
+        self.ids = np.empty(0, dtype=np.int64)
+        self.doc = np.empty(0, dtype=np.int64)
+        self.blocks: list[tuple[Any, Any]] = []
+        self.pending = 0
+        self.n_docs = 0
+        self.index = 0
+        self.chars = 0
+        self.tokens = 0
+
+    def chars_wanted(self) -> int:
+        """Characters of text for the next chunk, at the ratio seen so far (1 at first)."""
+        ratio = self.chars / self.tokens if self.tokens else 1.0
+        tokens = min(self.budget, _CHUNK_BATCHES * self.batch_tokens)
+        low, high = _CHUNK_CHARS
+        return int(min(max(tokens * ratio, low), high))
+
+    def add(self, encoded: list[list[int]], texts: list[str]) -> Iterator[Batch]:
+        """Append the documents' ids (each then EOS), cut full rows, yield full batches."""
+        import itertools
+
+        import numpy as np
+
+        lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
+        content = np.fromiter(
+            itertools.chain.from_iterable(encoded), dtype=np.int64, count=int(lengths.sum())
         )
-    yield from emit(final=True)
+        if self.eos is not None:
+            lengths += 1
+            ends = np.cumsum(lengths) - 1
+            ids = np.empty(int(lengths.sum()), dtype=np.int64)
+            ids[ends] = self.eos
+            real = np.ones(ids.size, dtype=bool)
+            real[ends] = False
+            ids[real] = content
+        else:
+            ids = content
+        doc = np.repeat(np.arange(self.n_docs, self.n_docs + len(encoded)), lengths)
+        self.n_docs += len(encoded)
+        self.chars += sum(map(len, texts))
+        self.tokens += ids.size
+        self.ids = np.concatenate([self.ids, ids])
+        self.doc = np.concatenate([self.doc, doc])
+        self._cut()
+        yield from self._emit(final=False)
+
+    def _cut(self) -> None:
+        """Full rows while the budget lasts; the row that meets the end of the budget is cut
+        short there (and dropped if nothing but BOS is left of it)."""
+        import numpy as np
+
+        full = self.ids.size // self.width
+        fit = min(full, self.budget // (self.width + self.lead))
+        used = fit * self.width
+        ids = self.ids[:used].reshape(fit, self.width)
+        doc = self.doc[:used].reshape(fit, self.width)
+        if self.lead:
+            ids = np.concatenate([np.full((fit, 1), self.bos, dtype=np.int64), ids], axis=1)
+            doc = np.concatenate([doc[:, :1], doc], axis=1)  # BOS: the row's first document
+        self._keep(ids, doc)
+        self.budget -= ids.size
+        self.ids, self.doc = self.ids[used:], self.doc[used:]
+        if full > fit and self.budget > 0:
+            self._take(self.ids[: self.width], self.doc[: self.width])
+
+    def _take(self, ids: Any, doc: Any) -> None:
+        """One row of the content ``ids`` (BOS first), cut to the budget left."""
+        import numpy as np
+
+        if self.lead:
+            ids = np.concatenate([[self.bos], ids]).astype(np.int64)
+            doc = np.concatenate([doc[:1], doc])
+        ids, doc = ids[: self.budget], doc[: self.budget]
+        self.budget -= ids.size
+        if ids.size > self.lead:
+            self._keep(ids[None], doc[None])
+
+    def _keep(self, ids: Any, doc: Any) -> None:
+        if len(ids):
+            self.blocks.append((ids, doc))
+            self.pending += len(ids)
+
+    def finish(self, source: str) -> Iterator[Batch]:
+        """The last, partial row (if the budget allows) and the last batches.
+
+        Raises:
+            DataError: No row was made: the data held no tokens.
+        """
+        if self.budget > 0 and self.ids.size:
+            self._take(self.ids, self.doc)
+        if self.index == 0 and not self.pending:
+            raise DataError(
+                f"data {source!r} produced no tokens",
+                hint="check that the text (or --field) is not empty",
+            )
+        yield from self._emit(final=True)
+
+    def _emit(self, *, final: bool) -> Iterator[Batch]:
+        """Batches of ``batch_size`` rows (and, when ``final``, the rows left), right-padded."""
+        import torch
+
+        # start-up: the --data help reads this module; torch loads when batches are made.
+        from lensdiv.core.analyzer import Batch
+
+        while self.pending >= self.batch_size or (final and self.pending):
+            ids, doc, mask = self._next_rows(min(self.batch_size, self.pending))
+            yield Batch(
+                tokens=torch.from_numpy(ids),
+                mask=torch.from_numpy(mask),
+                bos=self.lead == 1,
+                index=self.index,
+                doc=torch.from_numpy(doc),
+            )
+            self.index += 1
+
+    def _next_rows(self, n: int) -> tuple[Any, Any, Any]:
+        """The next ``n`` rows: ids and documents right-padded to the longest, and the mask."""
+        import numpy as np
+
+        self.pending -= n
+        ids, doc = self.blocks[0]
+        if len(ids) >= n:  # rows of one length (all but the last row of the data)
+            self.blocks[0] = ids[n:], doc[n:]
+            if len(ids) == n:
+                del self.blocks[0]
+            return ids[:n], doc[:n], np.ones(ids[:n].shape, dtype=bool)
+        rows: list[tuple[Any, Any]] = []
+        while len(rows) < n:
+            ids, doc = self.blocks.pop(0)
+            take = min(n - len(rows), len(ids))
+            rows += zip(ids[:take], doc[:take], strict=True)
+            if take < len(ids):
+                self.blocks.insert(0, (ids[take:], doc[take:]))
+        sizes = np.array([r.size for r, _ in rows])
+        length = int(sizes.max())
+        out_ids = np.full((n, length), self.pad, dtype=np.int64)
+        out_doc = np.full((n, length), -1, dtype=np.int64)
+        for i, (r, d) in enumerate(rows):
+            out_ids[i, : r.size], out_doc[i, : r.size] = r, d
+        return out_ids, out_doc, np.arange(length) < sizes[:, None]

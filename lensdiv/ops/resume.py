@@ -33,6 +33,9 @@ from lensdiv.core.errors import HookError
 from lensdiv.ops.capture import stop_hook_name
 from lensdiv.ops.readout import final_readout
 
+# The plugin API of this module (see :mod:`lensdiv`): analyzers with extra forward passes use it.
+__all__ = ["Resumer", "resumer_for"]
+
 Hook = tuple[str, Callable[..., Any]]
 
 # First-use decisions per model and settings: the readout they were taken with (a new one after

@@ -38,7 +38,10 @@ def check_hooks(analyzers: Iterable[Analyzer], info: ModelInfo) -> dict[str, lis
     """Every analyzer's hooks, after checking each exists on the model."""
     needed = {}
     for analyzer in analyzers:
-        hooks = list(dict.fromkeys(analyzer.hooks(info)))
+        declared = analyzer.hooks(info)
+        if not isinstance(declared, (list, tuple)) or not all(isinstance(h, str) for h in declared):
+            raise TypeError(f"hooks returned {shown(declared)}, expected a list of hook names")
+        hooks = list(dict.fromkeys(declared))
         for hook in hooks:
             if hook not in info.hook_names:
                 parts = hook.split(".")
@@ -64,7 +67,27 @@ def on_device(batch: Batch, device: torch.device) -> Batch:
 
 def describe(err: BaseException) -> str:
     """``"Type: first line of the message"`` (at most 300 characters)."""
-    return f"{type(err).__name__}: {err}".splitlines()[0][:300]
+    line = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+    return line.splitlines()[0][:300]
+
+
+def shown(value: Any) -> str:
+    """A returned value as a line names it: ``None``, ``a dict ({'n': 1})``."""
+    if value is None:
+        return "None"
+    text = " ".join(repr(value).split())
+    text = text if len(text) <= 60 else text[:57] + "..."
+    kind = type(value).__name__
+    return f"{'an' if kind[0].lower() in 'aeiou' else 'a'} {kind} ({text})"
+
+
+def broken_return(method: str, value: Any, expected: type | None) -> str | None:
+    """The line for ``method`` of an analyzer having returned ``value`` where the contract
+    wants an instance of ``expected`` (``None``: nothing), or ``None`` when it did."""
+    if expected is None and value is None or expected is not None and isinstance(value, expected):
+        return None
+    wanted = "None (it works on the state it is given)" if expected is None else expected.__name__
+    return f"{method} returned {shown(value)}, expected {'a ' if expected else ''}{wanted}"
 
 
 class Engine:
@@ -146,21 +169,38 @@ class Engine:
         for analyzer in self.members(index):
             self.fail(analyzer, why)
 
-    def _timed(self, analyzer: Analyzer, where: str, call: Callable[[], Any]) -> Any:
+    def _timed(
+        self,
+        analyzer: Analyzer,
+        where: str,
+        call: Callable[[], Any],
+        returns: tuple[str, type | None] | None = None,
+    ) -> Any:
+        """``call()`` of one analyzer's method, timed; what it raises (``sys.exit`` included;
+        only Ctrl-C goes through), or a return value of the wrong kind (``returns``: the
+        method's name and the type it must return, ``None`` for nothing), fails that analyzer
+        with one line and gives ``None``."""
         t0 = time.perf_counter()
         try:
-            return call()
-        except Exception as err:  # one analyzer failing must not stop the others
+            value = call()
+        except KeyboardInterrupt:
+            raise
+        except BaseException as err:  # one analyzer failing must not stop the others
             self.fail(analyzer, err, where)
             return None
         finally:
             self.spent[analyzer.name] += time.perf_counter() - t0
+        problem = broken_return(returns[0], value, returns[1]) if returns else None
+        if problem is not None:
+            self.fail(analyzer, problem)
+            return None
+        return value
 
     def init(self) -> dict[str, Stats]:
         """A fresh state per analyzer."""
         states: dict[str, Stats] = {}
         for a in self.active:
-            state = self._timed(a, "init", partial(a.init, self.info))
+            state = self._timed(a, "init", partial(a.init, self.info), ("init", Stats))
             if state is not None:
                 states[a.name] = state
         return states
@@ -173,12 +213,14 @@ class Engine:
             for a in self.members(index):
                 state = states[a.name]
 
-                def start(a: Analyzer = a, state: Stats = state) -> None:
+                def start(a: Analyzer = a, state: Stats = state) -> Any:
                     state.freeze()
-                    a.start_pass(state, self.info, index)
-                    state.freeze()
+                    try:
+                        return a.start_pass(state, self.info, index)
+                    finally:
+                        state.freeze()
 
-                self._timed(a, "start of pass", start)
+                self._timed(a, "start of pass", start, ("start_pass", None))
         return self.members(index)
 
     def feed(
@@ -211,11 +253,11 @@ class Engine:
             step = Step(batch, cache, logits, context=self.context)
             for a in self.members(index):
 
-                def update(a: Analyzer = a, step: Step = step) -> None:
+                def update(a: Analyzer = a, step: Step = step) -> Any:
                     with torch.set_grad_enabled(a.needs_grad):
-                        a.update(states[a.name], step)
+                        return a.update(states[a.name], step)
 
-                self._timed(a, f"batch {batch.index}", update)
+                self._timed(a, f"batch {batch.index}", update, ("update", None))
             if index == 0:
                 self.count_tokens(batch.n_tokens)
             if on_batch is not None:
@@ -227,7 +269,8 @@ class Engine:
         """Each running analyzer's result (those that fail here are dropped)."""
         results = {}
         for a in self.active:
-            result = self._timed(a, "finalize", partial(a.finalize, states[a.name], self.info))
+            finalize = partial(a.finalize, states[a.name], self.info)
+            result = self._timed(a, "finalize", finalize, ("finalize", Result))
             if result is not None:
                 results[a.name] = result
         return results

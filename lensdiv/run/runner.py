@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -26,7 +26,8 @@ from lensdiv.core.progress import progress_allowed, progress_bar
 from lensdiv.core.provenance import versions
 from lensdiv.core.registry import make_analyzers
 from lensdiv.core.results import Rendered, Result
-from lensdiv.data.sources import DataSpec, check_source, token_batches
+from lensdiv.data.prefetch import ready_batches
+from lensdiv.data.sources import DataSpec, check_source
 from lensdiv.models.load import load_model
 from lensdiv.ops.readout import readout_dtype
 from lensdiv.ops.translators import LOGIT, Translator, parse_lens
@@ -42,8 +43,10 @@ from lensdiv.run.validate import (
     check_budget,
     check_model,
     check_output,
+    check_runs,
     checked,
     clear_output,
+    corpus_facts,
     prepare,
     short_data_warning,
 )
@@ -273,12 +276,13 @@ def _run(
     parsed = bridge.lensdiv_spec
     info = ModelInfo.from_model(bridge, name=parsed.spec)
     check_model(bridge, info, spec)
+    check_runs(bridge, info)
     translator.check(info)
     # Task analyzers bring their own examples, and setup() loads what else a run needs (a
     # reference model): all of it is read and checked before any forward pass, so a bad task
     # file fails at once and nothing is written. An analyzer that cannot support the model is
     # skipped with its reason; one that crashes here is marked failed; the others run.
-    prepared = prepare(analyzers, bridge, info)
+    prepared = prepare(analyzers, bridge, info, corpus_facts(spec, bridge.tokenizer))
     if not prepared.ready(analyzers) and not prepared.failed:
         by_reason: dict[str, list[str]] = {}
         for name, why in prepared.skipped.items():
@@ -352,7 +356,7 @@ def _run(
     for kind in ("raw", "folded"):
         shared = [a for a in analyzers if a.numerics == kind and tasks[a.name] is None]
         if shared:
-            corpus = partial(token_batches, spec, bridge.tokenizer)
+            corpus = partial(ready_batches, spec, bridge.tokenizer)
             groups.append((shared, partial(_checked, corpus, info), spec.max_tokens))
         for a in analyzers:
             own = tasks[a.name]
@@ -407,9 +411,16 @@ def _report(run: Run, model: Any) -> None:
             run.problems.append(f"report.html could not be written: {describe(err)}")
 
 
-def _checked(batches: Callable[[], Iterable[Batch]], info: ModelInfo) -> Iterable[Batch]:
-    """The corpus' batches, each checked against the model before it is fed."""
-    return checked(batches(), info)
+def _checked(
+    batches: Callable[[], Generator[Batch, None, None]], info: ModelInfo
+) -> Iterator[Batch]:
+    """The corpus' batches (made ahead on a thread: :mod:`lensdiv.data.prefetch`), each checked
+    against the model before it is fed; closing this stream stops the thread."""
+    stream = batches()
+    try:
+        yield from checked(stream, info)
+    finally:
+        stream.close()
 
 
 def _finish(
@@ -469,7 +480,12 @@ def _stream(
                     def advance(batch: Batch, bar: Any = bar, task: Any = task) -> None:
                         bar.update(task, advance=batch.n_tokens)
 
-                    feed.run_pass(engine, index, batches(), states, advance)
+                    stream = batches()
+                    try:
+                        feed.run_pass(engine, index, stream, states, advance)
+                    finally:  # a pass stopped early: the data's reader thread stops too
+                        if isinstance(stream, Generator):
+                            stream.close()
     except (KeyboardInterrupt, LensdivError) as err:
         stopped = err
     except (MemoryError, torch.cuda.OutOfMemoryError) as err:

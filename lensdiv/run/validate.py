@@ -16,14 +16,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-from lensdiv.core.analyzer import Analyzer, Batch, ModelInfo
-from lensdiv.core.devices import check_device
+import torch
+
+from lensdiv.core.analyzer import Analyzer, Batch, DataFacts, ModelInfo
+from lensdiv.core.devices import check_device, input_device
 from lensdiv.core.errors import (
     DataError,
     LensdivError,
@@ -32,8 +34,9 @@ from lensdiv.core.errors import (
     UnsupportedModelError,
 )
 from lensdiv.core.files import folder_problem
-from lensdiv.data.sources import DataSpec
-from lensdiv.run.engine import check_hooks, describe
+from lensdiv.data.sources import DataSpec, token_batches
+from lensdiv.ops.capture import capture
+from lensdiv.run.engine import check_hooks, describe, shown
 from lensdiv.run.outcome import MANIFEST
 from lensdiv.run.report import REPORT, VIEWS
 
@@ -226,6 +229,49 @@ def check_model(model: Any, info: ModelInfo, spec: DataSpec) -> None:
             )
 
 
+def check_runs(model: Any, info: ModelInfo) -> None:
+    """The model runs: one forward pass over a few tokens, reading every residual state and the
+    logits as a run does. TransformerLens boots some architectures it cannot run (a component
+    adapter that does not match the installed ``transformers``): that is said once, here, not
+    by every analyzer after the data was read.
+
+    Raises:
+        ModelLoadError: The forward pass fails, naming the architecture and the error.
+        OptionError: It runs out of memory.
+    """
+    tokens = torch.arange(min(8, info.d_vocab, info.n_ctx or 8))[None].to(input_device(model))
+    names = [info.resid(layer) for layer in range(info.n_layers + 1)]
+    try:
+        with torch.no_grad():
+            capture(model, tokens, [n for n in names if n in info.hook_names], need_logits=True)
+    except (MemoryError, torch.cuda.OutOfMemoryError) as err:
+        raise OptionError(
+            f"out of memory in a forward pass over {tokens.shape[1]} tokens ({describe(err)})",
+            hint="use a smaller --dtype, or --device-map to spread the model",
+        ) from None
+    except LensdivError:
+        raise
+    except Exception as err:  # whatever the architecture's code raises
+        cfg = getattr(model, "cfg", None)
+        arch = getattr(cfg, "architecture", None) or type(model).__name__
+        raise ModelLoadError(
+            f"TransformerLens {_version('transformer-lens')} loads {info.name} ({arch}) but cannot "
+            f"run it: {describe(err)}",
+            hint="this architecture does not run in the installed TransformerLens "
+            f"{_version('transformer-lens')} / transformers {_version('transformers')}; try "
+            "other versions of them, or another model",
+        ) from None
+
+
+def _version(package: str) -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
 def tokenizer_problem(tokenizer: Any) -> str | None:
     """Why ``tokenizer`` cannot tokenize text (missing, a placeholder, no tokens), or ``None``."""
     if tokenizer is None:
@@ -263,8 +309,11 @@ class Prepared:
         return [a for a in analyzers if a.name not in self.skipped and a.name not in self.failed]
 
 
-def prepare(analyzers: Sequence[Analyzer], model: Any, info: ModelInfo) -> Prepared:
-    """Each analyzer's hooks, examples and setup, in that order for all (so a bad task file
+def prepare(
+    analyzers: Sequence[Analyzer], model: Any, info: ModelInfo, data: DataFacts | None = None
+) -> Prepared:
+    """Each analyzer's hooks, examples, check of the corpus (``data``, for those that read it)
+    and setup, in that order for all (so a bad task file or an option the data cannot serve
     fails before a reference model loads), each call isolated.
 
     An :class:`~lensdiv.core.errors.UnsupportedModelError` skips that analyzer; another
@@ -283,15 +332,20 @@ def prepare(analyzers: Sequence[Analyzer], model: Any, info: ModelInfo) -> Prepa
             return call()
         except UnsupportedModelError as err:
             done.skipped[a.name] = str(err)
-        except LensdivError:
+        except (LensdivError, KeyboardInterrupt):
             raise
-        except Exception as err:  # a broken plugin must not take the run down
+        except BaseException as err:  # a broken plugin (sys.exit too) must not take the run down
             done.failed[a.name] = f"{describe(err)} ({where})"
         return None
 
     def needs(a: Analyzer) -> list[str]:
-        a.n_passes(info)  # model-dependent; a plugin may raise here too
-        a.min_tokens(info)
+        # Model-dependent; a plugin may raise here too, or return what the runner cannot use.
+        for method, least in (("n_passes", 1), ("min_tokens", 0)):
+            value = getattr(a, method)(info)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise TypeError(
+                    f"{method} returned {shown(value)}, expected a whole number of at least {least}"
+                )
         return check_hooks([a], info)[a.name]
 
     for a in analyzers:
@@ -301,8 +355,38 @@ def prepare(analyzers: Sequence[Analyzer], model: Any, info: ModelInfo) -> Prepa
     for a in analyzers:
         done.tasks[a.name] = attempt(a, "examples", partial(_own_examples, a, model, info))
     for a in analyzers:
+        if data is not None and done.tasks.get(a.name) is None:
+            attempt(a, "check_data", partial(a.check_data, data, info))
+    for a in analyzers:
         done.resources[a.name] = attempt(a, "setup", partial(a.setup, model, info))
     return done
+
+
+def corpus_facts(spec: DataSpec, tokenizer: Any) -> DataFacts:
+    """What :meth:`Analyzer.check_data` may know of the corpus of ``spec``; the length of its
+    first row is read (the start of the data tokenised) only if an analyzer asks."""
+
+    def first_row() -> tuple[int, str]:
+        stream = iter(token_batches(spec, tokenizer))
+        try:
+            n = int(next(stream).mask[0].sum())
+        finally:  # the rest is read by the run itself
+            if isinstance(stream, Generator):
+                stream.close()
+        if spec.tokens is not None and n == spec.tokens.shape[1]:
+            return n, f"the token tensor's rows hold {n} tokens"
+        if spec.tokens is None and n >= spec.seq_len:
+            return n, f"--seq-len {spec.seq_len} makes rows of at most {n} tokens"
+        if n >= spec.max_tokens:
+            return n, f"--max-tokens {spec.max_tokens} leaves one row of {n} tokens"
+        return n, f"the data makes one row of only {n} tokens"
+
+    return DataFacts(
+        seq_len=spec.seq_len,
+        max_tokens=spec.max_tokens,
+        batch_size=spec.batch_size,
+        first_row=first_row,
+    )
 
 
 def check_budget(analyzers: Iterable[Analyzer], info: ModelInfo, spec: DataSpec) -> None:
@@ -342,6 +426,8 @@ def _own_examples(analyzer: Analyzer, model: Any, info: ModelInfo) -> list[Batch
         return None
     batches = list(own)
     for batch in batches:
+        if not isinstance(batch, Batch):
+            raise TypeError(f"examples returned {shown(batch)} among its batches, expected Batches")
         _check_batch(batch, info, _examples_of(analyzer))
     return batches
 

@@ -6,9 +6,12 @@
         check_analyzer(MyAnalyzer)
 
 This is the top layer (beside the CLI): it drives analyzers through the run engine on tiny
-random models built from Hugging Face configs, with no download.
+random models built from Hugging Face configs, with no download. ``token_batches(spec,
+tokenizer)`` gives the batches a run of ``spec`` feeds, for checking an analyzer against a
+direct computation. ``__all__`` is part of the plugin API (see :mod:`lensdiv`).
 """
 
+from lensdiv.data.sources import token_batches
 from lensdiv.testing.contract import (
     ContractReport,
     assert_results_close,
@@ -26,4 +29,5 @@ __all__ = [
     "boot_tiny",
     "check_analyzer",
     "save_tiny_model",
+    "token_batches",
 ]

@@ -191,6 +191,38 @@ def save_softcapped_model(directory: Path, *, seed: int = 0) -> Path:
     return directory
 
 
+def save_codegen_model(directory: Path, *, rotary_dim: int = 4, seed: int = 0) -> Path:
+    """Build and save (with the byte tokenizer) a tiny CodeGen model, 2 layers: an
+    architecture outside :data:`ARCHITECTURES` whose attention TransformerLens replaces with
+    its own component. ``rotary_dim`` beyond the head size (8; CodeGen's default is 64) makes a
+    model TransformerLens boots but cannot run."""
+    from transformers import CodeGenConfig
+
+    config = CodeGenConfig(
+        vocab_size=VOCAB_SIZE,
+        n_positions=N_CTX,
+        n_ctx=N_CTX,
+        n_embd=D_MODEL,
+        n_layer=2,
+        n_head=N_HEADS,
+        n_inner=D_MLP,
+        rotary_dim=rotary_dim,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        tie_word_embeddings=False,
+        **_SPECIAL_IDS,
+    )
+    config.dtype = torch.float32
+    directory = Path(directory)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.eval().save_pretrained(directory)
+    byte_tokenizer().save_pretrained(directory)
+    return directory
+
+
 def tiny_config(
     arch: str, *, n_layers: int = N_LAYERS, d_model: int = D_MODEL, init_std: float = INIT_STD
 ) -> PretrainedConfig:

@@ -14,6 +14,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from lensdiv.core.errors import ResultError
 from lensdiv.core.results import Result
 from lensdiv.view.html import figure_data_uri, render
 from lensdiv.view.prompt import PromptView
@@ -116,8 +117,10 @@ def _section(result: Result) -> dict[str, Any]:
     for spec in result.plots:
         try:
             fig, _ = spec.figure(result, caption=False)
+        except ResultError as err:  # a spec naming a missing table or array: says which
+            plots.append({"title": spec.title, "error": str(err)})
+            continue
         except (KeyError, ValueError, TypeError, IndexError) as err:
-            # A spec naming a missing table or array draws nothing, but says so.
             plots.append({"title": spec.title, "error": f"{type(err).__name__}: {err}"})
             continue
         plots.append(

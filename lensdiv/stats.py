@@ -1,0 +1,21 @@
+"""Deprecated alias of :mod:`lensdiv.core.stats`, where ``lensdiv.stats`` moved when the
+package was split into layers: plugins import Stats from :mod:`lensdiv`
+(the plugin API, in the README). This alias keeps a plugin written against the old layout
+loading, with a ``DeprecationWarning``."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from lensdiv.core import stats as _moved
+
+warnings.warn(
+    "lensdiv.stats is deprecated and will be removed: import Stats from lensdiv (the plugin API)",
+    DeprecationWarning,
+    stacklevel=2,
+)
+
+
+def __getattr__(name: str) -> Any:
+    return getattr(_moved, name)
