@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 OUT ?= lensdiv-out/demo
+# Test processes (pytest-xdist; each test file runs whole in one of them, one torch thread each).
+TEST_WORKERS ?= 2
 
 .PHONY: setup demo test check bench findings lint clean
 
@@ -20,7 +22,7 @@ demo: setup
 	$(BIN)/lensdiv analyze toy --plugins lens,contrib --out $(OUT)
 
 test: setup check
-	HF_HUB_OFFLINE=1 MPLBACKEND=Agg $(BIN)/python -m pytest -q
+	HF_HUB_OFFLINE=1 MPLBACKEND=Agg $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # The checks `make test` (so CI) runs first: the linter, the architecture (ARCHITECTURE.md:
 # layers import one way) and the types (strict on lensdiv.core).

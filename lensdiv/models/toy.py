@@ -555,9 +555,18 @@ def _save_entry(spec: ToySpec, recipe: TrainRecipe, model: Any, log: dict[str, A
     except BaseException:  # disk full, Ctrl-C: leave no half-written entry behind
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if final.exists():  # another process finished first, or a broken entry is being replaced
-        shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
+    # Another process (a torchrun rank, a test worker) may have trained the same toy meanwhile:
+    # training is seeded, so its complete entry is this one; it stays (it may be being read).
+    if (final / _COMPLETE).is_file():
+        shutil.rmtree(tmp, ignore_errors=True)
+        return final
+    shutil.rmtree(final, ignore_errors=True)  # a broken entry is replaced
+    try:
+        os.replace(tmp, final)
+    except OSError:  # another process renamed its entry into place in between
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (final / _COMPLETE).is_file():
+            raise
     return final
 
 
