@@ -180,40 +180,10 @@ class TokenCache:
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return None
 
-    def write(self, ids: Any, lengths: Any, chars: int, complete: bool) -> None:
-        """Keep ``ids`` (uint32, the documents one after the other) and ``lengths`` (tokens of
-        each document) as this entry, unless an entry of at least as many documents is there.
-
-        Never raises: a disk that cannot take it warns once (one line) and the run goes on.
-        """
-        import numpy as np
-
-        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        meta = {
-            "version": FORMAT_VERSION,
-            "source": self.source,
-            "tokenizer": self.tokenizer,
-            "n_docs": len(lengths),
-            "tokens": int(offsets[-1]),
-            "chars": int(chars),
-            "complete": bool(complete),
-        }
-        tmp: Path | None = None
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=self.root))
-            tmp.chmod(0o755)  # readable by whoever shares the cache, as a plain folder would be
-            np.save(tmp / _IDS, np.ascontiguousarray(ids, dtype=np.uint32))
-            np.save(tmp / _OFFSETS, offsets)
-            (tmp / _META).write_text(json.dumps(meta, indent=1), encoding="utf-8")  # last
-            if self._place(tmp, meta):
-                tmp = None
-        except OSError as err:
-            _warn_once(f"cannot write the token cache in {self.root} ({err.strerror or err})")
-        finally:
-            if tmp is not None:
-                shutil.rmtree(tmp, ignore_errors=True)
+    def writer(self, prefix: Prefix | None) -> Writer:
+        """A :class:`Writer` of a longer entry, starting from ``prefix`` (``None``: from the
+        first document)."""
+        return Writer(self, prefix)
 
     def _place(self, tmp: Path, meta: dict[str, Any]) -> bool:
         """Rename ``tmp`` into place; whether it went there (a racing writer may have won)."""
@@ -239,6 +209,133 @@ class TokenCache:
             return False
         finally:
             shutil.rmtree(aside, ignore_errors=True)
+
+
+class Writer:
+    """A new entry, written as the run tokenises: the ids go straight to a file in a temporary
+    folder (memory stays that of a chunk however long the run), the document lengths are kept,
+    and :meth:`commit` renames the folder into place (or :meth:`abort` removes it).
+
+    Never raises: a disk that cannot take it (read-only, full) warns once, one line, and the
+    rest of the run goes on without writing.
+    """
+
+    def __init__(self, cache: TokenCache, prefix: Prefix | None) -> None:
+        import numpy as np
+
+        self.cache = cache
+        self.tmp: Path | None = None
+        self.fh: Any = None
+        self.lengths: list[Any] = []
+        self.tokens = self.chars = self.base = 0
+        try:
+            cache.root.mkdir(parents=True, exist_ok=True)
+            _sweep(cache.root)
+            self.tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=cache.root))
+            self.tmp.chmod(0o755)  # readable by whoever shares the cache, as a plain folder
+            self.fh = (self.tmp / _IDS).open("wb")
+            self.fh.write(_npy_header(0))
+            if prefix is not None:
+                for lo in range(0, prefix.ids.size, _COPY_TOKENS):
+                    self.fh.write(prefix.ids[lo : lo + _COPY_TOKENS].tobytes())
+                self.lengths.append(np.diff(prefix.offsets))
+                self.tokens, self.chars, self.base = prefix.ids.size, prefix.chars, prefix.n_docs
+        except OSError as err:
+            self._fail(err)
+
+    def add(self, content: Any, lengths: Any, chars: int) -> None:
+        """Append documents: ``content`` (their ids one after the other), ``lengths`` (ids of
+        each), ``chars`` (their characters)."""
+        import numpy as np
+
+        if self.fh is None:
+            return
+        if content.size and (int(content.min()) < 0 or int(content.max()) >= 1 << 32):
+            self.abort()  # ids beyond uint32: this tokenizer is not cached
+            return
+        try:
+            self.fh.write(content.astype("<u4").tobytes())
+        except OSError as err:
+            self._fail(err)
+            return
+        self.lengths.append(np.asarray(lengths, dtype=np.int64))
+        self.tokens += int(content.size)
+        self.chars += chars
+
+    def commit(self, *, complete: bool) -> None:
+        """Place the entry (unless it adds no document to the prefix it started from)."""
+        import numpy as np
+
+        if self.fh is None or self.tmp is None:
+            return
+        lengths = np.concatenate(self.lengths) if self.lengths else np.zeros(0, dtype=np.int64)
+        if len(lengths) == self.base:
+            self.abort()
+            return
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        meta = {
+            "version": FORMAT_VERSION,
+            "source": self.cache.source,
+            "tokenizer": self.cache.tokenizer,
+            "n_docs": len(lengths),
+            "tokens": self.tokens,
+            "chars": self.chars,
+            "complete": bool(complete),
+        }
+        try:
+            self.fh.seek(0)
+            self.fh.write(_npy_header(self.tokens))
+            self.fh.close()
+            self.fh = None
+            np.save(self.tmp / _OFFSETS, offsets)
+            (self.tmp / _META).write_text(json.dumps(meta, indent=1), encoding="utf-8")  # last
+            if self.cache._place(self.tmp, meta):
+                self.tmp = None
+        except OSError as err:
+            self._fail(err)
+        self.abort()
+
+    def abort(self) -> None:
+        """Drop what was written (nothing if the entry was placed)."""
+        if self.fh is not None:
+            self.fh.close()
+            self.fh = None
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.tmp = None
+
+    def _fail(self, err: OSError) -> None:
+        _warn_once(f"cannot write the token cache in {self.cache.root} ({err.strerror or err})")
+        self.abort()
+
+
+# Cached ids copied into a longer entry this many at a time (bounded memory).
+_COPY_TOKENS = 1 << 24
+# Temporary folders of writers that died (a killed process) are removed after this long.
+_STALE_S = 24 * 3600
+_NPY_HEADER_BYTES = 128
+
+
+def _npy_header(n: int) -> bytes:
+    """The ``.npy`` header of a 1-D little-endian uint32 array of ``n`` items, of fixed size, so
+    that it is written before the ids (with 0) and again after them (with their number)."""
+    text = f"{{'descr': '<u4', 'fortran_order': False, 'shape': ({n},), }}"
+    text = text.ljust(_NPY_HEADER_BYTES - 10 - 1) + "\n"
+    return b"\x93NUMPY\x01\x00" + len(text).to_bytes(2, "little") + text.encode("latin1")
+
+
+def _sweep(root: Path) -> None:
+    """Remove what writers that died left in ``root`` (temporary folders a day old)."""
+    import time
+
+    now = time.time()
+    for path in root.glob(".[to][ml][pd]-*"):  # .tmp-* and .old-*
+        try:
+            if now - path.stat().st_mtime > _STALE_S:
+                shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            pass
 
 
 def token_cache(identity: dict[str, Any] | None, tokenizer: Any) -> TokenCache | None:

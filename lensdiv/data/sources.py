@@ -872,7 +872,7 @@ def _pack(
     packer = _Packer(tokenizer, spec)
     stream = iter(docs)
     cache = _cache_of(identity, tokenizer) if identity is not None else None
-    record = None
+    writer = None
     if cache is not None:
         prefix = cache.read()
         if prefix is not None:
@@ -881,26 +881,43 @@ def _pack(
                 yield from packer.finish(source)
                 return
             stream = _skip(stream, prefix.n_docs)
-        record = _Record(cache, prefix, identity)  # type: ignore[arg-type]
-    complete = False
-    while packer.budget > 0:
-        chunk, error, ended = _next_chunk(stream, packer.chars_wanted())
-        if chunk:
-            content, lengths = _arrays(_encode(tokenizer, chunk))
-            chars = sum(map(len, chunk))
-            if record is not None:
-                record.add(content, lengths, chars)
-            yield from packer.add_ids(content, lengths, chars)
-        if error is not None and packer.budget > 0:  # one document at a time would read it
-            if record is not None:
-                record.save(complete=False)
-            raise error
-        if ended:
-            complete = error is None
-            break
-    if record is not None:
-        record.save(complete=complete)
-    yield from packer.finish(source)
+        writer = cache.writer(prefix)
+    try:
+        complete = False
+        while packer.budget > 0:
+            chunk, error, ended = _next_chunk(stream, packer.chars_wanted())
+            if chunk:
+                content, lengths = _arrays(_encode(tokenizer, chunk))
+                chars = sum(map(len, chunk))
+                if writer is not None:
+                    writer.add(content, lengths, chars)
+                yield from packer.add_ids(content, lengths, chars)
+            if error is not None and packer.budget > 0:  # one document at a time would read it
+                _commit(writer, identity, complete=False)
+                raise error
+            if ended:
+                complete = error is None
+                break
+        _commit(writer, identity, complete=complete)
+        yield from packer.finish(source)
+    finally:  # closed early (the consumer stopped): nothing is kept
+        if writer is not None:
+            writer.abort()
+
+
+def _commit(writer: Any, identity: Any, *, complete: bool) -> None:
+    """Place the documents ``writer`` holds in the cache, unless the data changed while it was
+    read (its documents may then mix two versions)."""
+    if writer is None:
+        return
+    try:
+        same = identity() == writer.cache.source
+    except OSError:
+        same = False
+    if same:
+        writer.commit(complete=complete)
+    else:
+        writer.abort()
 
 
 def _cache_of(identity: Callable[[], dict[str, Any] | None], tokenizer: Any) -> Any:
@@ -920,46 +937,6 @@ def _skip(stream: Iterator[str], n_docs: int) -> Iterator[str]:
             yield doc
         elif doc.strip():
             n_docs -= 1
-
-
-class _Record:
-    """The documents a run tokenises past the cached prefix, written to the cache (with the
-    prefix before them) when the run has read what it needs, or met bad data."""
-
-    def __init__(self, cache: Any, prefix: Any, identity: Callable[[], Any]) -> None:
-        self.cache, self.prefix, self.identity = cache, prefix, identity
-        self.ids: list[Any] = []
-        self.lengths: list[Any] = []
-        self.chars = 0
-        self.ok = True
-
-    def add(self, content: Any, lengths: Any, chars: int) -> None:
-        import numpy as np
-
-        if content.size and (int(content.min()) < 0 or int(content.max()) >= 1 << 32):
-            self.ok = False  # ids beyond uint32: not cached
-        if self.ok:
-            self.ids.append(content.astype(np.uint32))
-            self.lengths.append(lengths)
-            self.chars += chars
-
-    def save(self, *, complete: bool) -> None:
-        import numpy as np
-
-        if not self.ok or not self.lengths:
-            return
-        try:  # the data changed while it was read: its documents may mix two versions
-            if self.identity() != self.cache.source:
-                return
-        except OSError:
-            return
-        head = self.prefix
-        ids = [head.ids] if head is not None else []
-        lengths = [np.diff(head.offsets)] if head is not None else []
-        chars = self.chars + (head.chars if head is not None else 0)
-        self.cache.write(
-            np.concatenate(ids + self.ids), np.concatenate(lengths + self.lengths), chars, complete
-        )
 
 
 # A chunk of documents holds the text of about this many batches (at the ratio of characters
