@@ -171,6 +171,10 @@ def test_an_edited_file_or_another_tokenizer_misses(
     calls.clear()
     assert _plain(token_batches(spec, byte_tokenizer())) == _uncached(spec, monkeypatch)
     assert calls and len(_entries(root)) == 2
+    # Padding and truncation a call left set on the tokenizer do not change its identity.
+    padded = copy.deepcopy(byte_tokenizer())
+    padded(["a", "bcd"], padding=True, truncation=True, max_length=2)
+    assert tokenizer_identity(padded) == tokenizer_identity(byte_tokenizer())
     other = copy.deepcopy(byte_tokenizer())
     other.add_tokens(["the cat"])  # the same class and vocabulary file, other ids
     assert tokenizer_identity(other) != tokenizer_identity(byte_tokenizer())
@@ -298,3 +302,21 @@ def test_analyze_gives_the_same_results_with_and_without_the_cache(
     manifests = [json.loads((o / "manifest.json").read_text()) for o in outs]
     assert manifests[0]["data"] == manifests[1]["data"]
     assert manifests[0]["timings"]["tokens"] == manifests[1]["timings"]["tokens"]
+
+
+def test_a_prefix_learns_that_the_stream_ended(
+    tmp_path: Path, root: Path, monkeypatch: pytest.MonkeyPatch, calls: list[Any]
+) -> None:
+    """One text file, cut by the budget: a longer run finds no more documents, and the entry
+    is marked complete (so the next run does not read the file again)."""
+    source = _source("text", tmp_path)
+    list(token_batches(DataSpec(source=source, seq_len=32, max_tokens=500), byte_tokenizer()))
+    (entry,) = _entries(root)
+    assert not json.loads((entry / "meta.json").read_text())["complete"]
+    spec = DataSpec(source=source, seq_len=32, max_tokens=10**6)
+    expected = _uncached(spec, monkeypatch)
+    calls.clear()
+    assert _plain(token_batches(spec, byte_tokenizer())) == expected and not calls
+    assert json.loads((entry / "meta.json").read_text())["complete"]
+    monkeypatch.setattr(sources, "_read_text", lambda path: pytest.fail("read again"))
+    assert _plain(token_batches(spec, byte_tokenizer())) == expected

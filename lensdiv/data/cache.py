@@ -71,10 +71,11 @@ def cache_root() -> Path | None:
 def tokenizer_identity(tokenizer: Any) -> dict[str, Any] | None:
     """What fixes the ids ``tokenizer`` gives a text, or ``None`` if nothing reliable does.
 
-    A fast tokenizer is its native tokenizer's full serialisation (vocabulary, merges,
-    normaliser, pre-tokeniser, added tokens) plus its class; another tokenizer its class, name,
-    vocabulary and plain init arguments (a lower-casing flag changes ids, not the vocabulary).
-    The special ids packing uses are part of it too.
+    A fast tokenizer is its native tokenizer's serialisation (vocabulary, merges, normaliser,
+    pre-tokeniser, added tokens; not the padding and truncation of its last call) plus its
+    class; another tokenizer its class, name, vocabulary and plain init arguments (a
+    lower-casing flag changes ids, not the vocabulary). The special ids packing uses are part
+    of it too.
     """
     kind = type(tokenizer)
     out: dict[str, Any] = {
@@ -85,7 +86,13 @@ def tokenizer_identity(tokenizer: Any) -> dict[str, Any] | None:
     try:
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is not None and hasattr(backend, "to_str"):
-            out["backend_sha256"] = hashlib.sha256(backend.to_str().encode()).hexdigest()
+            # Without the padding and truncation the last call left set (each call sets its
+            # own; packing asks for neither).
+            state = json.loads(backend.to_str())
+            state.pop("padding", None)
+            state.pop("truncation", None)
+            blob = json.dumps(state, sort_keys=True, ensure_ascii=False).encode()
+            out["backend_sha256"] = hashlib.sha256(blob).hexdigest()
             return _plain(out)
         vocab = tokenizer.get_vocab() if callable(getattr(tokenizer, "get_vocab", None)) else None
         if not isinstance(vocab, dict) or not vocab:
@@ -194,7 +201,12 @@ class TokenCache:
         except OSError:  # an entry is there (or appeared just now)
             pass
         current = self.read()
-        if current is not None and (current.n_docs >= meta["n_docs"] or current.complete):
+        n_docs, complete = meta["n_docs"], meta["complete"]
+        if current is not None and (
+            current.complete
+            or current.n_docs > n_docs
+            or (current.n_docs == n_docs and not complete)
+        ):
             return False  # as good as ours: keep it
         aside = Path(tempfile.mkdtemp(prefix=".old-", dir=self.root))
         try:
@@ -228,6 +240,7 @@ class Writer:
         self.fh: Any = None
         self.lengths: list[Any] = []
         self.tokens = self.chars = self.base = 0
+        self.base_complete = False
         try:
             cache.root.mkdir(parents=True, exist_ok=True)
             _sweep(cache.root)
@@ -240,6 +253,7 @@ class Writer:
                     self.fh.write(prefix.ids[lo : lo + _COPY_TOKENS].tobytes())
                 self.lengths.append(np.diff(prefix.offsets))
                 self.tokens, self.chars, self.base = prefix.ids.size, prefix.chars, prefix.n_docs
+                self.base_complete = prefix.complete
         except OSError as err:
             self._fail(err)
 
@@ -263,13 +277,14 @@ class Writer:
         self.chars += chars
 
     def commit(self, *, complete: bool) -> None:
-        """Place the entry (unless it adds no document to the prefix it started from)."""
+        """Place the entry, unless it tells nothing new: no document past the prefix it
+        started from, and no end of the stream the prefix did not know of."""
         import numpy as np
 
         if self.fh is None or self.tmp is None:
             return
         lengths = np.concatenate(self.lengths) if self.lengths else np.zeros(0, dtype=np.int64)
-        if len(lengths) == self.base:
+        if len(lengths) == self.base and (self.base_complete or not complete):
             self.abort()
             return
         offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
@@ -330,7 +345,7 @@ def _sweep(root: Path) -> None:
     import time
 
     now = time.time()
-    for path in root.glob(".[to][ml][pd]-*"):  # .tmp-* and .old-*
+    for path in [*root.glob(".tmp-*"), *root.glob(".old-*")]:
         try:
             if now - path.stat().st_mtime > _STALE_S:
                 shutil.rmtree(path, ignore_errors=True)

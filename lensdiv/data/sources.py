@@ -218,7 +218,8 @@ class Source(abc.ABC):
 
     A subclass sets the class attributes below, says in :meth:`claims` whether a spec names it,
     yields its documents in :meth:`documents`, and is registered with :func:`register_source`.
-    :meth:`check`, :meth:`batches` and :meth:`describe` have defaults that most sources keep.
+    :meth:`check`, :meth:`batches`, :meth:`cache_identity` (the token cache's key: by default
+    the source is not cached) and :meth:`describe` have defaults that most sources keep.
 
     Args:
         spec: The spec that names this source (its sizes, field, split and seed apply).
