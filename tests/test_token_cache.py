@@ -320,3 +320,12 @@ def test_a_prefix_learns_that_the_stream_ended(
     assert json.loads((entry / "meta.json").read_text())["complete"]
     monkeypatch.setattr(sources, "_read_text", lambda path: pytest.fail("read again"))
     assert _plain(token_batches(spec, byte_tokenizer())) == expected
+
+
+def test_a_run_stopped_early_keeps_nothing(root: Path, calls: list[Any]) -> None:
+    """A consumer that stops (a failing pass, Ctrl-C) leaves no entry and no temporary folder."""
+    batches = token_batches(DataSpec(seq_len=32, batch_size=2, max_tokens=10**6), byte_tokenizer())
+    next(batches)
+    assert calls and any(p.name.startswith(".tmp-") for p in _entries(root))
+    batches.close()
+    assert _entries(root) == []

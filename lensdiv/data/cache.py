@@ -233,18 +233,26 @@ class Writer:
     """
 
     def __init__(self, cache: TokenCache, prefix: Prefix | None) -> None:
-        import numpy as np
-
         self.cache = cache
+        self.prefix = prefix
         self.tmp: Path | None = None
         self.fh: Any = None
         self.lengths: list[Any] = []
-        self.tokens = self.chars = self.base = 0
-        self.base_complete = False
+        self.tokens = self.chars = 0
+        self.failed = False
+
+    def _open(self) -> bool:
+        """Start the entry's folder with the prefix's ids, on the first need (a run that meets
+        nothing new copies nothing); whether it is open."""
+        import numpy as np
+
+        if self.fh is not None or self.failed:
+            return self.fh is not None
+        root, prefix = self.cache.root, self.prefix
         try:
-            cache.root.mkdir(parents=True, exist_ok=True)
-            _sweep(cache.root)
-            self.tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=cache.root))
+            root.mkdir(parents=True, exist_ok=True)
+            _sweep(root)
+            self.tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
             self.tmp.chmod(0o755)  # readable by whoever shares the cache, as a plain folder
             self.fh = (self.tmp / _IDS).open("wb")
             self.fh.write(_npy_header(0))
@@ -252,20 +260,20 @@ class Writer:
                 for lo in range(0, prefix.ids.size, _COPY_TOKENS):
                     self.fh.write(prefix.ids[lo : lo + _COPY_TOKENS].tobytes())
                 self.lengths.append(np.diff(prefix.offsets))
-                self.tokens, self.chars, self.base = prefix.ids.size, prefix.chars, prefix.n_docs
-                self.base_complete = prefix.complete
+                self.tokens, self.chars = int(prefix.ids.size), prefix.chars
         except OSError as err:
             self._fail(err)
+        return self.fh is not None
 
     def add(self, content: Any, lengths: Any, chars: int) -> None:
         """Append documents: ``content`` (their ids one after the other), ``lengths`` (ids of
         each), ``chars`` (their characters)."""
         import numpy as np
 
-        if self.fh is None:
+        if not len(lengths) or not self._open():
             return
         if content.size and (int(content.min()) < 0 or int(content.max()) >= 1 << 32):
-            self.abort()  # ids beyond uint32: this tokenizer is not cached
+            self._fail(None)  # ids beyond uint32: this tokenizer is not cached
             return
         try:
             self.fh.write(content.astype("<u4").tobytes())
@@ -281,12 +289,12 @@ class Writer:
         started from, and no end of the stream the prefix did not know of."""
         import numpy as np
 
-        if self.fh is None or self.tmp is None:
-            return
-        lengths = np.concatenate(self.lengths) if self.lengths else np.zeros(0, dtype=np.int64)
-        if len(lengths) == self.base and (self.base_complete or not complete):
+        prefix = self.prefix
+        learnt_end = complete and prefix is not None and not prefix.complete
+        if self.fh is None and not (learnt_end and self._open()):
             self.abort()
             return
+        lengths = np.concatenate(self.lengths)
         offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         meta = {
@@ -320,8 +328,12 @@ class Writer:
             shutil.rmtree(self.tmp, ignore_errors=True)
             self.tmp = None
 
-    def _fail(self, err: OSError) -> None:
-        _warn_once(f"cannot write the token cache in {self.cache.root} ({err.strerror or err})")
+    def _fail(self, err: OSError | None) -> None:
+        """Give up writing (warning once if the disk said no)."""
+        if err is not None:
+            reason = err.strerror or err
+            _warn_once(f"cannot write the token cache in {self.cache.root} ({reason})")
+        self.failed = True
         self.abort()
 
 
