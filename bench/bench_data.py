@@ -12,12 +12,15 @@ Two parts, each in one process, cases interleaved, best of ``--repeats`` after a
      call each, rows cut with numpy), checked to give the same batches bit for bit;
    - ``after, read ahead``: what the runner iterates, the same on a background thread
      (:func:`lensdiv.data.prefetch.ready_batches`);
+   - ``after, cached``: :func:`lensdiv.data.sources.token_batches` of the same spec (the
+     built-in corpus, the same documents) from a warm token cache (:mod:`lensdiv.data.cache`:
+     ids read from disk, no tokenizer call), checked to give the same batches bit for bit;
    - ``tokenizer alone``: one batched call over the same documents, nothing else (the ceiling
      of any packing);
    - ``packing alone``: :func:`~lensdiv.data.sources.pack` with the ids already known.
 
    Wall-clock tokens/s, and tokens per CPU second of the process (all its threads; steadier on
-   a shared machine).
+   a shared machine). Every case but ``after, cached`` runs with the token cache off.
 
 2. **Overlap**: a run (``analyze``, ``lens`` on a random GPT-2-shaped model) whose tokenizer is
    made slow — it sleeps in every call in proportion to the characters it is given, like a
@@ -26,7 +29,8 @@ Two parts, each in one process, cases interleaved, best of ``--repeats`` after a
    token tensor: no tokenising), ``data`` (iterating the slow data path alone), ``run, serial``
    (reading ahead switched off: ``lensdiv.data.prefetch.DEPTH = 0``) and ``run, overlapped``
    (as shipped). Overlap means ``run / max(data, compute)`` near 1, not
-   ``run / (data + compute)``.
+   ``run / (data + compute)``. The token cache is off (``LENSDIV_TOKEN_CACHE=off``): the
+   data path tokenises in every case, as a first run does.
 
     python bench/bench_data.py [--tokens 1000000 --repeats 3 --json bench/data_cpu.json]
 """
@@ -34,12 +38,15 @@ Two parts, each in one process, cases interleaved, best of ``--repeats`` after a
 from __future__ import annotations
 
 import argparse
+import atexit
 import copy
 import itertools
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from common import best_of, build, report
@@ -48,9 +55,15 @@ import lensdiv.data.prefetch as prefetch
 from lensdiv import analyze
 from lensdiv.core.analyzer import Batch
 from lensdiv.core.errors import DataError
+from lensdiv.data.cache import ENV as CACHE_ENV
 from lensdiv.data.corpus import builtin_documents
 from lensdiv.data.sources import DataSpec, pack, token_batches
 from lensdiv.data.tokenizer import byte_tokenizer
+
+_R = TypeVar("_R")
+# The token cache of the "after, cached" case: a fresh folder, removed at exit.
+CACHE_DIR = tempfile.mkdtemp(prefix="lensdiv-bench-tokens-")
+atexit.register(shutil.rmtree, CACHE_DIR, ignore_errors=True)
 
 
 def pack_one_at_a_time(
@@ -183,14 +196,20 @@ def one_tokenizer(tokenizer: Any, spec: DataSpec, repeats: int) -> dict[str, Any
         "after, read ahead": timed(
             lambda: count(prefetch.read_ahead(pack(iter(docs), tokenizer, spec), prefetch.DEPTH))
         ),
+        "after, cached": timed(with_cache(lambda: count(token_batches(spec, tokenizer)))),
         "tokenizer alone": timed(tokenize_only),
         "packing alone": timed(lambda: count(pack(iter(docs), known, spec))),
     }
     after = list(pack(iter(docs), tokenizer, spec))
     before = list(pack_one_at_a_time(iter(docs), tokenizer, spec))
+    with_cache(lambda: list(token_batches(spec, tokenizer)))()  # warm the cache
+    cached = with_cache(lambda: list(token_batches(spec, tokenizer)))()
     for a, b in zip(after, before, strict=True):  # the same batches, bit for bit
         assert a.index == b.index and torch.equal(a.tokens, b.tokens)
         assert torch.equal(a.mask, b.mask) and torch.equal(a.doc, b.doc)  # type: ignore[arg-type]
+    for a, c in zip(after, cached, strict=True):
+        assert a.index == c.index and a.bos == c.bos and torch.equal(a.tokens, c.tokens)
+        assert torch.equal(a.mask, c.mask) and torch.equal(a.doc, c.doc)  # type: ignore[arg-type]
     cpu: dict[str, float] = {k: float("inf") for k in cases}
     tokens: dict[str, int] = {}
 
@@ -210,7 +229,21 @@ def one_tokenizer(tokenizer: Any, spec: DataSpec, repeats: int) -> dict[str, Any
         "M_tokens_per_s": {k: round(tokens[k] / wall[k] / 1e6, 3) for k in cases},
         "M_tokens_per_cpu_s": {k: round(tokens[k] / cpu[k] / 1e6, 3) for k in cases},
         "after_over_before": round(wall["before"] / wall["after"], 2),
+        "cached_over_after": round(wall["after"] / wall["after, cached"], 2),
     }
+
+
+def with_cache(fn: Callable[[], _R]) -> Callable[[], _R]:
+    """``fn`` run with the token cache on, in this benchmark's folder (it is off otherwise)."""
+
+    def run() -> _R:
+        os.environ[CACHE_ENV] = CACHE_DIR
+        try:
+            return fn()
+        finally:
+            os.environ[CACHE_ENV] = "off"
+
+    return run
 
 
 def corpus_for(tokenizer: Any, spec: DataSpec) -> list[str]:
@@ -240,7 +273,9 @@ def slowed(tokenizer: Any, seconds_per_char: float) -> Any:
 
 
 def overlap(args: argparse.Namespace) -> dict[str, Any]:
-    """Part 2: a run whose tokenizer is as slow as its model, serial and overlapped."""
+    """Part 2: a run whose tokenizer is as slow as its model, serial and overlapped (the token
+    cache off: every case that reads data tokenises it)."""
+    assert os.environ[CACHE_ENV] == "off"
     torch.set_grad_enabled(False)
     model = build(args.layers, args.d_model, args.vocab)
     fast = model.tokenizer
@@ -340,14 +375,18 @@ def main() -> None:
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    os.environ[CACHE_ENV] = "off"  # on only in the cached case (with_cache)
     figures: dict[str, Any] = {
         "threads": torch.get_num_threads(),
         "cpus": os.cpu_count(),
         "load_average_before": [round(x, 2) for x in os.getloadavg()],
         "data_path": data_path(args),
-        "overlap": overlap(args),
-        "load_average_after": [round(x, 2) for x in os.getloadavg()],
     }
+    entries = len(os.listdir(CACHE_DIR))
+    figures["overlap"] = overlap(args)
+    assert len(os.listdir(CACHE_DIR)) == entries  # part 2 tokenised: it wrote no cache entry
+    figures["token_cache_entries"] = {"after part 1": entries, "after part 2": entries}
+    figures["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     report(figures, args.json)
 
 

@@ -20,6 +20,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
     os.environ.setdefault("LENSDIV_CACHE", tempfile.mkdtemp(prefix="lensdiv-test-cache-"))
     os.environ.setdefault("LENSDIV_TOY_STEPS", "30")
+    # Token cache entries go to a folder of this session (never the user's cache, even when
+    # LENSDIV_CACHE names it so that toy models are trained once across sessions).
+    os.environ.setdefault("LENSDIV_TOKEN_CACHE", tempfile.mkdtemp(prefix="lensdiv-test-tokens-"))
     # Test models are tiny: one thread avoids the synchronisation cost that dominates them (and
     # threads of a shared 2-core machine stalling each other).
     import torch

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -18,6 +19,7 @@ from lensdiv.cli.common import (
     Progress,
     SeqLen,
     Split,
+    TokenCacheFlag,
     TrustRemoteCode,
     check_out,
     console,
@@ -133,6 +135,7 @@ def analyze(
     offload_folder: OffloadFolder = None,
     shard: Shard = None,
     dist_timeout: DistTimeout = 1800.0,
+    token_cache: TokenCacheFlag = True,
 ) -> None:
     """Analyze MODEL with the chosen analyzers: one fused pass, a summary here, files in --out.
 
@@ -158,6 +161,10 @@ def analyze(
     from lensdiv.run.distributed import launched_world
     from lensdiv.run.runner import analyze as run_analyze
 
+    if not token_cache:  # the environment reaches every reader: threads, shards, subprocesses
+        from lensdiv.data.cache import ENV
+
+        os.environ[ENV] = "off"
     with user_errors(), interrupted(), plugin_warnings(), launched_world(dist_timeout) as world:
         folder = default_out(model) if out is None else check_out(out)
         options = parse_options(option or [])

@@ -47,6 +47,14 @@ TrustRemoteCode = Annotated[
     bool, typer.Option("--trust-remote-code", help="Allow hub models that ship their own code.")
 ]
 Progress = Annotated[bool, typer.Option(help="Show a progress bar.")]
+TokenCacheFlag = Annotated[
+    bool,
+    typer.Option(
+        "--token-cache/--no-token-cache",
+        help="Read the data's ids from the token cache, tokenising only what it lacks (the "
+        "same batches either way; LENSDIV_TOKEN_CACHE=off or DIR).",
+    ),
+]
 Lens = Annotated[
     str,
     typer.Option(

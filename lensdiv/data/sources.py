@@ -27,13 +27,14 @@ import hashlib
 import inspect
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from lensdiv.core.errors import DataError
-from lensdiv.data.corpus import builtin_documents
+from lensdiv.data.cache import file_identity
+from lensdiv.data.corpus import CORPUS_VERSION, builtin_documents
 
 if TYPE_CHECKING:
     from lensdiv.core.analyzer import Batch
@@ -217,7 +218,8 @@ class Source(abc.ABC):
 
     A subclass sets the class attributes below, says in :meth:`claims` whether a spec names it,
     yields its documents in :meth:`documents`, and is registered with :func:`register_source`.
-    :meth:`check`, :meth:`batches` and :meth:`describe` have defaults that most sources keep.
+    :meth:`check`, :meth:`batches`, :meth:`cache_identity` (the token cache's key: by default
+    the source is not cached) and :meth:`describe` have defaults that most sources keep.
 
     Args:
         spec: The spec that names this source (its sizes, field, split and seed apply).
@@ -257,9 +259,25 @@ class Source(abc.ABC):
         """
 
     def batches(self, tokenizer: Any) -> Iterator[Batch]:
-        """The checked documents packed into batches by :func:`pack`, lazily; a source whose
-        data is already tokens yields its own."""
-        return pack(_read(self), tokenizer, self.spec, source=self.spec.source)
+        """The checked documents packed into batches by :func:`pack`, lazily, from the token
+        cache where it holds them (:mod:`lensdiv.data.cache`: the same batches, bit for bit); a
+        source whose data is already tokens yields its own."""
+        return _pack(_read(self), tokenizer, self.spec, self.spec.source, self.cache_identity)
+
+    def cache_identity(self) -> dict[str, Any] | None:
+        """What fixes this source's documents, as plain JSON data, for the token cache's key;
+        ``None`` (the default) keeps it out of the cache.
+
+        Return something only if the same identity always means the same documents in the same
+        order (a file's path, size and modification time; a data set's name and split), and
+        include every spec setting that changes them (``field``, ``split``, ``seed``), none that
+        does not (``seq_len``, ``max_tokens``: the cache holds documents, not rows). Called
+        when the first batch is asked for, before :meth:`check`.
+
+        Raises:
+            OSError: The data cannot be looked at (then it is read uncached, and checked).
+        """
+        return None
 
     def describe(self) -> dict[str, Any]:
         """The spec's settings as plain data for the manifest (data in memory adds its sha256)."""
@@ -358,6 +376,9 @@ class TextFile(Source):
     def documents(self) -> Iterator[str]:
         yield _read_text(Path(self.spec.source).expanduser())
 
+    def cache_identity(self) -> dict[str, Any] | None:
+        return {"kind": self.kind, "file": file_identity(Path(self.spec.source).expanduser())}
+
 
 @register_source
 class JsonlFile(Source):
@@ -383,6 +404,10 @@ class JsonlFile(Source):
 
     def documents(self) -> Iterator[str]:
         return _jsonl_documents(Path(self.spec.source).expanduser(), self.spec.field)
+
+    def cache_identity(self) -> dict[str, Any] | None:
+        path = Path(self.spec.source).expanduser()
+        return {"kind": self.kind, "file": file_identity(path), "field": self.spec.field}
 
 
 @register_source
@@ -416,6 +441,10 @@ class TextFolder(Source):
 
     def _files(self) -> list[Path]:
         return sorted(Path(self.spec.source).expanduser().rglob("*.txt"))
+
+    def cache_identity(self) -> dict[str, Any] | None:
+        files = self._files()
+        return {"kind": self.kind, "files": [file_identity(f) for f in files]} if files else None
 
 
 @register_source
@@ -467,6 +496,22 @@ class HubDataset(Source):
         for number, row in enumerate(rows, 2):
             yield _text(row.get(spec.field), f"data set {name!r} row {number}", spec.field)
 
+    def cache_identity(self) -> dict[str, Any] | None:
+        """The name, config, split and field; a local folder of data files also by its files'
+        sizes and modification times (a hub data set is assumed not to change under its name:
+        ``LENSDIV_TOKEN_CACHE=off`` reads it again)."""
+        spec = self.spec
+        name, _, config = spec.source[3:].partition(":")
+        out: dict[str, Any] = {"kind": self.kind, "name": name, "config": config}
+        out |= {"split": spec.split, "field": spec.field}
+        local = Path(name).expanduser()
+        if name and local.exists():
+            files = (
+                [local] if local.is_file() else sorted(p for p in local.rglob("*") if p.is_file())
+            )
+            out["files"] = [file_identity(f) for f in files]
+        return out
+
 
 @register_source
 class InlineText(Source):
@@ -508,6 +553,9 @@ class BuiltinCorpus(Source):
 
     def documents(self) -> Iterator[str]:
         return builtin_documents(seed=self.spec.seed)
+
+    def cache_identity(self) -> dict[str, Any] | None:
+        return {"kind": self.kind, "seed": self.spec.seed, "corpus": CORPUS_VERSION}
 
 
 @register_source
@@ -803,17 +851,93 @@ def pack(
     a document that fails to read (bad data met mid-way) raises after the batches of the
     documents before it, and only if the token budget was not spent before it.
     """
+    return _pack(docs, tokenizer, spec, source, None)
+
+
+def _pack(
+    docs: Iterable[str],
+    tokenizer: Any,
+    spec: DataSpec,
+    source: str,
+    identity: Callable[[], dict[str, Any] | None] | None,
+) -> Iterator[Batch]:
+    """:func:`pack`, through the token cache of the source ``identity`` names (none if ``None``).
+
+    The cached documents are packed from their ids (no tokenizer call) until the budget is
+    spent or the stream is known to end there; only then are the documents after them read
+    and tokenised (the cached ones are read and skipped), and the cache is extended with them.
+    The packer cannot tell where its ids came from, so the batches are the same; an error of
+    the stream is met where it would be met without the cache, as the cache never holds a
+    document past one that failed.
+    """
     packer = _Packer(tokenizer, spec)
     stream = iter(docs)
-    while packer.budget > 0:
-        chunk, error, ended = _next_chunk(stream, packer.chars_wanted())
-        if chunk:
-            yield from packer.add(_encode(tokenizer, chunk), chunk)
-        if error is not None and packer.budget > 0:  # one document at a time would read it
-            raise error
-        if ended:
-            break
-    yield from packer.finish(source)
+    cache = _cache_of(identity, tokenizer) if identity is not None else None
+    writer = None
+    if cache is not None:
+        prefix = cache.read()
+        if prefix is not None:
+            yield from packer.add_prefix(prefix)
+            if packer.budget <= 0 or prefix.complete:
+                yield from packer.finish(source)
+                return
+            stream = _skip(stream, prefix.n_docs)
+        writer = cache.writer(prefix)
+    try:
+        complete = False
+        while packer.budget > 0:
+            chunk, error, ended = _next_chunk(stream, packer.chars_wanted())
+            if chunk:
+                content, lengths = _arrays(_encode(tokenizer, chunk))
+                chars = sum(map(len, chunk))
+                if writer is not None:
+                    writer.add(content, lengths, chars)
+                yield from packer.add_ids(content, lengths, chars)
+            if error is not None and packer.budget > 0:  # one document at a time would read it
+                _commit(writer, identity, complete=False)
+                raise error
+            if ended:
+                complete = error is None
+                break
+        _commit(writer, identity, complete=complete)
+        yield from packer.finish(source)
+    finally:  # closed early (the consumer stopped): nothing is kept
+        if writer is not None:
+            writer.abort()
+
+
+def _commit(writer: Any, identity: Any, *, complete: bool) -> None:
+    """Place the documents ``writer`` holds in the cache, unless the data changed while it was
+    read (its documents may then mix two versions)."""
+    if writer is None:
+        return
+    try:
+        same = identity() == writer.cache.source
+    except OSError:
+        same = False
+    if same:
+        writer.commit(complete=complete)
+    else:
+        writer.abort()
+
+
+def _cache_of(identity: Callable[[], dict[str, Any] | None], tokenizer: Any) -> Any:
+    """The :class:`~lensdiv.data.cache.TokenCache` of a source and ``tokenizer``, or ``None``."""
+    from lensdiv.data.cache import token_cache
+
+    try:
+        return token_cache(identity(), tokenizer)
+    except OSError:  # the data cannot be looked at: read it uncached (its check says why)
+        return None
+
+
+def _skip(stream: Iterator[str], n_docs: int) -> Iterator[str]:
+    """``stream`` after its first ``n_docs`` non-blank documents (those the cache holds)."""
+    for doc in stream:
+        if n_docs <= 0:
+            yield doc
+        elif doc.strip():
+            n_docs -= 1
 
 
 # A chunk of documents holds the text of about this many batches (at the ratio of characters
@@ -822,6 +946,9 @@ def pack(
 # call is negligible from a few documents on. Within these bounds, in characters:
 _CHUNK_BATCHES = 2
 _CHUNK_CHARS = (1 << 10, 1 << 20)
+# Documents from the token cache are packed this many tokens at a time at least (the cost per
+# chunk is a few array operations; a larger chunk reads more of the disk past the budget).
+_CACHE_CHUNK_TOKENS = 1 << 16
 
 
 def _encode(tokenizer: Any, texts: list[str]) -> list[list[int]]:
@@ -831,6 +958,19 @@ def _encode(tokenizer: Any, texts: list[str]) -> list[list[int]]:
         texts, add_special_tokens=False, return_attention_mask=False, return_token_type_ids=False
     )
     return list(encoded["input_ids"])
+
+
+def _arrays(encoded: list[list[int]]) -> tuple[Any, Any]:
+    """``(content, lengths)``: the ids of the documents one after the other, and of each (int64)."""
+    import itertools
+
+    import numpy as np
+
+    lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
+    content = np.fromiter(
+        itertools.chain.from_iterable(encoded), dtype=np.int64, count=int(lengths.sum())
+    )
+    return content, lengths
 
 
 def _next_chunk(stream: Iterator[str], chars: int) -> tuple[list[str], Exception | None, bool]:
@@ -886,16 +1026,34 @@ class _Packer:
 
     def add(self, encoded: list[list[int]], texts: list[str]) -> Iterator[Batch]:
         """Append the documents' ids (each then EOS), cut full rows, yield full batches."""
-        import itertools
+        content, lengths = _arrays(encoded)
+        yield from self.add_ids(content, lengths, sum(map(len, texts)))
 
+    def add_prefix(self, prefix: Any) -> Iterator[Batch]:
+        """:meth:`add_ids` of the documents of a cached prefix, a few batches' worth at a time,
+        until they are all in or the budget is spent (the rest is never read from disk)."""
         import numpy as np
 
-        lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
-        content = np.fromiter(
-            itertools.chain.from_iterable(encoded), dtype=np.int64, count=int(lengths.sum())
-        )
+        offsets = prefix.offsets
+        step = max(_CHUNK_BATCHES * self.batch_tokens, _CACHE_CHUNK_TOKENS)
+        start = 0
+        while start < prefix.n_docs and self.budget > 0:
+            end = int(np.searchsorted(offsets, offsets[start] + step, side="left"))
+            end = min(max(end, start + 1), prefix.n_docs)
+            content = prefix.ids[offsets[start] : offsets[end]].astype(np.int64)
+            yield from self.add_ids(content, np.diff(offsets[start : end + 1]), 0)
+            start = end
+        if start == prefix.n_docs:  # every document in: the next chunk's size goes on from here
+            self.chars += prefix.chars
+
+    def add_ids(self, content: Any, lengths: Any, chars: int) -> Iterator[Batch]:
+        """Append documents given as ``content`` (int64, their ids one after the other) and
+        ``lengths`` (ids of each), each then EOS, of ``chars`` characters in all; cut full rows,
+        yield full batches."""
+        import numpy as np
+
         if self.eos is not None:
-            lengths += 1
+            lengths = lengths + 1
             ends = np.cumsum(lengths) - 1
             ids = np.empty(int(lengths.sum()), dtype=np.int64)
             ids[ends] = self.eos
@@ -904,9 +1062,9 @@ class _Packer:
             ids[real] = content
         else:
             ids = content
-        doc = np.repeat(np.arange(self.n_docs, self.n_docs + len(encoded)), lengths)
-        self.n_docs += len(encoded)
-        self.chars += sum(map(len, texts))
+        doc = np.repeat(np.arange(self.n_docs, self.n_docs + len(lengths)), lengths)
+        self.n_docs += len(lengths)
+        self.chars += chars
         self.tokens += ids.size
         self.ids = np.concatenate([self.ids, ids])
         self.doc = np.concatenate([self.doc, doc])
