@@ -40,6 +40,7 @@ bench: setup
 	$(BIN)/python bench/bench_floor.py --tokens 384 --threads 1 --json bench/floor_cpu.json
 	$(BIN)/python bench/bench_memory.py --json bench/memory_cpu.json
 	$(BIN)/python bench/bench_study.py --json bench/study_cpu.json
+	$(BIN)/python bench/bench_lenses.py --json bench/lenses_cpu.json
 	$(BIN)/python bench/bench_data.py --overlap-tokens 32768 --json bench/data_cpu.json
 
 # docs/findings.md and its figures, measured from scratch (trains the toy models it needs that are not
