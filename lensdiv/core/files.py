@@ -1,4 +1,5 @@
-"""Folders lensdiv writes to (results, the toy model cache): can they be written at all?
+"""Folders lensdiv writes to (results, its cache of toy models and tokens): where the cache is,
+and can they be written at all?
 
 Checked before any expensive work, so a run never trains or analyses for minutes only to find
 it cannot keep what it computed.
@@ -36,3 +37,12 @@ def _read_only(path: Path) -> bool:
         return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
     except (OSError, AttributeError):  # statvfs is POSIX only
         return False
+
+
+def cache_root() -> Path:
+    """lensdiv's cache folder (toy models, tokenised data): ``$LENSDIV_CACHE``, else
+    ``$XDG_CACHE_HOME/lensdiv``, else ``~/.cache/lensdiv``."""
+    if os.environ.get("LENSDIV_CACHE"):
+        return Path(os.environ["LENSDIV_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "lensdiv"

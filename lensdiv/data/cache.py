@@ -45,6 +45,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lensdiv.core.files import cache_root as lensdiv_cache
+
 FORMAT_VERSION = 1
 ENV = "LENSDIV_TOKEN_CACHE"
 _OFF = ("off", "0", "false", "no", "none")
@@ -63,8 +65,6 @@ def cache_root() -> Path | None:
         return None
     if value:
         return Path(value).expanduser()
-    from lensdiv.models.toy import cache_root as lensdiv_cache  # start-up: toy imports torch
-
     return lensdiv_cache() / "tokens"
 
 
@@ -306,14 +306,16 @@ class Writer:
             "chars": self.chars,
             "complete": bool(complete),
         }
+        tmp = self.tmp
+        assert tmp is not None  # an open file lives in the temporary folder
         try:
             self.fh.seek(0)
             self.fh.write(_npy_header(self.tokens))
             self.fh.close()
             self.fh = None
-            np.save(self.tmp / _OFFSETS, offsets)
-            (self.tmp / _META).write_text(json.dumps(meta, indent=1), encoding="utf-8")  # last
-            if self.cache._place(self.tmp, meta):
+            np.save(tmp / _OFFSETS, offsets)
+            (tmp / _META).write_text(json.dumps(meta, indent=1), encoding="utf-8")  # last
+            if self.cache._place(tmp, meta):
                 self.tmp = None
         except OSError as err:
             self._fail(err)

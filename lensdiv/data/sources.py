@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from lensdiv.core.errors import DataError
-from lensdiv.data.cache import file_identity
+from lensdiv.data.cache import file_identity, token_cache
 from lensdiv.data.corpus import CORPUS_VERSION, builtin_documents
 
 if TYPE_CHECKING:
@@ -923,8 +923,6 @@ def _commit(writer: Any, identity: Any, *, complete: bool) -> None:
 
 def _cache_of(identity: Callable[[], dict[str, Any] | None], tokenizer: Any) -> Any:
     """The :class:`~lensdiv.data.cache.TokenCache` of a source and ``tokenizer``, or ``None``."""
-    from lensdiv.data.cache import token_cache
-
     try:
         return token_cache(identity(), tokenizer)
     except OSError:  # the data cannot be looked at: read it uncached (its check says why)

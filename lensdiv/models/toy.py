@@ -29,7 +29,7 @@ from typing import Any
 
 from lensdiv.core.devices import place_model
 from lensdiv.core.errors import ModelLoadError
-from lensdiv.core.files import folder_problem
+from lensdiv.core.files import cache_root, folder_problem
 from lensdiv.core.progress import progress_bar
 from lensdiv.core.results import agg_figure
 from lensdiv.data.corpus import CORPUS_VERSION, QUERY_HOPS, KnowledgeBase, mixed_documents
@@ -200,12 +200,6 @@ def zoo() -> list[ToySpec]:
 
 
 # -- cache ------------------------------------------------------------------------------------
-def cache_root() -> Path:
-    """``$LENSDIV_CACHE``, else ``$XDG_CACHE_HOME/lensdiv``, else ``~/.cache/lensdiv``."""
-    if os.environ.get("LENSDIV_CACHE"):
-        return Path(os.environ["LENSDIV_CACHE"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "lensdiv"
 
 
 def recipe_key(spec: ToySpec, recipe: TrainRecipe) -> str:
