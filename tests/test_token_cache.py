@@ -24,6 +24,7 @@ from lensdiv.data.corpus import builtin_documents
 from lensdiv.data.prefetch import ready_batches
 from lensdiv.data.sources import DataSpec, source_of, token_batches
 from lensdiv.data.tokenizer import byte_tokenizer
+from tests.test_prefetch import _jsonl
 
 # A bad line past what the cheap check reads (the file's first 64 KiB): met mid-way.
 ROWS, BAD_AFTER = 420, 400
@@ -72,15 +73,6 @@ def _uncached(spec: DataSpec, monkeypatch: pytest.MonkeyPatch, tokenizer: Any = 
 def _docs(n: int, seed: int = 3) -> list[str]:
     it = builtin_documents(seed=seed)
     return [next(it) for _ in range(n)]
-
-
-def _jsonl(path: Path, rows: int, bad_after: int | None = None) -> Path:
-    lines = [json.dumps({"text": f"Document {i}: the cat that sees the dogs sleeps. " * 4})
-             for i in range(rows)]
-    if bad_after is not None:
-        lines.insert(bad_after, "{not json")
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return path
 
 
 def _source(kind: str, tmp_path: Path) -> str:
