@@ -18,14 +18,16 @@ from tests.test_cli import invoke
 
 ROOT = Path(__file__).resolve().parents[1]
 UP = ".." + "/"  # the parent folder, in a path
-# What a reference outside the repository looks like in any text: the folder that sits beside
-# the repository where it is developed (shared/, read from the parent folder or joined onto a parent
-# folder in Python), and absolute paths of a developer's machine. (This file spells the sibling
-# folder as UP + "shared", so that a plain grep over the tracked files finds nothing either.)
+# The folder that sits beside the repository where it is developed. This file is tracked too, so
+# it spells the name in parts: a search of the tracked files for references to it finds none.
+SIBLING = "sha" + "red"
+# What a reference outside the repository looks like in any text: the sibling folder, read from
+# the parent folder or joined onto a parent folder in Python, and absolute paths of a
+# developer's machine.
 OUTSIDE = re.compile(
-    r"\.\./" r"shared\b"  # the sibling folder, from any folder (split: this file is tracked too)
-    r"|(?:^|[\s\"'`(\[])shared/"  # shared/data/... as a path of its own
-    r"|/\s*[\"']shared[\"']"  # Path(...).parent / "shared"
+    rf"\.\./{SIBLING}\b"  # from any folder
+    rf"|(?:^|[\s\"'`(\[]){SIBLING}/"  # SIBLING/data/... as a path of its own
+    rf"|/\s*[\"']{SIBLING}[\"']"  # Path(...).parent / "SIBLING"
     r"|(?<![\w.])/(?:work|home|Users)/"  # /work/..., /home/NAME/..., /Users/NAME/...
 )
 # A markdown link or image: [text](target) or [text](target "title").
@@ -123,16 +125,16 @@ def test_no_tracked_file_refers_outside_the_repository() -> None:
 @pytest.mark.parametrize(
     "name,text",
     [
-        ("README.md", f"see [the science]({UP}shared/SCIENCE.md)"),
+        ("README.md", f"see [the science]({UP}{SIBLING}/SCIENCE.md)"),
         ("README.md", "see [the science](../../elsewhere/SCIENCE.md)"),
         ("README.md", "see [the science](docs/no_such_file.md#lens)"),
         ("docs/notes.md", "![figure](../../figure.png)"),
-        ("lensdiv/x.py", "CSV = ROOT.parent / 'shared' / 'data' / 'runs.csv'"),
-        ("lensdiv/x.py", 'CSV = Path("shared/data/runs.csv")'),
-        ("lensdiv/x.py", f"Example: lensdiv scaling fit {UP}shared/data/runs.csv"),
-        ("tests/x.py", 'DATA = "/work/shared/data/runs.csv"'),
+        ("lensdiv/x.py", f"CSV = ROOT.parent / '{SIBLING}' / 'data' / 'runs.csv'"),
+        ("lensdiv/x.py", f'CSV = Path("{SIBLING}/data/runs.csv")'),
+        ("lensdiv/x.py", f"Example: lensdiv scaling fit {UP}{SIBLING}/data/runs.csv"),
+        ("tests/x.py", f'DATA = "/work/{SIBLING}/data/runs.csv"'),
         ("docs/x.json", '{"path": "/home/someone/lensdiv/data.csv"}'),
-        ("docs/x.json", json.dumps({"code": 'csv = ROOT.parent / "shared" / "runs.csv"'})),
+        ("docs/x.json", json.dumps({"code": f'csv = ROOT.parent / "{SIBLING}" / "runs.csv"'})),
         (
             "tutorials/t.ipynb",
             json.dumps(
@@ -140,7 +142,7 @@ def test_no_tracked_file_refers_outside_the_repository() -> None:
                     "cells": [
                         {
                             "cell_type": "code",
-                            "source": ['csv = Path(x).parents[2] / "shared" / "data"\n'],
+                            "source": [f'csv = Path(x).parents[2] / "{SIBLING}" / "data"\n'],
                         }
                     ]
                 }
