@@ -277,12 +277,7 @@ class BiasDiversity(Analyzer):
             y = y_all[rows]
             for p, size in enumerate(prefix_sizes(info, self.members)):
                 out = direct_decomposition(f[:size], y)
-                if size == n_states:
-                    self._add_full(state, out)
-                state.add("depth/sq_bias", _one_hot(p, info, out["sq_bias"].sum()))
-                state.add("depth/sq_div", _one_hot(p, info, out["sq_div"].sum()))
-                state.add("depth/sq_ens", _one_hot(p, info, out["sq_ens"].sum()))
-                self._add_depth_ce(state, p, info, out)
+                self._add_prefix(state, p, info, out, full=size == n_states)
 
     def _update_labels(self, state: Stats, step: Step) -> None:
         batch, info = step.batch, step.info
@@ -302,12 +297,7 @@ class BiasDiversity(Analyzer):
         state.add("n_ce", y.shape[0])
         for p, size in enumerate(prefix_sizes(info, "sublayers")):
             out = direct_decomposition(size * z[:size] + c, y)
-            if size == u.shape[0]:
-                self._add_full(state, out)
-            state.add("depth/sq_bias", _one_hot(p, info, out["sq_bias"].sum()))
-            state.add("depth/sq_div", _one_hot(p, info, out["sq_div"].sum()))
-            state.add("depth/sq_ens", _one_hot(p, info, out["sq_ens"].sum()))
-            self._add_depth_ce(state, p, info, out)
+            self._add_prefix(state, p, info, out, full=size == u.shape[0])
 
     def _update_next(self, state: Stats, step: Step) -> None:
         batch, info = step.batch, step.info
@@ -347,6 +337,17 @@ class BiasDiversity(Analyzer):
                         self._add_full(state, out)
                     if self.ce_depth:
                         self._add_depth_ce(state, p, info, out)
+
+    def _add_prefix(
+        self, state: Stats, p: int, info: ModelInfo, out: dict[str, Tensor], *, full: bool
+    ) -> None:
+        """Both forms' sums of prefix ensemble ``p`` decomposed directly, and the per-member
+        sums too when it is the ``full`` ensemble."""
+        if full:
+            self._add_full(state, out)
+        for key in ("sq_bias", "sq_div", "sq_ens"):
+            state.add(f"depth/{key}", _one_hot(p, info, out[key].sum()))
+        self._add_depth_ce(state, p, info, out)
 
     @staticmethod
     def _add_depth_ce(state: Stats, p: int, info: ModelInfo, out: dict[str, Tensor]) -> None:
