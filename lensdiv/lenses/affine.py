@@ -15,18 +15,16 @@ tuned lens, and ``lensdiv lenses fit --kind tuned --init PATH`` starts training 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from lensdiv.core.analyzer import Analyzer, ModelInfo, Step
 from lensdiv.core.devices import masked_stack
-from lensdiv.core.results import Artifact, Plot, Result, Table
+from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
+from lensdiv.ops.lens_files import TunedLensFolder
 from lensdiv.ops.ridge import augment, fit_affine
-from lensdiv.ops.translators import save_tuned
 
 AFFINE_FOLDER = "affine_lens"
 
@@ -76,74 +74,52 @@ class AffineFit(Analyzer):
         state.add("yy", y.square().sum())
 
     def finalize(self, state: Stats, info: ModelInfo) -> Result:
+        return present(AffineLens.from_state(state, info, self.ridge), self, info)
+
+
+# -- the numbers -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AffineLens:
+    """The fitted affine lens: no tables, no prose.
+
+    Args:
+        weights: Per residual state ``h_l`` (``l = 0..L-1``) tuned-lens's ``A_l = W_l − I``
+            (float32, CPU).
+        biases: Per state ``b_l = c_l`` (float32, CPU).
+        r2: Per state: the share of ``h_L``'s variance its map explains (training positions).
+        ridge_lambda: Per state: the ridge penalty used (absolute).
+        exact_solve: Per state: whether the normal equations were solved exactly.
+        positions: Positions fitted on.
+    """
+
+    weights: dict[int, Tensor]
+    biases: dict[int, Tensor]
+    r2: list[float]
+    ridge_lambda: list[float]
+    exact_solve: list[bool]
+    positions: int
+
+    @classmethod
+    def from_state(cls, state: Stats, info: ModelInfo, ridge: float) -> AffineLens:
+        """Solve every state's least squares from the streamed moments."""
         xtx, xty = state["xtx"], state["xty"]
         d = info.d_model
         n = float(xtx[0, d, d])
         mean_y = xty[0, d] / n
         total = float(state["yy"]) - n * float(mean_y @ mean_y)  # Σ‖y − ȳ‖²
         eye = torch.eye(d, dtype=torch.float64, device=xtx.device)
-        weights: dict[int, Tensor] = {}
-        biases: dict[int, Tensor] = {}
-        r2, lambdas, exact = [], [], []
+        lens = cls({}, {}, [], [], [], int(n))
         for layer in range(info.n_layers):
-            maps, lam, solved = fit_affine(xtx[layer], xty[layer], self.ridge)
-            weights[layer] = (maps[:d].T - eye).float().cpu()  # tuned-lens's A = W − I
-            biases[layer] = maps[d].float().cpu()
-            r2.append(1.0 - _residual(xtx[layer], xty[layer], maps, float(state["yy"])) / total)
-            lambdas.append(lam)
-            exact.append(solved)
-        layers = list(range(info.n_layers))
-        table = Table(
-            "affine",
-            {
-                "layer": layers,
-                "state": [f"h{layer}" for layer in layers],
-                "r2": r2,
-                "ridge_lambda": lambdas,
-                "exact_solve": exact,
-            },
-            "Affine lens: how much of h_L each state's least-squares map explains (training "
-            "positions)",
-        )
-        artifact = TunedLensFolder(
-            AFFINE_FOLDER,
-            weights,
-            biases,
-            d_model=d,
-            n_layers=info.n_layers,
-            model_name=info.name,
-            extra={
-                "fitted_by": "lensdiv",
-                "lensdiv_lens": "affine",
-                "ridge": self.ridge,
-                "positions": int(n),
-            },
-        )
-        summary = (
-            f"Affine lens from {int(n)} positions: h_L is explained with R² {r2[0]:.3g} from the "
-            f"embedding and {r2[-1]:.3g} from h{info.n_layers - 1}; saved in tuned-lens's layout "
-            f"({AFFINE_FOLDER}/)."
-        )
-        return Result(
-            self.name,
-            summary,
-            tables={"affine": table},
-            plots=(
-                Plot(
-                    "line",
-                    "affine_r2",
-                    "Affine lens: R² of h_L from h_l",
-                    "affine",
-                    x="layer",
-                    y=("r2",),
-                    xlabel="residual state h_l (0 = embedding)",
-                    ylabel="R² (training positions)",
-                    caption="1 = h_L is an affine function of h_l on these positions.",
-                ),
-            ),
-            meta={"positions": int(n)},
-            artifacts=(artifact,),
-        )
+            maps, lam, solved = fit_affine(xtx[layer], xty[layer], ridge)
+            lens.weights[layer] = (maps[:d].T - eye).float().cpu()  # tuned-lens's A = W − I
+            lens.biases[layer] = maps[d].float().cpu()
+            residual = _residual(xtx[layer], xty[layer], maps, float(state["yy"]))
+            lens.r2.append(1.0 - residual / total)
+            lens.ridge_lambda.append(lam)
+            lens.exact_solve.append(solved)
+        return lens
 
 
 def _residual(xtx: Tensor, xty: Tensor, maps: Tensor, yy: float) -> float:
@@ -151,36 +127,59 @@ def _residual(xtx: Tensor, xty: Tensor, maps: Tensor, yy: float) -> float:
     return yy - 2.0 * float((maps * xty).sum()) + float((maps * (xtx @ maps)).sum())
 
 
-class TunedLensFolder(Artifact):
-    """Translators ``h + A_l h + b_l`` written in tuned-lens's layout (a folder)."""
+# -- the presentation ------------------------------------------------------------------------------
 
-    def __init__(
-        self,
-        name: str,
-        weights: dict[int, Tensor],
-        biases: dict[int, Tensor],
-        *,
-        d_model: int,
-        n_layers: int,
-        model_name: str,
-        extra: dict[str, Any],
-    ) -> None:
-        self.name = name
-        self.weights, self.biases = weights, biases
-        self.d_model, self.n_layers, self.model_name, self.extra = (
-            d_model,
-            n_layers,
-            model_name,
-            extra,
-        )
 
-    def write(self, path: Path) -> list[Path]:
-        return save_tuned(
-            path,
-            self.weights,
-            self.biases,
-            d_model=self.d_model,
-            n_layers=self.n_layers,
-            model_name=self.model_name,
-            extra=self.extra,
-        )
+def present(lens: AffineLens, options: AffineFit, info: ModelInfo) -> Result:
+    """The fit's table, plot and summary, and the lens as an artifact in tuned-lens's layout."""
+    layers = list(range(info.n_layers))
+    table = Table(
+        "affine",
+        {
+            "layer": layers,
+            "state": [f"h{layer}" for layer in layers],
+            "r2": lens.r2,
+            "ridge_lambda": lens.ridge_lambda,
+            "exact_solve": lens.exact_solve,
+        },
+        "Affine lens: how much of h_L each state's least-squares map explains (training positions)",
+    )
+    artifact = TunedLensFolder(
+        AFFINE_FOLDER,
+        lens.weights,
+        lens.biases,
+        d_model=info.d_model,
+        n_layers=info.n_layers,
+        model_name=info.name,
+        extra={
+            "fitted_by": "lensdiv",
+            "lensdiv_lens": "affine",
+            "ridge": options.ridge,
+            "positions": lens.positions,
+        },
+    )
+    summary = (
+        f"Affine lens from {lens.positions} positions: h_L is explained with R² {lens.r2[0]:.3g} "
+        f"from the embedding and {lens.r2[-1]:.3g} from h{info.n_layers - 1}; saved in "
+        f"tuned-lens's layout ({AFFINE_FOLDER}/)."
+    )
+    return Result(
+        options.name,
+        summary,
+        tables={"affine": table},
+        plots=(
+            Plot(
+                "line",
+                "affine_r2",
+                "Affine lens: R² of h_L from h_l",
+                "affine",
+                x="layer",
+                y=("r2",),
+                xlabel="residual state h_l (0 = embedding)",
+                ylabel="R² (training positions)",
+                caption="1 = h_L is an affine function of h_l on these positions.",
+            ),
+        ),
+        meta={"positions": lens.positions},
+        artifacts=(artifact,),
+    )

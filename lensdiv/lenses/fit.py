@@ -9,6 +9,12 @@ lens on data the fit never saw.
 - ``tuned`` trains (:mod:`lensdiv.lenses.tuned`; DDP under ``torchrun``) and writes
   ``tuned_lens/`` and a manifest.
 
+Every kind's ``--out`` folder has one layout: ``manifest.json``, ``lens.json`` (the kind, and
+where the lens is: ``tuned_lens/``, ``fit-affine/affine_lens/``, ``fit-jacobian/jacobian_lens.pt``),
+``evaluation.csv``/``.json``; ``--lens KIND:OUT`` and ``--lens OUT`` read it. How each kind is
+fitted is attached to its entry in the registry of lens kinds (:data:`~lensdiv.ops.translators.LENS_KINDS`):
+:class:`AnalyzerFitter`, :class:`TunedFitter`.
+
 Then, unless the fit is one shard of many, the lens is evaluated on the tokens that follow the
 fit's in the same data (``DataSpec.skip_tokens``): the ``lens`` analyzer through the logit lens and
 through the fitted one, per layer — the fit's own quality, ``evaluation.csv`` and
@@ -40,12 +46,20 @@ from lensdiv.lenses.tuned import (
     train_tuned,
 )
 from lensdiv.models.load import load_model
-from lensdiv.ops.translators import JACOBIAN_FILE, LABELS, PHRASES, parse_lens
+from lensdiv.ops.translators import (
+    JACOBIAN_FILE,
+    LABELS,
+    LENS_KINDS,
+    PHRASES,
+    attach_fitter,
+    fitted_kinds,
+    parse_lens,
+    write_pointer,
+)
 from lensdiv.run.distributed import current_world, gather_objects
 from lensdiv.run.interrupts import handle_signals
 from lensdiv.run.runner import Run, analyze
 
-KINDS = ("tuned", "jacobian", "affine")
 EVALUATION = "evaluation"
 
 
@@ -80,7 +94,10 @@ class LensFit(Rendered):
         """Where the lens is and how to use it (one line)."""
         if self.lens is None:
             return f"{PHRASES[self.kind]}: a shard's states in {self.out} (lensdiv merge)"
-        return f"{PHRASES[self.kind]}: {self.lens}  (use it: --lens {self.spec})"
+        return (
+            f"{PHRASES[self.kind]}: {self.lens}  (use it: --lens {self.kind}:{self.out}, "
+            f"or --lens {self.spec})"
+        )
 
     def __rich_console__(self, console: Any, options: Any) -> Any:
         from rich.text import Text
@@ -134,67 +151,122 @@ def fit_lens(
     Raises:
         LensdivError: A bad kind, option or data, before any work.
     """
-    if kind not in KINDS:
-        raise OptionError(f"unknown lens kind {kind!r}", hint=f"use one of {', '.join(KINDS)}")
+    found = LENS_KINDS.get(kind)
+    if found is None or found.fitter is None:
+        raise OptionError(
+            f"unknown lens kind {kind!r}", hint=f"use one of {', '.join(fitted_kinds())}"
+        )
     out = Path(out)
-    options = dict(options or {})
-    if kind == "tuned":
+    fit: LensFit = found.fitter.fit(
+        model,
+        kind,
+        out=out,
+        data=data,
+        max_tokens=max_tokens,
+        eval_tokens=eval_tokens,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        preset=preset,
+        options=dict(options or {}),
+        init=init,
+        shard=shard,
+        device=device,
+        dtype=dtype,
+        seed=seed,
+        progress=progress,
+        overwrite=overwrite,
+        **load,
+    )
+    if fit.lens is not None and current_world().main:
+        write_pointer(out, kind, fit.lens)  # --lens KIND:OUT and --lens OUT read it
+    return fit
+
+
+# -- how each kind is fitted (attached to the kinds of lens: lensdiv.ops.translators) --------------
+
+
+@dataclass(frozen=True)
+class AnalyzerFitter:
+    """A lens fitted by a run of an analyzer (affine, Jacobian): the run folder is an ordinary
+    one, and the lens is the result's artifact ``artifact``."""
+
+    analyzer: type[AffineFit] | type[JacobianFit]
+    artifact: str
+
+    def fit(
+        self,
+        model: Any,
+        kind: str,
+        *,
+        out: Path,
+        data: Any,
+        max_tokens: int | None,
+        eval_tokens: int,
+        seq_len: int,
+        batch_size: int,
+        options: dict[str, Any],
+        shard: Any,
+        device: Any,
+        dtype: Any,
+        seed: int,
+        progress: bool,
+        overwrite: bool,
+        preset: str,
+        init: Any,
+        **load: Any,
+    ) -> LensFit:
+        """Run the analyzer on ``max_tokens`` (16384 by default), then evaluate the lens
+        (``preset`` and ``init`` are a tuned lens')."""
+        fitter = self.analyzer.from_options(options)
+        tokens = max_tokens or 16384
+        bridge = _bridge(model, device, dtype, progress, **load)
+        run = analyze(
+            bridge,
+            data=data,
+            plugins=[fitter],
+            out=out,
+            seq_len=seq_len,
+            max_tokens=tokens,
+            batch_size=batch_size,
+            seed=seed,
+            progress=progress,
+            overwrite=overwrite,
+            shard=shard,
+        )
+        lens = out / fitter.name / self.artifact if fitter.name in run.results else None
+        fit = LensFit(kind, lens, out, run=run, manifest=run.manifest)
+        if lens is not None and eval_tokens > 0 and run.manifest.get("status") == "complete":
+            fit.evaluation = evaluate_lens(
+                bridge,
+                f"{kind}:{lens}",
+                data=data,
+                skip_tokens=tokens,
+                max_tokens=eval_tokens,
+                seq_len=seq_len,
+                batch_size=batch_size,
+                seed=seed,
+                out=out,
+                progress=progress,
+            )
+        return fit
+
+
+@dataclass(frozen=True)
+class TunedFitter:
+    """A tuned lens: trained (:mod:`lensdiv.lenses.tuned`), written as ``tuned_lens/``."""
+
+    def fit(self, model: Any, kind: str, *, out: Path, shard: Any, **how: Any) -> LensFit:
         if shard is not None:
             raise OptionError(
                 "a tuned lens trains with SGD and cannot be split into shards",
                 hint="train it data parallel: torchrun --nproc-per-node N -m lensdiv lenses fit",
             )
-        return _fit_tuned(
-            model,
-            out=out,
-            data=data,
-            max_tokens=max_tokens,
-            eval_tokens=eval_tokens,
-            seq_len=seq_len,
-            batch_size=batch_size,
-            preset=preset,
-            options=options,
-            init=init,
-            device=device,
-            dtype=dtype,
-            seed=seed,
-            progress=progress,
-            overwrite=overwrite,
-            **load,
-        )
-    fitter = (JacobianFit if kind == "jacobian" else AffineFit).from_options(options)
-    tokens = max_tokens or 16384
-    bridge = _bridge(model, device, dtype, progress, **load)
-    run = analyze(
-        bridge,
-        data=data,
-        plugins=[fitter],
-        out=out,
-        seq_len=seq_len,
-        max_tokens=tokens,
-        batch_size=batch_size,
-        seed=seed,
-        progress=progress,
-        overwrite=overwrite,
-        shard=shard,
-    )
-    artifact = JACOBIAN_FILE if kind == "jacobian" else AFFINE_FOLDER
-    lens = out / fitter.name / artifact if fitter.name in run.results else None
-    fit = LensFit(kind, lens, out, run=run, manifest=run.manifest)
-    if lens is not None and eval_tokens > 0 and run.manifest.get("status") == "complete":
-        fit.evaluation = evaluate_lens(
-            bridge,
-            f"{kind}:{lens}",
-            data=data,
-            skip_tokens=tokens,
-            max_tokens=eval_tokens,
-            seq_len=seq_len,
-            batch_size=batch_size,
-            seed=seed,
-            out=out,
-            progress=progress,
-        )
-    return fit
+        return _fit_tuned(model, out=out, **how)
+
+
+attach_fitter("tuned", TunedFitter())
+attach_fitter("jacobian", AnalyzerFitter(JacobianFit, JACOBIAN_FILE))
+attach_fitter("affine", AnalyzerFitter(AffineFit, AFFINE_FOLDER))
 
 
 def evaluate_lens(

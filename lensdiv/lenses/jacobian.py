@@ -29,7 +29,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -39,9 +38,9 @@ from torch import Tensor
 from lensdiv.core.analyzer import Analyzer, ModelInfo, Step
 from lensdiv.core.errors import UnsupportedModelError
 from lensdiv.core.provenance import versions
-from lensdiv.core.results import Artifact, Plot, Result, Table
+from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
-from lensdiv.ops.translators import JACOBIAN_FILE, save_jacobian
+from lensdiv.ops.lens_files import JACOBIAN_FILE, JacobianLensFile
 
 Estimator = Literal["exact", "sketch"]
 
@@ -142,12 +141,55 @@ class JacobianFit(Analyzer):
         return q.T.contiguous()
 
     def finalize(self, state: Stats, info: ModelInfo) -> Result:
+        return present(MeanJacobians.from_state(state, info), self, info)
+
+
+# -- the numbers -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MeanJacobians:
+    """The fitted Jacobian lens: no tables, no prose.
+
+    Args:
+        means: Per TransformerLens layer ``k`` (reading ``h_{k+1}``, ``k = 0..L-2``) the mean
+            Jacobian over prompts (float32, CPU).
+        prompts_exact: Prompts fitted exactly.
+        prompts_sketched: Prompts fitted by the sketch.
+        too_short: Rows too short to fit.
+        tokens: Tokens of the prompts fitted.
+        frobenius: Per layer ``‖J_k‖``.
+        distance_from_identity: Per layer ``‖J_k − I‖/‖I‖``.
+        cosine_with_identity: Per layer ``cos(J_k, I)``.
+    """
+
+    means: dict[int, Tensor]
+    prompts_exact: int
+    prompts_sketched: int
+    too_short: int
+    tokens: int
+    frobenius: list[float]
+    distance_from_identity: list[float]
+    cosine_with_identity: list[float]
+
+    @property
+    def prompts(self) -> int:
+        return self.prompts_exact + self.prompts_sketched
+
+    @classmethod
+    def from_state(cls, state: Stats, info: ModelInfo) -> MeanJacobians:
+        """The mean over prompts of the summed per-prompt Jacobians, and how far each is from
+        the identity.
+
+        Raises:
+            ValueError: No prompt was long enough.
+        """
         n_exact = int(state.get("prompts/exact", 0))
         n_sketch = int(state.get("prompts/sketch", 0))
         n = n_exact + n_sketch
         if n == 0:
             raise ValueError("no prompt was long enough (raise --seq-len or lower skip_first)")
-        layers = list(range(info.n_layers - 1))
+        layers = range(info.n_layers - 1)
         means = {
             k: (
                 sum(state[f"{tag}/{k}"] for tag in ("exact", "sketch") if f"{tag}/{k}" in state) / n
@@ -157,104 +199,98 @@ class JacobianFit(Analyzer):
             for k in layers
         }
         eye = torch.eye(info.d_model)
-        table = Table(
-            "jacobian",
-            {
-                "layer": layers,
-                "state": [f"h{k + 1}" for k in layers],
-                "frobenius": [float(means[k].norm()) for k in layers],
-                "distance_from_identity": [
-                    float((means[k] - eye).norm() / eye.norm()) for k in layers
-                ],
-                "cosine_with_identity": [
-                    float((means[k] * eye).sum() / (means[k].norm() * eye.norm())) for k in layers
-                ],
-            },
-            "Mean Jacobian ∂h_L/∂h_l of each layer (h_l = output of block l - 1)",
+        return cls(
+            means,
+            n_exact,
+            n_sketch,
+            int(state.get("too_short", 0)),
+            int(state.get("tokens/exact", 0)) + int(state.get("tokens/sketch", 0)),
+            [float(means[k].norm()) for k in layers],
+            [float((means[k] - eye).norm() / eye.norm()) for k in layers],
+            [float((means[k] * eye).sum() / (means[k].norm() * eye.norm())) for k in layers],
         )
-        metadata = {
-            "model_name": info.name,
-            "model_revision": None,
-            "transformer_lens_version": versions().get("transformer-lens", "unknown"),
-            "model_system": "TransformerBridge",
-            "estimator": "jacobian_lens" if self.estimator == "exact" else "lensdiv_sketch",
-            "processing": {"compatibility_mode": False, "weight_basis": "raw_huggingface"},
-            "hook_convention": "blocks.{layer}.hook_out",
-            "corpus": "lensdiv",
-            "n_prompts": n,
-            "fit_dtype": "float32",
-            "target_layer": info.n_layers - 1,
-            "dim_batch": self.dim_batch,
-            "skip_first_positions": self.skip_first,
-            "fitted_by": "lensdiv",
-            "lensdiv_estimator": self.estimator,
-            **({"probes": self.probes or info.d_model // 8} if n_sketch else {}),
-        }
-        dtype = torch.float16 if self.save_dtype == "float16" else torch.float32
-        artifact = JacobianLensFile(JACOBIAN_FILE, means, n, info.d_model, metadata, dtype)
-        tokens = int(state.get("tokens/exact", 0)) + int(state.get("tokens/sketch", 0))
-        summary = (
-            f"Jacobian lens ({self.estimator}) from {n} prompts ({tokens} tokens): ‖J_l − I‖/‖I‖ "
-            f"{table['distance_from_identity'][0]:.3g} at h1 → "
-            f"{table['distance_from_identity'][-1]:.3g} at h{info.n_layers - 1}; saved as "
-            f"{JACOBIAN_FILE} (TransformerLens' format)."
-        )
-        return Result(
-            self.name,
-            summary,
-            tables={"jacobian": table},
-            plots=(
-                Plot(
-                    "line",
-                    "jacobian_identity",
-                    "Jacobian lens: how far each J_l is from the identity",
-                    "jacobian",
-                    x="layer",
-                    y=("distance_from_identity", "cosine_with_identity"),
-                    xlabel="block l (J_l reads its output h_{l+1})",
-                    ylabel="‖J_l − I‖/‖I‖, cos(J_l, I)",
-                    caption="A Jacobian lens equal to the identity is the logit lens.",
-                ),
+
+
+# -- the presentation ------------------------------------------------------------------------------
+
+
+def present(fitted: MeanJacobians, options: JacobianFit, info: ModelInfo) -> Result:
+    """The fit's table, plot and summary, and the lens as TransformerLens' file."""
+    layers = list(range(info.n_layers - 1))
+    table = Table(
+        "jacobian",
+        {
+            "layer": layers,
+            "state": [f"h{k + 1}" for k in layers],
+            "frobenius": fitted.frobenius,
+            "distance_from_identity": fitted.distance_from_identity,
+            "cosine_with_identity": fitted.cosine_with_identity,
+        },
+        "Mean Jacobian ∂h_L/∂h_l of each layer (h_l = output of block l - 1)",
+    )
+    dtype = torch.float16 if options.save_dtype == "float16" else torch.float32
+    artifact = JacobianLensFile(
+        JACOBIAN_FILE,
+        fitted.means,
+        fitted.prompts,
+        info.d_model,
+        _metadata(fitted, options, info),
+        dtype,
+    )
+    summary = (
+        f"Jacobian lens ({options.estimator}) from {fitted.prompts} prompts ({fitted.tokens} "
+        f"tokens): ‖J_l − I‖/‖I‖ {fitted.distance_from_identity[0]:.3g} at h1 → "
+        f"{fitted.distance_from_identity[-1]:.3g} at h{info.n_layers - 1}; saved as "
+        f"{JACOBIAN_FILE} (TransformerLens' format)."
+    )
+    return Result(
+        options.name,
+        summary,
+        tables={"jacobian": table},
+        plots=(
+            Plot(
+                "line",
+                "jacobian_identity",
+                "Jacobian lens: how far each J_l is from the identity",
+                "jacobian",
+                x="layer",
+                y=("distance_from_identity", "cosine_with_identity"),
+                xlabel="block l (J_l reads its output h_{l+1})",
+                ylabel="‖J_l − I‖/‖I‖, cos(J_l, I)",
+                caption="A Jacobian lens equal to the identity is the logit lens.",
             ),
-            meta={
-                "prompts": n,
-                "prompts_exact": n_exact,
-                "prompts_sketched": n_sketch,
-                "too_short": int(state.get("too_short", 0)),
-                "tokens": tokens,
-            },
-            artifacts=(artifact,),
-        )
+        ),
+        meta={
+            "prompts": fitted.prompts,
+            "prompts_exact": fitted.prompts_exact,
+            "prompts_sketched": fitted.prompts_sketched,
+            "too_short": fitted.too_short,
+            "tokens": fitted.tokens,
+        },
+        artifacts=(artifact,),
+    )
 
 
-class JacobianLensFile(Artifact):
-    """A Jacobian lens written as TransformerLens' ``JacobianLens.save`` writes it."""
-
-    def __init__(
-        self,
-        name: str,
-        jacobians: dict[int, Tensor],
-        n_prompts: int,
-        d_model: int,
-        metadata: dict[str, Any],
-        dtype: torch.dtype,
-    ) -> None:
-        self.name = name
-        self.jacobians, self.n_prompts, self.d_model = jacobians, n_prompts, d_model
-        self.metadata, self.dtype = metadata, dtype
-
-    def write(self, path: Path) -> list[Path]:
-        tmp = path.with_name(f".{path.name}.tmp")
-        save_jacobian(
-            tmp,
-            self.jacobians,
-            n_prompts=self.n_prompts,
-            d_model=self.d_model,
-            metadata=self.metadata,
-            dtype=self.dtype,
-        )
-        tmp.replace(path)
-        return [path]
+def _metadata(fitted: MeanJacobians, options: JacobianFit, info: ModelInfo) -> dict[str, Any]:
+    """The lens file's metadata, in TransformerLens' keys (plus lensdiv's)."""
+    return {
+        "model_name": info.name,
+        "model_revision": None,
+        "transformer_lens_version": versions().get("transformer-lens", "unknown"),
+        "model_system": "TransformerBridge",
+        "estimator": "jacobian_lens" if options.estimator == "exact" else "lensdiv_sketch",
+        "processing": {"compatibility_mode": False, "weight_basis": "raw_huggingface"},
+        "hook_convention": "blocks.{layer}.hook_out",
+        "corpus": "lensdiv",
+        "n_prompts": fitted.prompts,
+        "fit_dtype": "float32",
+        "target_layer": info.n_layers - 1,
+        "dim_batch": options.dim_batch,
+        "skip_first_positions": options.skip_first,
+        "fitted_by": "lensdiv",
+        "lensdiv_estimator": options.estimator,
+        **({"probes": options.probes or info.d_model // 8} if fitted.prompts_sketched else {}),
+    }
 
 
 # -- the per-prompt estimators ---------------------------------------------------------------------

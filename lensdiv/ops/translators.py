@@ -26,22 +26,33 @@ reads the output of block ``k`` = ``h_{k+1}`` (``k = 0..L-2``).
 model) on the readout's device, to a state already converted to that dtype: the policy of
 :mod:`lensdiv.ops.readout` holds, and the cost is one ``d_model × d_model`` matmul per state.
 
-**Files.** ``tuned:PATH`` and ``affine:PATH`` read a folder (or its ``config.json``) in
-tuned-lens's layout (``config.json`` + ``params.pt`` with ``"{i}.weight"``, ``"{i}.bias"``), so
-published tuned lenses load here and lensdiv's load in tuned-lens; a name that is not a path is
-looked up in tuned-lens's published lenses on the Hugging Face hub. ``jacobian:PATH`` reads
-TransformerLens' ``JacobianLens`` files (its own loader: artifacts and reference checkpoints),
-or a published lens by name (``JacobianLens.from_pretrained``).
+**Kinds of lens** are objects in one registry (:data:`LENS_KINDS`, :class:`LensKind`): a kind's
+name and how results name it, its file layout (a reader, a writer), where a fit's output folder
+holds it, and — attached by :mod:`lensdiv.lenses.fit`, the layer above — how it is fitted. Adding
+a kind is one :func:`register_lens_kind` call (ARCHITECTURE.md lists the steps).
+
+**Files.** ``--lens KIND:PATH`` takes the output folder of ``lensdiv lenses fit --kind KIND --out
+PATH`` (its ``lens.json`` says where the lens is), the lens' own file or folder, or other tools'
+files: ``tuned`` and ``affine`` read a folder (or its ``config.json``) in tuned-lens's layout
+(``config.json`` + ``params.pt`` with ``"{i}.weight"``, ``"{i}.bias"``), so published tuned
+lenses load here and lensdiv's load in tuned-lens; ``jacobian`` reads TransformerLens'
+``JacobianLens`` files (its own loader: artifacts and reference checkpoints). ``--lens PATH``
+without a kind reads the kind from the files. A name that is not a path (absolute, ``./``,
+``../``, ``~``, or an existing file or folder) is a published lens' name, looked up on the
+Hugging Face hub (tuned-lens's lenses; ``JacobianLens.from_pretrained``); a path never is, and
+``HF_HUB_OFFLINE=1`` keeps the lookup off the network.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
-from collections.abc import Mapping
+import os
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from jaxtyping import Float
@@ -49,42 +60,25 @@ from torch import Tensor
 
 from lensdiv.core.analyzer import ModelInfo
 from lensdiv.core.errors import LensError
+from lensdiv.ops.lens_files import (
+    JACOBIAN_FILE,
+    TUNED_CONFIG,
+    TUNED_PARAMS,
+    LensMaps,
+    Map,
+    fetch_tuned,
+    is_jacobian_file,
+    is_tuned_folder,
+    line_of,
+    read_jacobian_maps,
+    read_tuned_maps,
+    save_jacobian,
+    save_tuned,
+    tuned_config,
+)
 
-LensKind = Literal["logit", "tuned", "jacobian", "affine"]
-LENS_KINDS: tuple[LensKind, ...] = ("logit", "tuned", "jacobian", "affine")
-#: How results name each lens ("Tuned lens: KL to the output").
-LABELS: dict[str, str] = {
-    "logit": "Logit lens",
-    "tuned": "Tuned lens",
-    "jacobian": "Jacobian lens",
-    "affine": "Affine lens",
-}
-#: The same in the middle of a sentence ("the Jacobian lens' translator").
-PHRASES: dict[str, str] = {
-    "logit": "logit lens",
-    "tuned": "tuned lens",
-    "jacobian": "Jacobian lens",
-    "affine": "affine lens",
-}
-TUNED_CONFIG, TUNED_PARAMS = "config.json", "params.pt"
-JACOBIAN_FILE = "jacobian_lens.pt"
-# tuned-lens's published lenses: a Hugging Face *space*, one folder per model under lens/.
-TUNED_HUB_REPO, TUNED_HUB_TYPE = "AlignmentResearch/tuned-lens", "space"
-
-
-@dataclass(frozen=True, eq=False)
-class Map:
-    """One residual index's affine map.
-
-    Args:
-        weight: ``W`` ``[d_model, d_model]`` (out, in), float32 on the CPU.
-        bias: ``b`` ``[d_model]`` or ``None``.
-        residual: ``T(h) = h + h Wᵀ + b`` (tuned-lens form) instead of ``h Wᵀ + b``.
-    """
-
-    weight: Float[Tensor, "d_model d_model"]
-    bias: Float[Tensor, " d_model"] | None = None
-    residual: bool = False
+#: What names the lens in the output folder of ``lensdiv lenses fit``: its kind and its path.
+LENS_FILE = "lens.json"
 
 
 @dataclass(frozen=True, eq=False)
@@ -99,7 +93,7 @@ class Translator:
         meta: Provenance recorded with the file (prompts, tokens, fit settings).
     """
 
-    kind: LensKind = "logit"
+    kind: str = "logit"
     maps: Mapping[int, Map] = field(default_factory=dict)
     source: str | None = None
     d_model: int = 0
@@ -200,10 +194,86 @@ class Translator:
 LOGIT = Translator()
 
 
+# -- the kinds of lens -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LensKind:
+    """One kind of lens: what reads its files, what the fit's output folder holds, how results
+    name it, and (attached by :mod:`lensdiv.lenses.fit`) how it is fitted.
+
+    Args:
+        name: What ``--lens NAME:PATH`` and ``lenses fit --kind NAME`` call it.
+        label: How results name it (``"Tuned lens"``).
+        phrase: The same in the middle of a sentence (``"tuned lens"``).
+        layout: Its file layout in words (``"tuned-lens's layout"``).
+        read: ``read(path, kind, source)``: the translator in a local file or folder of this
+            layout (``None``: nothing to read, the logit lens).
+        owns: Whether a file or folder is a lens of this kind (``--lens PATH`` without a kind).
+        hub: ``hub(name, kind)``: a published lens by name (``None``: none is published).
+        fitted: Where ``lensdiv lenses fit --kind NAME --out D`` leaves the lens, relative to
+            ``D`` (found there when ``D`` has no ``lens.json``: merged shards).
+        fitter: How it is fitted (a :class:`lensdiv.lenses.fit.Fitter`; ``None``: it is not).
+    """
+
+    name: str
+    label: str
+    phrase: str
+    layout: str = ""
+    read: Callable[[Path, str, str], Translator] | None = None
+    owns: Callable[[Path], bool] | None = None
+    hub: Callable[[str, str], Translator] | None = None
+    fitted: str | None = None
+    fitter: Any = None
+
+
+#: Every kind of lens by name (:func:`register_lens_kind` adds one).
+LENS_KINDS: dict[str, LensKind] = {}
+
+
+def register_lens_kind(kind: LensKind) -> LensKind:
+    """Add (or replace) a kind of lens; returns it."""
+    LENS_KINDS[kind.name] = kind
+    return kind
+
+
+def attach_fitter(name: str, fitter: Any) -> LensKind:
+    """Say how the kind ``name`` is fitted (the layer that fits lenses does)."""
+    return register_lens_kind(dataclasses.replace(LENS_KINDS[name], fitter=fitter))
+
+
+def fitted_kinds() -> list[str]:
+    """The kinds ``lensdiv lenses fit`` can fit."""
+    return [name for name, kind in LENS_KINDS.items() if kind.fitter is not None]
+
+
+class _Names(Mapping[str, str]):
+    """A kind's label or phrase by its name, read from the registry as it is now."""
+
+    def __init__(self, attribute: str) -> None:
+        self._attribute = attribute
+
+    def __getitem__(self, name: str) -> str:
+        return str(getattr(LENS_KINDS[name], self._attribute))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(LENS_KINDS)
+
+    def __len__(self) -> int:
+        return len(LENS_KINDS)
+
+
+#: How results name each lens ("Tuned lens: KL to the output").
+LABELS: Mapping[str, str] = _Names("label")
+#: The same in the middle of a sentence ("the Jacobian lens' translator").
+PHRASES: Mapping[str, str] = _Names("phrase")
+
+
 def parse_lens(spec: Any) -> Translator:
-    """A translator from what ``--lens`` / ``lens=`` take: ``"logit"``, ``"tuned:PATH"``,
-    ``"jacobian:PATH"``, ``"affine:PATH"`` (a path, or a published lens' name), or a
-    :class:`Translator`.
+    """A translator from what ``--lens`` / ``lens=`` take: ``"logit"``, ``"KIND:PATH"``
+    (``tuned``, ``jacobian``, ``affine``: the output folder of ``lensdiv lenses fit``, the lens'
+    own file or folder, another tool's file, or a published lens' name), ``PATH`` (the kind read
+    from the files), or a :class:`Translator`.
 
     Raises:
         LensError: Not one of these, or a file that cannot be read (one line, with a hint).
@@ -212,205 +282,245 @@ def parse_lens(spec: Any) -> Translator:
         return LOGIT
     if isinstance(spec, Translator):
         return spec
+    if isinstance(spec, Path):
+        return read_lens(spec)
     if not isinstance(spec, str):
         raise LensError(
-            f"a lens is 'logit', 'tuned:PATH', 'jacobian:PATH' or 'affine:PATH', not {spec!r}"
+            f"a lens is 'logit', 'tuned:PATH', 'jacobian:PATH', 'affine:PATH' or a lens "
+            f"folder, not {spec!r}"
         )
-    kind, _, where = spec.partition(":")
-    kind = kind.strip().lower()
-    if kind == "logit" and not where:
+    name, sep, where = spec.strip().partition(":")
+    name = name.strip().lower()
+    if name == "logit" and not sep:
         return LOGIT
-    if kind not in LENS_KINDS or kind == "logit" or not where.strip():
-        raise LensError(
-            f"unknown lens {spec!r}",
-            hint="use logit, tuned:PATH, jacobian:PATH or affine:PATH (a fitted lens' file or "
-            "folder: lensdiv lenses fit)",
-        )
-    if kind == "jacobian":
-        return read_jacobian(where)
-    return read_tuned(where, kind=kind)
-
-
-# -- tuned-lens's layout ---------------------------------------------------------------------------
-
-
-def read_tuned(where: str | Path, *, kind: Literal["tuned", "affine"] = "tuned") -> Translator:
-    """A lens saved in tuned-lens's layout: a folder (or its ``config.json``) with
-    ``config.json`` and ``params.pt``, or a published lens' name.
-
-    Raises:
-        LensError: Missing or unreadable files, or parameters that do not fit the config.
-    """
-    folder = Path(where).expanduser()
-    if folder.name == TUNED_CONFIG and folder.is_file():
-        folder = folder.parent
-    if not folder.exists():
-        folder = _hub_tuned(str(where))
-    try:
-        config = json.loads((folder / TUNED_CONFIG).read_text())
-        params = torch.load(folder / TUNED_PARAMS, map_location="cpu", weights_only=True)
-    except (OSError, ValueError, RuntimeError) as err:
-        raise LensError(
-            f"cannot read the {PHRASES[kind]} in {str(folder)!r}: {_line(err)}",
-            hint=f"a lens folder holds {TUNED_CONFIG} and {TUNED_PARAMS} (tuned-lens's layout)",
-        ) from None
-    if not isinstance(config, dict) or not isinstance(params, dict):
-        raise LensError(f"{folder} is not a lens in tuned-lens's layout")
-    # v0.0.x of tuned-lens saved the whole lens: its translators under "layer_translators."
-    params = {
-        k.removeprefix("layer_translators."): v
-        for k, v in params.items()
-        if not k.startswith(("unembed", "input_translator"))
-    }
-    d_model = int(config.get("d_model", 0))
-    maps: dict[int, Map] = {}
-    for key, weight in params.items():
-        index, _, part = key.partition(".")
-        if part != "weight" or not index.isdigit():
-            continue
-        bias = params.get(f"{index}.bias")
-        if tuple(weight.shape) != (d_model, d_model) or (
-            bias is not None and tuple(bias.shape) != (d_model,)
-        ):
-            raise LensError(
-                f"{folder / TUNED_PARAMS}: translator {index} has shape {tuple(weight.shape)}, "
-                f"not ({d_model}, {d_model}) as {TUNED_CONFIG} says"
-            )
-        maps[int(index)] = Map(
-            weight.detach().float(),
-            None if bias is None else bias.detach().float(),
-            residual=True,
-        )
-    if not maps:
-        raise LensError(f"{folder / TUNED_PARAMS} holds no translator ('0.weight', ...)")
-    meta = {k: v for k, v in config.items() if k not in ("d_model",)}
-    return Translator(kind, maps, source=str(where), d_model=d_model, meta=meta)
-
-
-def save_tuned(
-    folder: str | Path,
-    weights: Mapping[int, Tensor],
-    biases: Mapping[int, Tensor],
-    *,
-    d_model: int,
-    n_layers: int,
-    model_name: str,
-    extra: Mapping[str, Any] | None = None,
-) -> list[Path]:
-    """Write translators ``h + W_i h + b_i`` (``i = 0..n_layers-1``) in tuned-lens's layout.
-
-    Every index ``0..n_layers-1`` gets a translator (tuned-lens's loader expects them all):
-    missing ones are zero (the identity). ``extra`` keys go into ``config.json`` (tuned-lens
-    ignores keys it does not know).
-    """
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    state: dict[str, Tensor] = {}
-    for i in range(n_layers):
-        weight = weights.get(i)
-        bias = biases.get(i)
-        state[f"{i}.weight"] = (
-            torch.zeros(d_model, d_model) if weight is None else weight.detach().float().cpu()
-        ).contiguous()
-        state[f"{i}.bias"] = (
-            torch.zeros(d_model) if bias is None else bias.detach().float().cpu()
-        ).contiguous()
-    config = {
-        "base_model_name_or_path": model_name,
-        "d_model": d_model,
-        "num_hidden_layers": n_layers,
-        "bias": True,
-        "base_model_revision": None,
-        "unembed_hash": None,
-        "lens_type": "linear_tuned_lens",
-        **dict(extra or {}),
-    }
-    params, conf = folder / TUNED_PARAMS, folder / TUNED_CONFIG
-    torch.save(state, params)
-    conf.write_text(json.dumps(config, indent=2))
-    return [conf, params]
-
-
-def _hub_tuned(name: str) -> Path:
-    """The folder of tuned-lens's published lens ``name``, downloaded from the hub."""
-    try:
-        from huggingface_hub import hf_hub_download
-
-        files = [
-            hf_hub_download(
-                TUNED_HUB_REPO,
-                filename,
-                subfolder=f"lens/{name}",
-                repo_type=TUNED_HUB_TYPE,
-            )
-            for filename in (TUNED_CONFIG, TUNED_PARAMS)
-        ]
-    except Exception as err:  # offline, unknown name, no huggingface_hub
-        raise LensError(
-            f"{name!r} is neither a lens folder nor a published tuned lens ({_line(err)})",
-            hint="pass the folder of a fitted lens (lensdiv lenses fit), or a model name that "
-            "tuned-lens publishes (needs the network)",
-        ) from None
-    return Path(files[0]).parent
-
-
-# -- TransformerLens' Jacobian lens ----------------------------------------------------------------
-
-
-def read_jacobian(where: str | Path) -> Translator:
-    """A Jacobian lens: TransformerLens' ``JacobianLens`` file (artifact or reference
-    checkpoint) or a published lens' name (``JacobianLens.from_pretrained``).
-
-    Raises:
-        LensError: The file cannot be read or is not a Jacobian lens.
-    """
-    from transformer_lens.tools.analysis import JacobianLens
-
-    path = Path(where).expanduser()
-    if path.is_dir() and (path / JACOBIAN_FILE).is_file():
-        path = path / JACOBIAN_FILE
-    try:
-        lens = (
-            JacobianLens.load(str(path))
-            if path.is_file()
-            else JacobianLens.from_pretrained(str(where))
-        )
-    except Exception as err:  # a damaged file, not a lens, offline, an unknown name
-        raise LensError(
-            f"cannot read the Jacobian lens {str(where)!r}: {_line(err)}",
-            hint="pass a file written by lensdiv lenses fit --kind jacobian or "
-            "JacobianLens.save, or a published lens' name (needs the network)",
-        ) from None
-    maps = {int(k) + 1: Map(j.detach().float()) for k, j in lens.jacobians.items()}
-    meta = {"n_prompts": lens.n_prompts, **dict(lens.metadata)}
-    return Translator("jacobian", maps, source=str(where), d_model=lens.d_model, meta=meta)
-
-
-def save_jacobian(
-    path: str | Path,
-    jacobians: Mapping[int, Tensor],
-    *,
-    n_prompts: int,
-    d_model: int,
-    metadata: Mapping[str, Any] | None = None,
-    dtype: torch.dtype = torch.float32,
-) -> Path:
-    """Write a Jacobian lens as TransformerLens does (``JacobianLens.save``: its four keys plus
-    its metadata), so ``JacobianLens.load`` reads it; ``jacobians`` keyed by TL's layer
-    (``h_{k+1}`` is layer ``k``). float32 unless asked otherwise (TL's default is float16)."""
-    from transformer_lens.tools.analysis import JacobianLens
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    lens = JacobianLens(
-        {int(k): v for k, v in jacobians.items()},
-        n_prompts=n_prompts,
-        d_model=d_model,
-        metadata=dict(metadata or {}),
+    kind = LENS_KINDS.get(name)
+    if sep and kind is not None and kind.read is not None and where.strip():
+        return read_lens(where.strip(), kind.name)
+    if (not sep or kind is None) and is_path(spec.strip()):
+        return read_lens(spec.strip())
+    fitted = ", ".join(f"{k}:PATH" for k, found in LENS_KINDS.items() if found.read is not None)
+    raise LensError(
+        f"unknown lens {spec!r}",
+        hint=f"use logit, {fitted} or a lens folder (the --out of lensdiv lenses fit)",
     )
-    lens.save(str(path), dtype=dtype)
+
+
+def is_path(where: str) -> bool:
+    """Whether a lens spec names a local file or folder (never a hub name): absolute, ``./``,
+    ``../``, ``~``, or an existing file or folder."""
+    text = where.strip()
+    if text in (".", "..") or text.startswith(("/", "./", "../", "~", os.sep)):
+        return True
+    return Path(text).exists()
+
+
+def read_lens(where: str | Path, kind: str | None = None) -> Translator:
+    """The lens at ``where`` (a fit's output folder, the lens' own file or folder, another
+    tool's file, or — not a path — a published lens' name) read as ``kind``, or as the kind its
+    files say when ``kind`` is ``None``.
+
+    Raises:
+        LensError: No such path (at once, naming it: a path never goes to the hub), files that
+            are not a lens of ``kind``, or a published name that cannot be fetched.
+    """
+    wanted = None if kind is None else LENS_KINDS[kind]
+    source = str(where)
+    found = _locate(wanted, source)
+    if found is None:  # a name, not a path
+        assert wanted is not None  # a path-less spec has a kind (parse_lens)
+        if wanted.hub is None:
+            raise LensError(f"{source!r} is not a path, and no {wanted.phrase} is published")
+        return wanted.hub(source, wanted.name)
+    found_kind, path = found
+    assert found_kind.read is not None
+    return found_kind.read(path, found_kind.name, source)
+
+
+def _locate(kind: LensKind | None, where: str) -> tuple[LensKind, Path] | None:
+    """The kind and the file or folder to read for ``where``; ``None`` for a hub name."""
+    path = Path(where).expanduser()
+    if not path.exists():
+        if kind is not None and not is_path(where):
+            return None
+        what = f"the {kind.phrase}" if kind is not None else "a lens at"
+        raise LensError(
+            f"cannot read {what} {where!r}: no such file or folder, so it is neither a lens "
+            f"folder nor a published {kind.phrase if kind else 'lens'} (a path is never looked "
+            "up on the hub)",
+            hint="pass the --out folder of lensdiv lenses fit, or a lens' file or folder",
+        )
+    if path.is_dir() and (path / LENS_FILE).is_file():
+        name, inner = _pointer(path)
+        if kind is not None and name != kind.name:
+            raise LensError(
+                f"{where!r} holds a {PHRASES[name]} ({LENS_FILE}), not a {kind.phrase}",
+                hint=f"use --lens {name}:{where}, or --lens {where}",
+            )
+        return LENS_KINDS[name], inner
+    if path.is_dir():
+        inside = [
+            k
+            for k in LENS_KINDS.values()
+            if k.fitted and (path / k.fitted).exists() and (kind is None or k is kind)
+        ]
+        if len(inside) == 1:
+            return inside[0], path / str(inside[0].fitted)
+        if len(inside) > 1:
+            raise LensError(
+                f"{where!r} holds several lenses ({', '.join(k.name for k in inside)})",
+                hint=f"name one: --lens {inside[0].name}:{where}",
+            )
+    if kind is not None:
+        return kind, path
+    owners = [k for k in LENS_KINDS.values() if k.owns is not None and k.owns(path)]
+    if not owners:
+        raise LensError(
+            f"cannot tell which kind of lens {where!r} holds",
+            hint="name it: --lens tuned:PATH, jacobian:PATH or affine:PATH",
+        )
+    return owners[0], path
+
+
+def _pointer(folder: Path) -> tuple[str, Path]:
+    """The kind and path a fit's ``lens.json`` names."""
+    try:
+        pointer = json.loads((folder / LENS_FILE).read_text())
+        name, inner = str(pointer["kind"]), folder / str(pointer["path"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise LensError(f"cannot read {folder / LENS_FILE}: {line_of(err)}") from None
+    if name not in LENS_KINDS or LENS_KINDS[name].read is None:
+        raise LensError(f"{folder / LENS_FILE} names an unknown kind of lens {name!r}")
+    return name, inner
+
+
+def write_pointer(out: Path, kind: str, lens: Path) -> Path:
+    """Write ``out/lens.json``: the kind and the path (inside ``out``) of the lens a fit made,
+    so ``--lens KIND:OUT`` and ``--lens OUT`` read it."""
+    found = LENS_KINDS[kind]
+    pointer = {
+        "lensdiv_lens": 1,
+        "kind": kind,
+        "path": lens.relative_to(out).as_posix(),
+        "layout": found.layout,
+        "use": f"--lens {kind}:{out}",
+    }
+    path = out / LENS_FILE
+    tmp = path.with_name(f".{LENS_FILE}.tmp")
+    tmp.write_text(json.dumps(pointer, indent=2) + "\n")
+    tmp.replace(path)
     return path
 
 
-def _line(err: BaseException) -> str:
-    return " ".join(f"{type(err).__name__}: {err}".split())[:200]
+# -- the built-in kinds ----------------------------------------------------------------------------
+
+
+def _translator(found: LensMaps, kind: str, source: str) -> Translator:
+    return Translator(kind, found.maps, source=source, d_model=found.d_model, meta=found.meta)
+
+
+def _read_tuned_layout(path: Path, kind: str, source: str) -> Translator:
+    return _translator(read_tuned_maps(path, PHRASES[kind]), kind, source)
+
+
+def _tuned_hub(name: str, kind: str) -> Translator:
+    return _translator(read_tuned_maps(fetch_tuned(name), PHRASES[kind]), kind, name)
+
+
+def _read_jacobian_file(path: Path, kind: str, source: str) -> Translator:
+    return _translator(read_jacobian_maps(path), kind, source)
+
+
+def _jacobian_hub(name: str, kind: str) -> Translator:
+    return _translator(read_jacobian_maps(name, published=True), kind, name)
+
+
+def _fitted_by(kind: str) -> Callable[[Path], bool]:
+    """A folder in tuned-lens's layout whose ``config.json`` says lensdiv fitted it as ``kind``
+    (a tuned lens: any other tool's folder in that layout too)."""
+
+    def owns(path: Path) -> bool:
+        if not is_tuned_folder(path):
+            return False
+        said = tuned_config(path).get("lensdiv_lens", "tuned")
+        return said == kind or (kind == "tuned" and said not in LENS_KINDS)
+
+    return owns
+
+
+TUNED_LAYOUT = f"tuned-lens's layout ({TUNED_CONFIG} + {TUNED_PARAMS})"
+register_lens_kind(LensKind("logit", "Logit lens", "logit lens"))
+register_lens_kind(
+    LensKind(
+        "tuned",
+        "Tuned lens",
+        "tuned lens",
+        layout=TUNED_LAYOUT,
+        read=_read_tuned_layout,
+        owns=_fitted_by("tuned"),
+        hub=_tuned_hub,
+        fitted="tuned_lens",
+    )
+)
+register_lens_kind(
+    LensKind(
+        "jacobian",
+        "Jacobian lens",
+        "Jacobian lens",
+        layout=f"TransformerLens' JacobianLens file ({JACOBIAN_FILE})",
+        read=_read_jacobian_file,
+        owns=is_jacobian_file,
+        hub=_jacobian_hub,
+        fitted=f"fit-jacobian/{JACOBIAN_FILE}",
+    )
+)
+register_lens_kind(
+    LensKind(
+        "affine",
+        "Affine lens",
+        "affine lens",
+        layout=TUNED_LAYOUT,
+        read=_read_tuned_layout,
+        owns=_fitted_by("affine"),
+        hub=_tuned_hub,
+        fitted="fit-affine/affine_lens",
+    )
+)
+
+
+def read_tuned(where: str | Path, *, kind: str = "tuned") -> Translator:
+    """A lens in tuned-lens's layout (``kind`` ``tuned`` or ``affine``): a fit's output folder,
+    the lens folder (or its ``config.json``), or a published lens' name (see
+    :func:`read_lens`)."""
+    return read_lens(where, kind)
+
+
+def read_jacobian(where: str | Path) -> Translator:
+    """A Jacobian lens: a fit's output folder, TransformerLens' ``JacobianLens`` file, or a
+    published lens' name (see :func:`read_lens`)."""
+    return read_lens(where, "jacobian")
+
+
+__all__ = [
+    "JACOBIAN_FILE",
+    "LABELS",
+    "LENS_FILE",
+    "LENS_KINDS",
+    "LOGIT",
+    "PHRASES",
+    "TUNED_CONFIG",
+    "TUNED_PARAMS",
+    "LensKind",
+    "Map",
+    "Translator",
+    "attach_fitter",
+    "fitted_kinds",
+    "is_path",
+    "parse_lens",
+    "read_jacobian",
+    "read_lens",
+    "read_tuned",
+    "register_lens_kind",
+    "save_jacobian",
+    "save_tuned",
+    "write_pointer",
+]
