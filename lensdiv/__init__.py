@@ -30,6 +30,9 @@ if TYPE_CHECKING:
     from lensdiv.core.results import Table as Table
     from lensdiv.core.stats import Stats as Stats
     from lensdiv.data.sources import DataSpec as DataSpec
+    from lensdiv.lenses.fit import LensFit as LensFit
+    from lensdiv.lenses.fit import evaluate_lens as evaluate_lens
+    from lensdiv.lenses.fit import fit_lens as fit_lens
     from lensdiv.models.load import load_model as load_model
     from lensdiv.ops.prompt import prompt_view as prompt_view
     from lensdiv.run.merge import merge_runs as merge_runs
@@ -63,6 +66,9 @@ _EXPORTS = {
     "load_study": "lensdiv.studies.crossmodel",
     "Stats": "lensdiv.core.stats",
     "prompt_view": "lensdiv.ops.prompt",
+    "fit_lens": "lensdiv.lenses.fit",
+    "evaluate_lens": "lensdiv.lenses.fit",
+    "LensFit": "lensdiv.lenses.fit",
     "PromptView": "lensdiv.view.prompt",
 }
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from lensdiv.core.errors import StateError
-from lensdiv.core.stats import KINDS, STATE_FILE, TENSOR_FILE, Stats, merge_all
+from lensdiv.core.stats import MERGE_KINDS, STATE_FILE, TENSOR_FILE, Stats, merge_all
 from tests.helpers import same
 
 # -- sums, maxima and minima (the original tests) ------------------------------------------------
@@ -150,7 +150,7 @@ WRITERS: dict[str, Callable[[Stats, str], None]] = {
     "set": lambda s, name: s.include(name, "another"),
     "rows": lambda s, name: s.append(name, 99, {"another": True}),
 }
-assert set(WRITERS) == set(KINDS)
+assert set(WRITERS) == set(MERGE_KINDS)
 
 
 # -- each kind's merge rule ------------------------------------------------------------------------
@@ -335,7 +335,7 @@ def test_states_of_different_passes_do_not_merge() -> None:
         a.merge(b)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", MERGE_KINDS)
 def test_a_later_write_to_a_frozen_name_raises(kind: str) -> None:
     state = _every_kind(0, range(3))
     state.freeze()
@@ -357,8 +357,8 @@ def test_a_later_write_to_a_frozen_name_raises(kind: str) -> None:
 # -- kinds and shapes --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("second", KINDS)
-@pytest.mark.parametrize("first", KINDS)
+@pytest.mark.parametrize("second", MERGE_KINDS)
+@pytest.mark.parametrize("first", MERGE_KINDS)
 def test_a_name_belongs_to_one_kind(first: str, second: str) -> None:
     state = Stats()
     WRITERS[first](state, "x")

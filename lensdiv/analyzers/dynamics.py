@@ -134,6 +134,7 @@ class Dynamics(Analyzer):
     """
 
     name = "dynamics"
+    reads_lens = True  # through lens_of (--lens)
     aliases = ("hidden-dynamics", "hidden")
     description = (
         "Hidden-state dynamics: per-layer rotation, update angles, norms, chord progress, "

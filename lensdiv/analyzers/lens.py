@@ -39,6 +39,7 @@ class LogitLens(Analyzer):
     """
 
     name = "lens"
+    reads_lens = True  # through lens_of (--lens)
     aliases = ("logit-lens", "logitlens")
     description = (
         "Logit lens: KL to the output, top-k overlap, next-token CE/rank, entropy per layer"

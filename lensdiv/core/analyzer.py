@@ -326,6 +326,9 @@ class Analyzer(abc.ABC):
             depth ℓ/L, one line per model (:mod:`lensdiv.core.depth` says which tables are
             per-layer). ``None`` (the default, right for most third-party analyzers): every
             numeric column of every per-layer table; ``()``: none.
+        reads_lens: It reads residual states through the run's lens (``--lens``, with
+            :func:`lensdiv.ops.readout.lens_of`); a run with a fitted lens but no such analyzer
+            warns that the lens applies to none of them.
 
     Analyzers that measure on task examples rather than on the corpus (patching pairs, graded
     prompts) override :meth:`examples`; they still stream through ``update``.
@@ -340,6 +343,7 @@ class Analyzer(abc.ABC):
     numerics: ClassVar[Numerics] = "raw"
     passes: ClassVar[int] = 1
     depth_profiles: ClassVar[tuple[str, ...] | None] = None
+    reads_lens: ClassVar[bool] = False
 
     @abc.abstractmethod
     def hooks(self, info: ModelInfo) -> list[str]:

@@ -30,6 +30,11 @@ class PluginWarning(UserWarning):
     one ``warning:`` line."""
 
 
+class LensWarning(PluginWarning):
+    """A fitted lens (``--lens``) that none of the selected analyzers reads: the run is the
+    same as without it. The CLI prints it as one ``warning:`` line."""
+
+
 class ModelLoadError(LensdivError):
     """A model spec that names nothing loadable."""
 

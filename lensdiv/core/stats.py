@@ -56,7 +56,8 @@ from torch import Tensor
 from lensdiv.core.errors import StateError
 
 Kind = Literal["sum", "max", "min", "fixed", "set", "rows"]
-KINDS: tuple[Kind, ...] = ("sum", "max", "min", "fixed", "set", "rows")
+#: The kinds of a state's values, by how they merge (each kind's rule: RULES).
+MERGE_KINDS: tuple[Kind, ...] = ("sum", "max", "min", "fixed", "set", "rows")
 STATE_FILE, TENSOR_FILE = "state.json", "state.safetensors"
 FORMAT = 1
 #: The element-wise operation of each all-reduce a tensor kind declares, as torch computes it
@@ -236,7 +237,7 @@ RULES: dict[Kind, Rule] = {
     rule.kind: rule
     for rule in (SumRule(), MaxRule(), MinRule(), FixedRule(), SetRule(), RowsRule())
 }
-assert tuple(RULES) == KINDS
+assert tuple(RULES) == MERGE_KINDS
 
 
 class Stats:
@@ -360,7 +361,7 @@ class Stats:
 
     def names(self) -> list[str]:
         """Every name, in a fixed order (kind, then name)."""
-        return sorted(self._values, key=lambda n: (KINDS.index(self._kinds[n]), n))
+        return sorted(self._values, key=lambda n: (MERGE_KINDS.index(self._kinds[n]), n))
 
     @property
     def frozen(self) -> frozenset[str]:

@@ -35,7 +35,7 @@ from lensdiv.models.load import load_model
 from lensdiv.ops.capture import capture
 from lensdiv.ops.readout import final_readout, readout_dtype
 from lensdiv.ops.resume import Resumer
-from lensdiv.ops.translators import LABELS, PHRASES, Translator, parse_lens
+from lensdiv.ops.translators import LABELS, LENS_KINDS, PHRASES, Translator, is_path, parse_lens
 from lensdiv.view.prompt import PromptView, PromptViews
 
 LENSES = ("logit", "last-block")
@@ -263,7 +263,7 @@ def _describe(lens: str, skip: int | None, part: str, n_layers: int) -> tuple[st
             f"but the first, through the final norm and unembedding; KL is to the unskipped "
             f"model's output.",
         )
-    if lens in ("tuned", "jacobian", "affine"):
+    if lens in LENS_KINDS and LENS_KINDS[lens].read is not None:  # a fitted lens
         label = LABELS[lens]
         return (
             label,
@@ -298,11 +298,11 @@ def _lenses(lens: Any) -> list[Any]:
         name = one.strip() if isinstance(one, str) else one
         if name in LENSES:
             out.append(name)
-        elif isinstance(name, str) and ":" not in name:
+        elif isinstance(name, str) and ":" not in name and not is_path(name):
             raise OptionError(
                 f"unknown lens {name!r}",
                 hint="use logit, last-block, or a fitted lens: tuned:PATH, jacobian:PATH, "
-                "affine:PATH",
+                "affine:PATH, or a lens folder",
             )
         else:
             out.append(parse_lens(name))

@@ -49,6 +49,7 @@ from lensdiv.run.validate import (
     corpus_facts,
     prepare,
     short_data_warning,
+    warn_unread_lens,
 )
 
 
@@ -193,6 +194,7 @@ def analyze(
         raise OptionError(f"threads must be a whole number of at least 1, not {threads!r}")
     analyzers = make_analyzers(plugins, options)
     translator = parse_lens(lens)
+    warn_unread_lens(translator, analyzers)
     world, part = _split(shard)
     if feed is not None and (part is not None or world.parallel):
         raise LensdivError(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -29,6 +30,7 @@ from lensdiv.core.devices import check_device, input_device
 from lensdiv.core.errors import (
     DataError,
     LensdivError,
+    LensWarning,
     ModelLoadError,
     OptionError,
     UnsupportedModelError,
@@ -36,9 +38,26 @@ from lensdiv.core.errors import (
 from lensdiv.core.files import folder_problem
 from lensdiv.data.sources import DataSpec, token_batches
 from lensdiv.ops.capture import capture
+from lensdiv.ops.translators import PHRASES
 from lensdiv.run.engine import check_hooks, describe, shown
 from lensdiv.run.outcome import MANIFEST
 from lensdiv.run.report import REPORT, VIEWS
+
+
+def warn_unread_lens(lens: Any, analyzers: Sequence[Analyzer]) -> None:
+    """Warn (:class:`~lensdiv.core.errors.LensWarning`) when a fitted lens is given but none of
+    ``analyzers`` reads residual states through it (``Analyzer.reads_lens``)."""
+    if lens.identity or any(type(a).reads_lens for a in analyzers):
+        return
+    names = ", ".join(a.name for a in analyzers)
+    warnings.warn(
+        f"the {PHRASES[lens.kind]} {lens.source} applies to none of the selected analyzers "
+        f"({names}): none of them reads residual states through a lens, so the run is the "
+        "same without it",
+        LensWarning,
+        stacklevel=3,  # at the caller of analyze()
+    )
+
 
 # A text any tokenizer worth the name turns into several tokens.
 _PROBE = "The quick brown fox jumps over the lazy dog."

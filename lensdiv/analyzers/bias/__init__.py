@@ -115,6 +115,7 @@ class BiasDiversity(Analyzer):
     """
 
     name = "bias"
+    reads_lens = True  # through lens_of (--lens)
     aliases = ("bias-diversity", "biasdiv")
     description = (
         "Layer diversity: ensemble loss = bias - diversity of embedding/attn/MLP members (B1-B3)"
