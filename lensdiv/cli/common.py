@@ -60,7 +60,8 @@ Lens = Annotated[
     typer.Option(
         "--lens",
         help="Read residual states through: logit (default), tuned:PATH, jacobian:PATH or "
-        "affine:PATH (a lens fitted by `lensdiv lenses fit`, or a published one).",
+        "affine:PATH (PATH: the --out folder of `lensdiv lenses fit`, the lens' file or folder, "
+        "or a published lens' name), or PATH alone (the kind read from the files).",
     ),
 ]
 

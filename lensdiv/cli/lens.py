@@ -32,7 +32,8 @@ def lens(
         typer.Option(
             "--lens",
             help="logit (h_l → final norm → unembedding), last-block, or a fitted lens "
-            "(tuned:PATH, jacobian:PATH, affine:PATH); several, comma-separated, side by side.",
+            "(tuned:PATH, jacobian:PATH, affine:PATH; PATH the --out folder of lensdiv lenses "
+            "fit); several, comma-separated, side by side.",
         ),
     ] = "logit",
     skip: Annotated[
@@ -55,7 +56,7 @@ def lens(
 
     More: lensdiv lens toy "The happy dog" --lens last-block;
     lensdiv lens toy "The happy dog" --skip 2;
-    lensdiv lens toy "The happy dog" --lens logit,tuned:lenses/toy/tuned_lens --html cmp.html
+    lensdiv lens toy "The happy dog" --lens logit,tuned:lenses/toy --html cmp.html
     """
     # start-up: torch and TransformerLens load only when the command runs.
     from lensdiv.models.load import load_model

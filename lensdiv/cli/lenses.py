@@ -90,13 +90,17 @@ def fit(
 ) -> None:
     """Fit a lens of MODEL, write it into --out, evaluate it on held-out tokens.
 
+    Every kind leaves the same layout: --out/lens.json names the kind and where the lens is
+    (tuned_lens/, fit-affine/affine_lens/, fit-jacobian/jacobian_lens.pt), beside manifest.json
+    and evaluation.csv; --lens KIND:OUT or --lens OUT reads it.
+
     Example: lensdiv lenses fit gpt2 --kind jacobian --data corpus.txt --out lenses/gpt2-jlens
 
     A node: torchrun --nproc-per-node 8 -m lensdiv lenses fit MODEL --kind tuned --preset paper --dtype bfloat16 --data corpus.jsonl --out lenses/tuned
 
     A job array: lensdiv lenses fit MODEL --kind jacobian --shard 3/16 --out j/shard-3, then lensdiv merge j/shard-* --out j/all
 
-    Then: lensdiv analyze MODEL --plugins lens,bias --lens tuned:lenses/tuned/tuned_lens
+    Then: lensdiv analyze MODEL --plugins lens,bias --lens tuned:lenses/tuned
     """
     # start-up: the fit imports torch and TransformerLens; they load only when it runs.
     from lensdiv.lenses.fit import fit_lens
@@ -159,7 +163,7 @@ def evaluate(
 ) -> None:
     """Compare a lens with the logit lens: KL to the output and cross-entropy per layer.
 
-    Example: lensdiv lenses evaluate toy --lens tuned:lenses/toy-tuned/tuned_lens --skip-tokens 16384
+    Example: lensdiv lenses evaluate toy --lens lenses/toy-tuned --skip-tokens 16384
     """
     from lensdiv.lenses.fit import evaluate_lens
 

@@ -353,7 +353,7 @@ def _locate(kind: LensKind | None, where: str) -> tuple[LensKind, Path] | None:
         name, inner = _pointer(path)
         if kind is not None and name != kind.name:
             raise LensError(
-                f"{where!r} holds a {PHRASES[name]} ({LENS_FILE}), not a {kind.phrase}",
+                f"{where!r} holds a lens of kind {name!r} ({LENS_FILE}), not {kind.name!r}",
                 hint=f"use --lens {name}:{where}, or --lens {where}",
             )
         return LENS_KINDS[name], inner
