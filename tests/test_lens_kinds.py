@@ -200,3 +200,28 @@ def test_a_lens_no_selected_analyzer_reads_says_so(native_model: Any, tmp_path: 
     assert result.exit_code == 0, result.output
     lines = [line for line in result.output.splitlines() if line.startswith("warning:")]
     assert len(lines) == 1 and "applies to none of the selected analyzers (contrib)" in lines[0]
+
+
+def test_a_hub_name_without_the_network_fails_in_one_quick_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import huggingface_hub
+    from huggingface_hub import utils
+    from transformer_lens.tools.analysis import JacobianLens
+
+    class Unreachable:
+        def head(self, *args: Any, **kwargs: Any) -> Any:
+            raise OSError("Name or service not known")
+
+    def download(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a download with retries was started")
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setattr(utils, "get_session", lambda: Unreachable())
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    monkeypatch.setattr(JacobianLens, "from_pretrained", download)
+    for spec in ("tuned:gpt2", "jacobian:gpt2-small"):
+        with pytest.raises(LensError, match="hub cannot be reached") as err:
+            parse_lens(spec)
+        assert "\n" not in str(err.value) and "retries" not in str(err.value)

@@ -218,6 +218,8 @@ def fetch_tuned(name: str) -> Path:
         LensError: Offline and not cached, an unknown name, no network (one line).
     """
     offline = hub_offline()
+    if not offline:
+        check_hub(f"{name!r} is neither a lens folder nor a published tuned lens")
     try:
         from huggingface_hub import hf_hub_download
 
@@ -268,6 +270,8 @@ def read_jacobian_maps(where: Path | str, *, published: bool = False) -> LensMap
             "lenses are not looked up (HF_HUB_OFFLINE is set)",
             hint="pass a file written by lensdiv lenses fit --kind jacobian or JacobianLens.save",
         )
+    if published:
+        check_hub(f"cannot read the Jacobian lens {str(where)!r}: it is no file")
     path = Path(where).expanduser()
     if path.is_dir() and (path / JACOBIAN_FILE).is_file():
         path = path / JACOBIAN_FILE
@@ -346,6 +350,26 @@ def hub_offline() -> bool:
         os.environ.get(name, "").strip().upper() in ("1", "ON", "YES", "TRUE")
         for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
     )
+
+
+def check_hub(what: str) -> None:
+    """Fail at once, in one line, when the Hugging Face hub cannot be reached (one request
+    without retries: the downloads retry with back-off for tens of seconds).
+
+    Raises:
+        LensError: No answer from the hub.
+    """
+    try:
+        from huggingface_hub import constants
+        from huggingface_hub.utils import get_session
+
+        get_session().head(constants.ENDPOINT, timeout=5)
+    except Exception as err:  # no network, no DNS, a proxy refusing, no huggingface_hub
+        raise LensError(
+            f"{what}, and the Hugging Face hub cannot be reached to look it up ({line_of(err)})",
+            hint="pass a lens' file or folder (lensdiv lenses fit --out); HF_HUB_OFFLINE=1 reads "
+            "the hub's cache only",
+        ) from None
 
 
 def line_of(err: BaseException) -> str:
