@@ -28,6 +28,7 @@ from lensdiv.ops.translators import (
     parse_lens,
     save_jacobian,
     save_tuned,
+    write_lens,
 )
 from lensdiv.run.runner import analyze
 
@@ -95,6 +96,17 @@ def test_a_lens_is_named_by_the_folder_its_fit_wrote(
     assert LENS_KINDS[kind].label in result.output
     views = lensdiv.prompt_view("toy", "The happy dog", lens=f"logit,{kind}:{folder}")
     assert [v.title for v in views.views] == ["Logit lens", LENS_KINDS[kind].label]
+
+
+@pytest.mark.parametrize("kind", KINDS_FITTED)
+def test_each_kinds_writer_and_reader_round_trip(kind: str, fits: dict[str, Path],
+                                                 tmp_path: Path) -> None:
+    lens = parse_lens(str(fits[kind]))
+    path = tmp_path / ("copy.pt" if kind == "jacobian" else "copy")
+    write_lens(path, lens, n_layers=max(lens.maps) + 1, model_name="toy")
+    back = parse_lens(f"{kind}:{path}")
+    assert back.kind == kind and sorted(back.maps) == sorted(lens.maps)
+    assert back.fingerprint() == lens.fingerprint()
 
 
 def test_the_kind_is_read_from_the_files(fits: dict[str, Path], native_model: Any,

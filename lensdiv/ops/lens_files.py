@@ -37,7 +37,16 @@ TUNED_CONFIG, TUNED_PARAMS = "config.json", "params.pt"
 JACOBIAN_FILE = "jacobian_lens.pt"
 # tuned-lens's published lenses: a Hugging Face *space*, one folder per model under lens/.
 TUNED_HUB_REPO, TUNED_HUB_TYPE = "AlignmentResearch/tuned-lens", "space"
-OFFLINE_HINT = "HF_HUB_OFFLINE is set: only lenses already in the hub's cache can be read"
+# The keys of tuned-lens's config.json that its writer sets (a lens' other metadata is kept).
+_TUNED_KEYS = (
+    "base_model_name_or_path",
+    "d_model",
+    "num_hidden_layers",
+    "bias",
+    "base_model_revision",
+    "unembed_hash",
+    "lens_type",
+)
 
 
 @dataclass(frozen=True, eq=False)
@@ -210,6 +219,23 @@ def save_tuned(
     return lens.write(folder)
 
 
+def write_tuned_maps(path: Path, found: LensMaps, n_layers: int, model_name: str) -> list[Path]:
+    """Write ``found`` in tuned-lens's layout (a map ``h Wᵀ + c`` as ``h + h (W − I)ᵀ + c``)."""
+    eye = torch.eye(found.d_model)
+    weights = {i: m.weight if m.residual else m.weight - eye for i, m in found.maps.items()}
+    biases = {i: m.bias for i, m in found.maps.items() if m.bias is not None}
+    lens = TunedLensFolder(
+        path.name,
+        weights,
+        biases,
+        d_model=found.d_model,
+        n_layers=n_layers,
+        model_name=model_name,
+        extra={k: v for k, v in found.meta.items() if k not in _TUNED_KEYS},
+    )
+    return lens.write(path)
+
+
 def fetch_tuned(name: str) -> Path:
     """The folder of tuned-lens's published lens ``name``, downloaded from the hub (from its
     cache only under ``HF_HUB_OFFLINE``).
@@ -339,6 +365,16 @@ def save_jacobian(
     path = Path(path)
     JacobianLensFile(path.name, jacobians, n_prompts, d_model, metadata, dtype).write(path)
     return path
+
+
+def write_jacobian_maps(path: Path, found: LensMaps, n_layers: int, model_name: str) -> list[Path]:
+    """Write ``found`` as TransformerLens' file (the map of ``h_{k+1}`` is its layer ``k``)."""
+    if any(m.bias is not None or m.residual for m in found.maps.values()):
+        raise LensError("a Jacobian lens file holds linear maps J h only (no bias)")
+    jacobians = {i - 1: m.weight for i, m in found.maps.items()}
+    n_prompts = int(found.meta.get("n_prompts", 0))
+    metadata = {"model_name": model_name, **found.meta}
+    return JacobianLensFile(path.name, jacobians, n_prompts, found.d_model, metadata).write(path)
 
 
 # -- the hub ---------------------------------------------------------------------------------------

@@ -75,6 +75,8 @@ from lensdiv.ops.lens_files import (
     save_jacobian,
     save_tuned,
     tuned_config,
+    write_jacobian_maps,
+    write_tuned_maps,
 )
 
 #: What names the lens in the output folder of ``lensdiv lenses fit``: its kind and its path.
@@ -209,6 +211,8 @@ class LensKind:
         layout: Its file layout in words (``"tuned-lens's layout"``).
         read: ``read(path, kind, source)``: the translator in a local file or folder of this
             layout (``None``: nothing to read, the logit lens).
+        write: ``write(path, maps, n_layers, model_name)``: write a lens' maps in this layout
+            (the fits write through the same writers, as their results' artifacts).
         owns: Whether a file or folder is a lens of this kind (``--lens PATH`` without a kind).
         hub: ``hub(name, kind)``: a published lens by name (``None``: none is published).
         fitted: Where ``lensdiv lenses fit --kind NAME --out D`` leaves the lens, relative to
@@ -221,6 +225,7 @@ class LensKind:
     phrase: str
     layout: str = ""
     read: Callable[[Path, str, str], Translator] | None = None
+    write: Callable[[Path, LensMaps, int, str], list[Path]] | None = None
     owns: Callable[[Path], bool] | None = None
     hub: Callable[[str, str], Translator] | None = None
     fitted: str | None = None
@@ -456,6 +461,7 @@ register_lens_kind(
         "tuned lens",
         layout=TUNED_LAYOUT,
         read=_read_tuned_layout,
+        write=write_tuned_maps,
         owns=_fitted_by("tuned"),
         hub=_tuned_hub,
         fitted="tuned_lens",
@@ -468,6 +474,7 @@ register_lens_kind(
         "Jacobian lens",
         layout=f"TransformerLens' JacobianLens file ({JACOBIAN_FILE})",
         read=_read_jacobian_file,
+        write=write_jacobian_maps,
         owns=is_jacobian_file,
         hub=_jacobian_hub,
         fitted=f"fit-jacobian/{JACOBIAN_FILE}",
@@ -480,11 +487,21 @@ register_lens_kind(
         "affine lens",
         layout=TUNED_LAYOUT,
         read=_read_tuned_layout,
+        write=write_tuned_maps,
         owns=_fitted_by("affine"),
         hub=_tuned_hub,
         fitted="fit-affine/affine_lens",
     )
 )
+
+
+def write_lens(path: str | Path, lens: Translator, *, n_layers: int, model_name: str) -> list[Path]:
+    """Write ``lens`` in its kind's layout (``n_layers``: the model's blocks)."""
+    found = LENS_KINDS[lens.kind]
+    if found.write is None:
+        raise LensError(f"a {found.phrase} has no file to write")
+    maps = LensMaps(dict(lens.maps), lens.d_model, dict(lens.meta))
+    return found.write(Path(path), maps, n_layers, model_name)
 
 
 def read_tuned(where: str | Path, *, kind: str = "tuned") -> Translator:
@@ -522,5 +539,6 @@ __all__ = [
     "register_lens_kind",
     "save_jacobian",
     "save_tuned",
+    "write_lens",
     "write_pointer",
 ]
