@@ -52,7 +52,11 @@ def fit(
     out: Annotated[str | None, out_option("MODEL-KIND-lens-TIME")] = None,
     max_tokens: Annotated[
         int | None,
-        typer.Option(help="Tokens the fit reads. Default: 16384, or the tuned preset's budget."),
+        typer.Option(
+            help="Tokens the fit reads. Default: 16384, or the tuned preset's budget. Tuned: "
+            "the preset's steps are scaled to it (as many whole steps as fit, the schedule "
+            "over them); less than one step is refused before anything loads."
+        ),
     ] = None,
     eval_tokens: Annotated[
         int, typer.Option(help="Held-out tokens (after the fit's) to evaluate on; 0: none.")
@@ -96,7 +100,9 @@ def fit(
 
     A job array: lensdiv lenses fit MODEL --kind jacobian --shard 3/16 --out j/shard-3, then lensdiv merge j/shard-* --out j/all
 
-    Then: lensdiv analyze MODEL --plugins lens,bias --lens tuned:lenses/tuned/tuned_lens
+    A short tuned fit (2 steps of the cpu preset's 16384 tokens): lensdiv lenses fit toy --kind tuned --max-tokens 32768 --out lenses/toy-tuned
+
+    Then: lensdiv analyze MODEL --plugins lens,bias --lens tuned:lenses/tuned/fit-tuned/tuned_lens
     """
     # start-up: the fit imports torch and TransformerLens; they load only when it runs.
     from lensdiv.lenses.fit import fit_lens
@@ -159,7 +165,7 @@ def evaluate(
 ) -> None:
     """Compare a lens with the logit lens: KL to the output and cross-entropy per layer.
 
-    Example: lensdiv lenses evaluate toy --lens tuned:lenses/toy-tuned/tuned_lens --skip-tokens 16384
+    Example: lensdiv lenses evaluate toy --lens tuned:lenses/toy-tuned/fit-tuned/tuned_lens --skip-tokens 32768
     """
     from lensdiv.lenses.fit import evaluate_lens
 

@@ -33,7 +33,7 @@ from lensdiv.lenses.jacobian import JacobianFit
 from lensdiv.lenses.tuned import PRESETS, TUNED_FOLDER, TunedFit, TunedRecipe
 from lensdiv.models.load import load_model
 from lensdiv.ops.translators import JACOBIAN_FILE, LABELS, PHRASES, Translator, parse_lens
-from lensdiv.run.distributed import current_world
+from lensdiv.run.distributed import current_world, gather_objects
 from lensdiv.run.runner import Run, analyze
 
 KINDS = ("tuned", "jacobian", "affine")
@@ -162,9 +162,16 @@ def fit_lens(
         shard=shard,
     )
     artifact = {"jacobian": JACOBIAN_FILE, "affine": AFFINE_FOLDER, "tuned": TUNED_FOLDER}[kind]
-    lens = out / fitter.name / artifact if fitter.name in run.results else None
+    # Rank 0 alone finalizes and writes: its word decides, on every rank, whether the lens is
+    # there and complete (every rank takes part in the evaluation's runs).
+    written, complete = gather_objects(
+        current_world(),
+        (fitter.name in run.results, run.manifest.get("status") == "complete"),
+        "the end of the fit",
+    )[0]
+    lens = out / fitter.name / artifact if written else None
     fit = LensFit(kind, lens, out, run=run, manifest=run.manifest)
-    if lens is not None and eval_tokens > 0 and run.manifest.get("status") == "complete":
+    if lens is not None and eval_tokens > 0 and complete:
         fit.evaluation = evaluate_lens(
             bridge,
             f"{kind}:{lens}",
@@ -278,12 +285,14 @@ def tuned_fit(
     batch_tokens = batch_size * seq_len
     step = -(-recipe.tokens_per_step // batch_tokens) * batch_tokens
     if max_tokens is not None:
-        steps = recipe.steps if "steps" in options else max_tokens // step
-        if steps < 1 or max_tokens < steps * step:
+        fits = max_tokens // step
+        steps = recipe.steps if "steps" in options else fits
+        if steps < 1 or fits < steps:
+            asked = f"the {steps} steps asked for" if "steps" in options else "one step"
             raise OptionError(
-                f"--max-tokens {max_tokens} holds {max_tokens // step} tuned-lens step(s) of "
-                f"{step} tokens (tokens_per_step {recipe.tokens_per_step} in whole batches of "
-                f"{batch_tokens}), not {max(steps, 1)}",
+                f"--max-tokens {max_tokens} is less than {asked} of the tuned lens' recipe "
+                f"({step} tokens a step: tokens_per_step {recipe.tokens_per_step} in whole "
+                f"batches of {batch_tokens})",
                 hint=f"use --max-tokens {max(steps, 1) * step} or more, or smaller steps "
                 "(-O tokens_per_step=N, or --preset toy)",
             )
