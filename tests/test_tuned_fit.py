@@ -188,3 +188,33 @@ def test_train_tuned_in_one_process_matches_the_run(llama_dir: Path, tmp_path: P
     for layer, found in written.maps.items():
         torch.testing.assert_close(found.weight, lens.weight[layer].detach(), rtol=1e-6,
                                    atol=1e-7)
+
+
+def test_ctrl_c_keeps_the_lens_of_the_steps_done(llama_dir: Path, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C in the 3rd step (its first batch) stops the run as any run stops: exit 130, the
+    manifest interrupted, the lens of the 2 steps done written and marked incomplete, no
+    evaluation."""
+    calls = {"n": 0}
+    original = TunedFit.update
+
+    def interrupt_in_third_step(self: TunedFit, state: Any, step: Any) -> None:
+        calls["n"] += 1
+        if calls["n"] == 7:  # 3 batches a step
+            raise KeyboardInterrupt
+        original(self, state, step)
+
+    monkeypatch.setattr(TunedFit, "update", interrupt_in_third_step)
+    out = tmp_path / "fit"
+    result = CliRunner().invoke(app, ["lenses", "fit", str(llama_dir), "--kind", "tuned",
+                                      "--preset", "toy", "-O", "tokens_per_step=120", "-O",
+                                      "steps=5", "--seq-len", "24", "--batch-size", "2",
+                                      "--eval-tokens", "96", "--out", str(out), "--no-progress"])
+    assert result.exit_code == 130, result.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["status"] == "interrupted"
+    assert manifest["analyzers"]["fit-tuned"]["status"] == "partial"
+    config = read_tuned(out / "fit-tuned" / TUNED_FOLDER).meta
+    assert config["steps_done"] == 2 and config["complete"] is False
+    assert manifest["timings"]["tokens"] == 2 * STEP_TOKENS
+    assert not (out / "evaluation.csv").exists()
