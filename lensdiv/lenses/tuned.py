@@ -267,9 +267,7 @@ class TunedFit(Analyzer):
             target = readout.logits(states[-1]).log_softmax(-1)  # log p_L
             p_target = target.exp()
         weight, bias = (state[name].to(device, dtype) for name in PARAMS)
-        grad_w = state.zeros(GRAD + "weight", tuple(weight.shape), device)
-        grad_b = state.zeros(GRAD + "bias", tuple(bias.shape), device)
-        kl_sums = state.zeros("kl", (info.n_layers,), device)
+        grads: list[tuple[Tensor, Tensor, Tensor]] = []
         for layer in range(info.n_layers):  # one layer's logits at a time
             w = weight[layer].detach().requires_grad_(True)
             b = bias[layer].detach().requires_grad_(True)
@@ -278,9 +276,11 @@ class TunedFit(Analyzer):
                 logq = readout.logits(h + h @ w.T + b).log_softmax(-1)
                 kl = (p_target * (target - logq)).sum()
                 gw, gb = torch.autograd.grad(kl, (w, b))
-            grad_w[layer] += gw
-            grad_b[layer] += gb
-            kl_sums[layer] += kl.detach().double()
+            grads.append((gw, gb, kl.detach()))
+        for name, index, shape in (("weight", 0, weight.shape), ("bias", 1, bias.shape)):
+            summed = torch.stack([g[index] for g in grads])
+            state.zeros(GRAD + name, tuple(shape), device).add_(summed)
+        state.zeros("kl", (info.n_layers,), device).add_(torch.stack([g[2] for g in grads]))
 
     def start_pass(self, state: Stats, info: ModelInfo, index: int) -> None:
         """Step ``index``: the optimiser step on the gradient pass ``index - 1`` summed (over
