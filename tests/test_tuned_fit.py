@@ -218,3 +218,14 @@ def test_ctrl_c_keeps_the_lens_of_the_steps_done(llama_dir: Path, tmp_path: Path
     assert config["steps_done"] == 2 and config["complete"] is False
     assert manifest["timings"]["tokens"] == 2 * STEP_TOKENS
     assert not (out / "evaluation.csv").exists()
+
+
+def test_a_training_is_not_split_into_shards(llama_dir: Path, tmp_path: Path) -> None:
+    """Even one step: a shard's gradient would never meet the others' before the step."""
+    from lensdiv.run.runner import analyze
+
+    with pytest.raises(LensdivError, match="'fit-tuned' trains, one pass per step"):
+        analyze(str(llama_dir), plugins=[TunedFit(steps=1, tokens_per_step=48)], shard="0/2",
+                seq_len=24, batch_size=2, max_tokens=96, out=tmp_path / "s", progress=False)
+    with pytest.raises(OptionError, match="cannot be split into shards"):
+        fit_lens(str(llama_dir), "tuned", out=tmp_path / "f", shard="0/2", progress=False)

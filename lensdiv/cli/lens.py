@@ -55,7 +55,7 @@ def lens(
 
     More: lensdiv lens toy "The happy dog" --lens last-block;
     lensdiv lens toy "The happy dog" --skip 2;
-    lensdiv lens toy "The happy dog" --lens logit,tuned:lenses/toy/tuned_lens --html cmp.html
+    lensdiv lens toy "The happy dog" --lens logit,tuned:lenses/toy/fit-tuned/tuned_lens --html cmp.html
     """
     # start-up: torch and TransformerLens load only when the command runs.
     from lensdiv.models.load import load_model

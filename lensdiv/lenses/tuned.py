@@ -256,17 +256,22 @@ class TunedFit(Analyzer):
         info = step.info
         readout = step.cached("tuned-readout", lambda: final_readout(step.model))
         keep = step.batch.positions(exclude_bos=self.exclude_bos).to(step.batch.tokens.device)
+        device, dtype = readout.device, readout.dtype
+        weight, bias = (state[name].to(device, dtype) for name in PARAMS)
+        # Every pass that saw a batch has a gradient (zero if no position counted), so every
+        # such pass is a step.
+        grad_w = state.zeros(GRAD + "weight", tuple(weight.shape), device)
+        grad_b = state.zeros(GRAD + "bias", tuple(bias.shape), device)
+        kl_sums = state.zeros("kl", (info.n_layers,), device)
         state.add("positions", step.batch.n_tokens)  # the step's loss: mean over real tokens
         if not keep.any():
             return
-        device, dtype = readout.device, readout.dtype
         with torch.no_grad():
             states = [
                 step.resid(layer)[keep].to(device, dtype) for layer in range(info.n_layers + 1)
             ]
             target = readout.logits(states[-1]).log_softmax(-1)  # log p_L
             p_target = target.exp()
-        weight, bias = (state[name].to(device, dtype) for name in PARAMS)
         grads: list[tuple[Tensor, Tensor, Tensor]] = []
         for layer in range(info.n_layers):  # one layer's logits at a time
             w = weight[layer].detach().requires_grad_(True)
@@ -277,10 +282,9 @@ class TunedFit(Analyzer):
                 kl = (p_target * (target - logq)).sum()
                 gw, gb = torch.autograd.grad(kl, (w, b))
             grads.append((gw, gb, kl.detach()))
-        for name, index, shape in (("weight", 0, weight.shape), ("bias", 1, bias.shape)):
-            summed = torch.stack([g[index] for g in grads])
-            state.zeros(GRAD + name, tuple(shape), device).add_(summed)
-        state.zeros("kl", (info.n_layers,), device).add_(torch.stack([g[2] for g in grads]))
+        grad_w.add_(torch.stack([g[0] for g in grads]))
+        grad_b.add_(torch.stack([g[1] for g in grads]))
+        kl_sums.add_(torch.stack([g[2] for g in grads]))
 
     def start_pass(self, state: Stats, info: ModelInfo, index: int) -> None:
         """Step ``index``: the optimiser step on the gradient pass ``index - 1`` summed (over
