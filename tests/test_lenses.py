@@ -284,8 +284,10 @@ def test_tuned_lens_lowers_kl_below_the_logit_lens(tmp_path: Path) -> None:
     assert all(t < g for t, g in zip(tuned[:-1], logit[:-1], strict=True)), (tuned, logit)
     assert tuned[-1] == logit[-1] == 0
     manifest = json.loads((tmp_path / "manifest.json").read_text())
-    assert manifest["status"] == "complete" and manifest["steps"] == 40
-    assert json.loads((tmp_path / "tuned_lens" / "config.json").read_text())["complete"]
+    assert manifest["status"] == "complete" and fit.run is not None
+    assert fit.run["fit-tuned"].meta["steps"] == 40  # a run's manifest; the steps in the result
+    config = tmp_path / "fit-tuned" / "tuned_lens" / "config.json"
+    assert json.loads(config.read_text())["complete"]
 
 
 def test_tuned_training_starts_from_an_affine_lens(native_model: Any, tmp_path: Path) -> None:

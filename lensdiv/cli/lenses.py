@@ -52,7 +52,11 @@ def fit(
     out: Annotated[str | None, out_option("MODEL-KIND-lens-TIME")] = None,
     max_tokens: Annotated[
         int | None,
-        typer.Option(help="Tokens the fit reads. Default: 16384, or the tuned preset's budget."),
+        typer.Option(
+            help="Tokens the fit reads. Default: 16384, or the tuned preset's budget. Tuned: "
+            "the preset's steps are scaled to it (as many whole steps as fit, the schedule "
+            "over them); less than one step is refused before anything loads."
+        ),
     ] = None,
     eval_tokens: Annotated[
         int, typer.Option(help="Held-out tokens (after the fit's) to evaluate on; 0: none.")
@@ -91,7 +95,7 @@ def fit(
     """Fit a lens of MODEL, write it into --out, evaluate it on held-out tokens.
 
     Every kind leaves the same layout: --out/lens.json names the kind and where the lens is
-    (tuned_lens/, fit-affine/affine_lens/, fit-jacobian/jacobian_lens.pt), beside manifest.json
+    (fit-tuned/tuned_lens/, fit-affine/affine_lens/, fit-jacobian/jacobian_lens.pt), beside manifest.json
     and evaluation.csv; --lens KIND:OUT or --lens OUT reads it.
 
     Example: lensdiv lenses fit gpt2 --kind jacobian --data corpus.txt --out lenses/gpt2-jlens
@@ -99,6 +103,8 @@ def fit(
     A node: torchrun --nproc-per-node 8 -m lensdiv lenses fit MODEL --kind tuned --preset paper --dtype bfloat16 --data corpus.jsonl --out lenses/tuned
 
     A job array: lensdiv lenses fit MODEL --kind jacobian --shard 3/16 --out j/shard-3, then lensdiv merge j/shard-* --out j/all
+
+    A short tuned fit (2 steps of the cpu preset's 16384 tokens): lensdiv lenses fit toy --kind tuned --max-tokens 32768 --out lenses/toy-tuned
 
     Then: lensdiv analyze MODEL --plugins lens,bias --lens tuned:lenses/tuned
     """
@@ -163,7 +169,7 @@ def evaluate(
 ) -> None:
     """Compare a lens with the logit lens: KL to the output and cross-entropy per layer.
 
-    Example: lensdiv lenses evaluate toy --lens lenses/toy-tuned --skip-tokens 16384
+    Example: lensdiv lenses evaluate toy --lens lenses/toy-tuned --skip-tokens 32768
     """
     from lensdiv.lenses.fit import evaluate_lens
 

@@ -320,7 +320,8 @@ class Analyzer(abc.ABC):
         passes: How many times ``update`` sees the data. An analyzer that needs a dataset
             statistic before it can measure (a mean residual, a fitted map) asks for 2; the
             runner calls :meth:`start_pass` before each later pass and streams the data again.
-            Where the count depends on the model, override :meth:`n_passes` instead.
+            Where the count depends on the model, override :meth:`n_passes` instead. A training
+            (a tuned lens) reads the data onward instead: see :meth:`pass_tokens`.
         depth_profiles: The per-layer columns that are this analyzer's depth profile, as
             ``"table.column"`` names: the curves a study of several models draws over relative
             depth ℓ/L, one line per model (:mod:`lensdiv.core.depth` says which tables are
@@ -358,6 +359,15 @@ class Analyzer(abc.ABC):
     def n_passes(self, info: ModelInfo) -> int:
         """Passes over the data this analyzer needs on this model (default :attr:`passes`)."""
         return self.passes
+
+    def pass_tokens(self, info: ModelInfo) -> int | None:
+        """``None`` (the default): every pass streams all the data again. A number ``N``: the
+        passes read the data *onward*, one stream cut into steps — pass ``p`` gets the next
+        whole batches of at least ``N`` real tokens (the last may have fewer, or none when the
+        data ran out) — so that :meth:`start_pass` is an optimiser step on the gradient pass
+        ``p - 1`` summed (a training: :class:`~lensdiv.lenses.tuned.TunedFit`). Such an
+        analyzer runs in a group of its own, and every pass's tokens count."""
+        return None
 
     def min_tokens(self, info: ModelInfo) -> int:
         """The fewest corpus tokens whose numbers mean anything on this model (default 0: no

@@ -1,16 +1,17 @@
 """``lensdiv lenses fit`` and ``evaluate``: fit a lens of a model, and compare it with the logit
 lens on data the fit never saw.
 
-- ``affine`` and ``jacobian`` are analyzers (:class:`~lensdiv.lenses.affine.AffineFit`,
-  :class:`~lensdiv.lenses.jacobian.JacobianFit`) run by :func:`lensdiv.analyze`: the run folder
-  is an ordinary one (manifest, ``fit-<kind>/result.json``) whose result carries the lens file,
-  and everything a run does works — ``torchrun`` ranks, ``--shard I/N`` + ``lensdiv merge``,
-  Ctrl-C keeping a lens from the prompts done so far.
-- ``tuned`` trains (:mod:`lensdiv.lenses.tuned`; DDP under ``torchrun``) and writes
-  ``tuned_lens/`` and a manifest.
+Every kind is an analyzer (:class:`~lensdiv.lenses.affine.AffineFit`,
+:class:`~lensdiv.lenses.jacobian.JacobianFit`, :class:`~lensdiv.lenses.tuned.TunedFit`) run by
+:func:`lensdiv.analyze`: the run folder is an ordinary one (manifest, ``fit-<kind>/result.json``)
+whose result carries the lens, and everything a run does works alike — ``torchrun`` ranks,
+``--overwrite``, Ctrl-C keeping a lens from the prompts (or training steps) done so far; the
+affine and Jacobian fits also split into ``--shard I/N`` + ``lensdiv merge``. A tuned lens
+trains by SGD, one pass of the run per step (its passes read the data onward), so it cannot be
+sharded, and under ``torchrun`` its gradient is all-reduced by the run's data-parallel feed.
 
 Every kind's ``--out`` folder has one layout: ``manifest.json``, ``lens.json`` (the kind, and
-where the lens is: ``tuned_lens/``, ``fit-affine/affine_lens/``, ``fit-jacobian/jacobian_lens.pt``),
+where the lens is: ``fit-tuned/tuned_lens/``, ``fit-affine/affine_lens/``, ``fit-jacobian/jacobian_lens.pt``),
 ``evaluation.csv``/``.json``; ``--lens KIND:OUT`` and ``--lens OUT`` read it. How each kind is
 fitted is attached to its entry in the registry of lens kinds (:data:`~lensdiv.ops.translators.LENS_KINDS`):
 :class:`AnalyzerFitter`, :class:`TunedFitter`.
@@ -24,40 +25,31 @@ through the fitted one, per layer — the fit's own quality, ``evaluation.csv`` 
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lensdiv.core.analyzer import ModelInfo
-from lensdiv.core.errors import LensdivError, OptionError
-from lensdiv.core.progress import progress_allowed, progress_bar
-from lensdiv.core.provenance import versions
+from lensdiv.core.analyzer import Analyzer, ModelInfo
+from lensdiv.core.errors import OptionError
+from lensdiv.core.progress import progress_allowed
 from lensdiv.core.results import Rendered, Table, write_json_atomic
-from lensdiv.data.sources import DataSpec, check_source, token_batches
+from lensdiv.data.sources import DataSpec
 from lensdiv.lenses.affine import AFFINE_FOLDER, AffineFit
 from lensdiv.lenses.jacobian import JacobianFit
-from lensdiv.lenses.tuned import (
-    PRESETS,
-    TUNED_FOLDER,
-    TunedProgress,
-    TunedRecipe,
-    save_trained,
-    train_tuned,
-)
+from lensdiv.lenses.tuned import PRESETS, TUNED_FOLDER, TunedFit, TunedRecipe
 from lensdiv.models.load import load_model
 from lensdiv.ops.translators import (
     JACOBIAN_FILE,
     LABELS,
     LENS_KINDS,
     PHRASES,
+    Translator,
     attach_fitter,
     fitted_kinds,
     parse_lens,
     write_pointer,
 )
 from lensdiv.run.distributed import current_world, gather_objects
-from lensdiv.run.interrupts import handle_signals
 from lensdiv.run.runner import Run, analyze
 
 EVALUATION = "evaluation"
@@ -72,7 +64,7 @@ class LensFit(Rendered):
         lens: The lens file or folder (what ``--lens KIND:PATH`` takes); ``None`` for a shard,
             whose states ``lensdiv merge`` turns into the lens.
         out: The output folder.
-        run: The fitting run (affine, Jacobian).
+        run: The fitting run.
         evaluation: Per residual state: KL to the output and next-token cross-entropy through
             the logit lens and through the fitted one, on held-out tokens.
         manifest: What was fitted, on what, how.
@@ -137,7 +129,9 @@ def fit_lens(
         out: The output folder (the lens is written inside it).
         data: As for :func:`lensdiv.analyze` (default: the built-in corpus).
         max_tokens: Tokens the fit reads (default: affine and Jacobian 16384; tuned: its
-            recipe's steps × tokens per step).
+            recipe's steps × tokens per step). Tuned: the steps are scaled to it (as many whole
+            steps as fit; fewer than one step is refused before anything loads), unless
+            ``options`` set ``steps`` (then it must hold them).
         eval_tokens: Held-out tokens the evaluation reads after the fit's (0: no evaluation).
         seq_len, batch_size: How the data is packed (a Jacobian lens' prompt is one row).
         preset: Tuned: ``paper`` (250 steps of 2^18 tokens), ``cpu`` or ``toy``.
@@ -157,28 +151,51 @@ def fit_lens(
             f"unknown lens kind {kind!r}", hint=f"use one of {', '.join(fitted_kinds())}"
         )
     out = Path(out)
-    fit: LensFit = found.fitter.fit(
-        model,
-        kind,
-        out=out,
-        data=data,
-        max_tokens=max_tokens,
-        eval_tokens=eval_tokens,
-        seq_len=seq_len,
-        batch_size=batch_size,
-        preset=preset,
-        options=dict(options or {}),
-        init=init,
+    options = dict(options or {})
+    fitter, tokens, start = found.fitter.plan(
+        preset, options, init, max_tokens=max_tokens, seq_len=seq_len, batch_size=batch_size,
         shard=shard,
-        device=device,
-        dtype=dtype,
+    )
+    bridge = _bridge(model, device, dtype, progress and current_world().main, **load)
+    if start is not None:  # a start of another model: one line before any pass
+        start.check(ModelInfo.from_model(bridge))
+    run = analyze(
+        bridge,
+        data=data,
+        plugins=[fitter],
+        out=out,
+        seq_len=seq_len,
+        max_tokens=tokens,
+        batch_size=batch_size,
         seed=seed,
         progress=progress,
         overwrite=overwrite,
-        **load,
+        shard=shard,
     )
-    if fit.lens is not None and current_world().main:
-        write_pointer(out, kind, fit.lens)  # --lens KIND:OUT and --lens OUT read it
+    # Rank 0 alone finalizes and writes: its word decides, on every rank, whether the lens is
+    # there and complete (every rank takes part in the evaluation's runs).
+    written, complete = gather_objects(
+        current_world(),
+        (fitter.name in run.results, run.manifest.get("status") == "complete"),
+        "the end of the fit",
+    )[0]
+    lens = out / fitter.name / found.fitter.artifact if written else None
+    fit = LensFit(kind, lens, out, run=run, manifest=run.manifest)
+    if lens is not None and current_world().main:
+        write_pointer(out, kind, lens)  # --lens KIND:OUT and --lens OUT read it
+    if lens is not None and eval_tokens > 0 and complete:
+        fit.evaluation = evaluate_lens(
+            bridge,
+            f"{kind}:{lens}",
+            data=data,
+            skip_tokens=tokens,
+            max_tokens=eval_tokens,
+            seq_len=seq_len,
+            batch_size=batch_size,
+            seed=seed,
+            out=out,
+            progress=progress,
+        )
     return fit
 
 
@@ -187,81 +204,54 @@ def fit_lens(
 
 @dataclass(frozen=True)
 class AnalyzerFitter:
-    """A lens fitted by a run of an analyzer (affine, Jacobian): the run folder is an ordinary
-    one, and the lens is the result's artifact ``artifact``."""
+    """A lens that one pass of an analyzer sums over prompts (affine, Jacobian): shards merge;
+    the lens is the result's artifact ``artifact``."""
 
     analyzer: type[AffineFit] | type[JacobianFit]
     artifact: str
 
-    def fit(
+    def plan(
         self,
-        model: Any,
-        kind: str,
+        preset: str,
+        options: dict[str, Any],
+        init: Any,
         *,
-        out: Path,
-        data: Any,
         max_tokens: int | None,
-        eval_tokens: int,
         seq_len: int,
         batch_size: int,
-        options: dict[str, Any],
         shard: Any,
-        device: Any,
-        dtype: Any,
-        seed: int,
-        progress: bool,
-        overwrite: bool,
-        preset: str,
-        init: Any,
-        **load: Any,
-    ) -> LensFit:
-        """Run the analyzer on ``max_tokens`` (16384 by default), then evaluate the lens
-        (``preset`` and ``init`` are a tuned lens')."""
-        fitter = self.analyzer.from_options(options)
-        tokens = max_tokens or 16384
-        bridge = _bridge(model, device, dtype, progress, **load)
-        run = analyze(
-            bridge,
-            data=data,
-            plugins=[fitter],
-            out=out,
-            seq_len=seq_len,
-            max_tokens=tokens,
-            batch_size=batch_size,
-            seed=seed,
-            progress=progress,
-            overwrite=overwrite,
-            shard=shard,
-        )
-        lens = out / fitter.name / self.artifact if fitter.name in run.results else None
-        fit = LensFit(kind, lens, out, run=run, manifest=run.manifest)
-        if lens is not None and eval_tokens > 0 and run.manifest.get("status") == "complete":
-            fit.evaluation = evaluate_lens(
-                bridge,
-                f"{kind}:{lens}",
-                data=data,
-                skip_tokens=tokens,
-                max_tokens=eval_tokens,
-                seq_len=seq_len,
-                batch_size=batch_size,
-                seed=seed,
-                out=out,
-                progress=progress,
-            )
-        return fit
+    ) -> tuple[Analyzer, int, Translator | None]:
+        """The fitting analyzer and the tokens it reads (16384 by default); ``preset`` and
+        ``init`` are a tuned lens'."""
+        return self.analyzer.from_options(options), max_tokens or 16384, None
 
 
 @dataclass(frozen=True)
 class TunedFitter:
-    """A tuned lens: trained (:mod:`lensdiv.lenses.tuned`), written as ``tuned_lens/``."""
+    """A tuned lens: trained by SGD, one pass of the run per step (:class:`TunedFit`)."""
 
-    def fit(self, model: Any, kind: str, *, out: Path, shard: Any, **how: Any) -> LensFit:
+    artifact: str = TUNED_FOLDER
+
+    def plan(
+        self,
+        preset: str,
+        options: dict[str, Any],
+        init: Any,
+        *,
+        max_tokens: int | None,
+        seq_len: int,
+        batch_size: int,
+        shard: Any,
+    ) -> tuple[Analyzer, int, Translator | None]:
+        """:func:`tuned_fit`, refusing shards (SGD steps do not split into shards)."""
         if shard is not None:
             raise OptionError(
                 "a tuned lens trains with SGD and cannot be split into shards",
                 hint="train it data parallel: torchrun --nproc-per-node N -m lensdiv lenses fit",
             )
-        return _fit_tuned(model, out=out, **how)
+        return tuned_fit(
+            preset, options, init, max_tokens=max_tokens, seq_len=seq_len, batch_size=batch_size
+        )
 
 
 attach_fitter("tuned", TunedFitter())
@@ -339,140 +329,49 @@ def _bridge(model: Any, device: Any, dtype: Any, progress: bool, **load: Any) ->
         return load_model(str(model), device=device, dtype=dtype, progress=progress, **load)
 
 
-def _fit_tuned(
-    model: Any,
-    *,
-    out: Path,
-    data: Any,
-    max_tokens: int | None,
-    eval_tokens: int,
-    seq_len: int,
-    batch_size: int,
+def tuned_fit(
     preset: str,
     options: dict[str, Any],
     init: Any,
-    device: Any,
-    dtype: Any,
-    seed: int,
-    progress: bool,
-    overwrite: bool,
-    **load: Any,
-) -> LensFit:
-    """Train a tuned lens (see :mod:`lensdiv.lenses.tuned`), write it, evaluate it."""
+    *,
+    max_tokens: int | None,
+    seq_len: int,
+    batch_size: int,
+) -> tuple[TunedFit, int, Translator | None]:
+    """The tuned fit of ``preset`` with ``options``, the tokens it reads, and the lens it starts
+    from — checked before anything is loaded.
+
+    A step takes whole batches, so a step reads ``tokens_per_step`` rounded up to whole batches
+    of ``batch_size × seq_len``. Without ``max_tokens`` the fit reads the recipe's steps of
+    those. With ``max_tokens`` the steps are scaled to it: as many whole steps as fit (the
+    learning rate decays to 0 over them), unless ``steps`` is an option, whose steps must then
+    fit in ``max_tokens``.
+
+    Raises:
+        OptionError: An unknown preset or option, or ``max_tokens`` below one step (or below
+            the ``steps`` asked for).
+    """
     if preset not in PRESETS:
         raise OptionError(f"unknown preset {preset!r}", hint=f"use one of {', '.join(PRESETS)}")
     recipe = recipe_with(PRESETS[preset], options)
-    # A step takes whole batches: budget the steps' batches, not their nominal tokens.
     batch_tokens = batch_size * seq_len
-    tokens = max_tokens or recipe.steps * -(-recipe.tokens_per_step // batch_tokens) * batch_tokens
-    spec = DataSpec.from_data(
-        data, seq_len=seq_len, max_tokens=tokens, batch_size=batch_size, seed=seed
-    )
-    check_source(spec)
-    start = parse_lens(init) if init is not None else None
-    folder = out / TUNED_FOLDER
-    if folder.exists() and not overwrite:
-        raise LensdivError(
-            f"{folder} already holds a lens", hint="pass --overwrite, or another --out"
-        )
-    world = current_world()
-    bridge = _bridge(model, device, dtype, progress and world.main, **load)
-    info = ModelInfo.from_model(bridge, name=str(model) if isinstance(model, str) else None)
-    if start is not None:
-        start.check(info)
-    started = time.time()
-    lens, done = _train_with_progress(bridge, info, spec, recipe, start, world, progress)
-    manifest = {
-        "lensdiv_manifest": 1,
-        "kind": "lens-fit",
-        "lens": "tuned",
-        **_status(done, recipe),
-        "model": {"spec": info.name, "n_layers": info.n_layers, "d_model": info.d_model},
-        "data": spec.describe(),
-        "recipe": dataclasses.asdict(recipe),
-        "preset": preset,
-        "init": None if start is None else start.describe(),
-        "steps": done.steps,
-        "tokens": done.tokens,
-        "world_size": world.size,
-        "seed": seed,
-        "versions": versions(),
-        "timings": {
-            "total_s": round(time.time() - started, 3),
-            "tokens_per_s": round(done.tokens / max(done.seconds, 1e-9), 1),
-        },
-        "final_kl": done.loss,
-    }
-    if world.main:
-        out.mkdir(parents=True, exist_ok=True)
-        save_trained(folder, lens, info, recipe, done)
-        write_json_atomic(out / "manifest.json", manifest)
-    gather_objects(world, None, "the saving of the tuned lens")  # every rank reads it next
-    fit = LensFit("tuned", folder, out, manifest=manifest)
-    if done.complete and eval_tokens > 0:
-        fit.evaluation = evaluate_lens(
-            bridge,
-            f"tuned:{folder}",
-            data=data,
-            skip_tokens=tokens,
-            max_tokens=eval_tokens,
-            seq_len=seq_len,
-            batch_size=batch_size,
-            seed=seed,
-            out=out,
-            progress=progress,
-        )
-    return fit
-
-
-def _train_with_progress(
-    bridge: Any,
-    info: ModelInfo,
-    spec: DataSpec,
-    recipe: TunedRecipe,
-    start: Any,
-    world: Any,
-    progress: bool,
-) -> tuple[Any, TunedProgress]:
-    """:func:`train_tuned` with a progress bar (steps, tokens/s, the summed KL) on rank 0;
-    Ctrl-C and SIGTERM stop it between steps with what it has."""
-    from rich.progress import TextColumn
-
-    shown = progress and world.main
-    with handle_signals(), progress_allowed(shown):
-        rate = TextColumn("[cyan]{task.fields[rate]}[/cyan] · KL {task.fields[kl]}")
-        with progress_bar("[bold]tuned lens[/bold]", "steps", rate, enabled=shown) as bar:
-            task = bar.add_task("training", total=recipe.steps, rate="… tok/s", kl="…")
-
-            def advance(done: TunedProgress) -> None:
-                speed = done.tokens / max(done.seconds, 1e-9)
-                total_kl = sum(done.loss or [0.0])
-                bar.update(
-                    task, completed=done.steps, rate=f"{speed:,.0f} tok/s", kl=f"{total_kl:.3g}"
-                )
-
-            return train_tuned(
-                bridge,
-                info,
-                lambda: token_batches(spec, bridge.tokenizer),
-                recipe,
-                start=start,
-                world=world,
-                on_step=advance,
+    step = -(-recipe.tokens_per_step // batch_tokens) * batch_tokens
+    if max_tokens is not None:
+        fits = max_tokens // step
+        steps = recipe.steps if "steps" in options else fits
+        if steps < 1 or fits < steps:
+            asked = f"the {steps} steps asked for" if "steps" in options else "one step"
+            raise OptionError(
+                f"--max-tokens {max_tokens} is less than {asked} of the tuned lens' recipe "
+                f"({step} tokens a step: tokens_per_step {recipe.tokens_per_step} in whole "
+                f"batches of {batch_tokens})",
+                hint=f"use --max-tokens {max(steps, 1) * step} or more, or smaller steps "
+                "(-O tokens_per_step=N, or --preset toy)",
             )
-
-
-def _status(done: TunedProgress, recipe: TunedRecipe) -> dict[str, Any]:
-    """The manifest's status of a training: complete, interrupted, or partial (the data ran
-    out before the last step, with a warning)."""
-    if done.complete:
-        return {"status": "complete"}
-    if done.interrupted:
-        return {"status": "interrupted"}
-    return {
-        "status": "partial",
-        "warning": f"the data ran out after {done.steps} of {recipe.steps} steps",
-    }
+        recipe = dataclasses.replace(recipe, steps=steps)
+    start = parse_lens(init) if init is not None else None
+    spec = None if start is None else start.spec
+    return TunedFit.from_recipe(recipe, start=spec), recipe.steps * step, start
 
 
 def recipe_with(recipe: TunedRecipe, options: dict[str, Any]) -> TunedRecipe:

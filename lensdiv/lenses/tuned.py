@@ -1,4 +1,5 @@
-"""Training a tuned lens (docs/science.md D1; Belrose et al. 2023), data parallel under torchrun.
+"""Training a tuned lens (docs/science.md D1; Belrose et al. 2023) as a run: through the runner's
+feeds, manifest, interrupts and process group, like every analyzer.
 
 Translators ``T_l(h) = h + A_l h + b_l`` for ``l = 0..L-1`` (zero at the start: the logit lens, or
 an affine lens to start from), trained with the model frozen to minimise
@@ -9,12 +10,24 @@ model's dtype) and ``p_L`` is the model's own output. The recipe is tuned-lens's
 (``lr`` = 1), weight decay 1e-3, gradient norm clipped at 1, a linear decay to 0 without
 warm-up, 250 steps of 2^18 tokens (:data:`PRESETS`; smaller presets for a CPU and the toy zoo).
 
-**Data parallel.** Under ``torchrun`` the translators are wrapped in
-``torch.nn.parallel.DistributedDataParallel``; the batches of every step are split between the
-ranks (batch ``i`` on rank ``i mod world``) and the gradients all-reduced once per step (the
-other backward passes of the step run under ``no_sync``). The loss of a step is the sum of the
-KL over its positions divided by the step's nominal positions, so the gradient is the same
-however the step is split. Rank 0 writes the lens.
+**A training is an analyzer** (:class:`TunedFit`, ``fit-tuned``) whose passes read the data
+onward (:meth:`~lensdiv.core.analyzer.Analyzer.pass_tokens`): pass ``p`` is step ``p``, the next
+whole batches of ``tokens_per_step`` real tokens. ``update`` adds each batch's gradient of the
+summed KL to float64 sums in the state; the end of the pass combines the states as for every
+analyzer (nothing in one process; under ``torchrun`` the runner's
+:class:`~lensdiv.run.distributed.DataParallelFeed` all-reduces them: the gradient all-reduce of
+data parallel training, batch ``i`` of a step on rank ``i mod world``); ``start_pass`` then
+takes the optimiser step (:class:`NesterovSGD`) on the mean gradient, identically on every rank,
+and keeps the translators and the momentum in the state. ``finalize`` takes the last step and
+returns the lens as an artifact. So ``--overwrite``, the manifest, Ctrl-C (the lens of the
+steps done, marked partial) and ``torchrun`` are the runner's, as for an affine or Jacobian fit.
+
+The loss of a step is the sum of the KL over its positions divided by the step's real tokens,
+so the step is the same however the step is split between ranks.
+
+To train otherwise (another optimiser, start or schedule): an object with
+:class:`NesterovSGD`'s ``step`` returned by :meth:`TunedFit.optimizer`, an initial state from
+:meth:`TunedFit.start_state`.
 
 The lens is written in tuned-lens's layout (``tuned_lens/config.json`` + ``params.pt``), with
 how it was trained in ``config.json``; an interrupted training writes what it has (marked
@@ -23,25 +36,32 @@ how it was trained in ``config.json``; an interrupted training writes what it ha
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import time
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import nullcontext
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.nn.parallel import DistributedDataParallel
 
-from lensdiv.core.analyzer import Batch, ModelInfo
-from lensdiv.core.devices import input_device
+from lensdiv.core.analyzer import Analyzer, Batch, ModelInfo, Step
 from lensdiv.core.errors import OptionError
-from lensdiv.ops.capture import capture
+from lensdiv.core.results import Plot, Result, Table
+from lensdiv.core.stats import Stats
+from lensdiv.lenses.affine import TunedLensFolder
 from lensdiv.ops.readout import final_readout
-from lensdiv.ops.translators import Translator, save_tuned
+from lensdiv.ops.translators import Translator, parse_lens
+from lensdiv.run.engine import Engine
+from lensdiv.run.feed import take_step
 
 TUNED_FOLDER = "tuned_lens"
+#: The state's entries: the translators, the optimiser's slots, what the training did so far
+#: (fixed, frozen between steps), and what a step sums (the gradient, the KL, the tokens).
+PARAMS = ("weight", "bias")
+GRAD, MOMENTUM = "grad/", "momentum/"
 
 
 @dataclass(frozen=True)
@@ -117,6 +137,289 @@ class TunedProgress:
     interrupted: bool = False
 
 
+class NesterovSGD:
+    """tuned-lens's optimiser, as ``torch.optim.SGD`` + ``clip_grad_norm_`` + ``LambdaLR`` do it:
+    the gradient norm (over every parameter) clipped at ``clip``, L2 weight decay, Nesterov
+    momentum, step size ``lr × (1 − momentum) × (1 − step / steps)``. Computed in float64 from
+    the state alone, so every rank takes the same step.
+    """
+
+    def __init__(self, recipe: TunedRecipe) -> None:
+        self.recipe = recipe
+
+    def step(
+        self,
+        params: dict[str, Tensor],
+        grads: dict[str, Tensor],
+        slots: dict[str, Tensor],
+        done: int,
+    ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """The parameters and slots after step ``done + 1`` (``slots``: the momentum buffers;
+        empty before the first step)."""
+        r = self.recipe
+        norm = math.sqrt(sum(float(g.square().sum()) for g in grads.values()))
+        coef = min(1.0, r.clip / (norm + 1e-6))
+        lr = r.lr * (1 - r.momentum) * max(0.0, 1.0 - done / r.steps)
+        new, moved = {}, {}
+        for name, p in params.items():
+            g = grads[name].double()  # where the gradient was summed: the readout's device
+            p64 = p.to(g.device, torch.float64)
+            g = g * coef + r.weight_decay * p64
+            if r.momentum > 0:
+                buf = g if name not in slots else r.momentum * slots[name].to(g).double() + g
+                moved[name] = buf.to(p.dtype)
+                g = g + r.momentum * buf  # Nesterov
+            new[name] = (p64 - lr * g).to(p.dtype)
+        return new, moved
+
+
+@dataclass(frozen=True)
+class TunedFit(Analyzer):
+    """Train a tuned lens (KL(p_L ‖ p_l) by SGD; one pass per step, the data read onward).
+
+    Args:
+        steps: Optimiser steps (passes).
+        tokens_per_step: Real tokens per step (whole batches: rounded up).
+        lr: Learning-rate scale; the step size is ``lr × (1 − momentum)``.
+        momentum: Nesterov momentum.
+        weight_decay: SGD's L2 penalty, pulling ``A_l`` and ``b_l`` to zero (the logit lens).
+        clip: Gradient-norm clip per step.
+        exclude_bos: Leave the BOS position out of the loss.
+        start: A lens to start from (``affine:DIR``, say); the identity (logit lens) otherwise.
+    """
+
+    name = "fit-tuned"
+    description = "Train a tuned lens (SGD on KL(p_L ‖ p_l)) in tuned-lens's layout"
+    depth_profiles = ()  # a fit, not a depth analysis: nothing for a study to compare
+
+    steps: int = 250
+    tokens_per_step: int = 2**18
+    lr: float = 1.0
+    momentum: float = 0.9
+    weight_decay: float = 1e-3
+    clip: float = 1.0
+    exclude_bos: bool = True
+    start: str | None = None
+
+    def __post_init__(self) -> None:
+        _ = self.recipe  # checks the values
+
+    @classmethod
+    def from_recipe(cls, recipe: TunedRecipe, start: str | None = None) -> TunedFit:
+        """The fit of ``recipe``, from the lens ``start`` (a spec) or the identity."""
+        return cls(**asdict(recipe), start=start)
+
+    @property
+    def recipe(self) -> TunedRecipe:
+        """The training recipe of these options."""
+        fields = {f.name for f in dataclasses.fields(TunedRecipe)}
+        return TunedRecipe(**{k: v for k, v in self.options().items() if k in fields})
+
+    def optimizer(self) -> NesterovSGD:
+        """The optimiser of a step (the place to plug another one in)."""
+        return NesterovSGD(self.recipe)
+
+    def n_passes(self, info: ModelInfo) -> int:
+        return self.steps
+
+    def pass_tokens(self, info: ModelInfo) -> int:
+        return self.tokens_per_step
+
+    def min_tokens(self, info: ModelInfo) -> int:
+        """One step's tokens."""
+        return self.tokens_per_step
+
+    def hooks(self, info: ModelInfo) -> list[str]:
+        return [info.resid(layer) for layer in range(info.n_layers + 1)]
+
+    def init(self, info: ModelInfo) -> Stats:
+        start = None if self.start is None else parse_lens(self.start)
+        if start is not None:
+            start.check(info)
+        return self.start_state(info, start)
+
+    def start_state(self, info: ModelInfo, start: Translator | None = None) -> Stats:
+        """The state before the first step: the translators of ``start`` (or zero), frozen
+        (every rank holds them; no exchange)."""
+        lens = Translators(info.n_layers, info.d_model, start)
+        state = Stats()
+        for name in PARAMS:
+            state.fix(name, getattr(lens, name).detach().clone())
+        state.fix("steps", 0)
+        state.fix("tokens", 0)
+        state.fix("history", [])
+        state.fix("loss", [])
+        state.freeze()
+        return state
+
+    def update(self, state: Stats, step: Step) -> None:
+        info = step.info
+        readout = step.cached("tuned-readout", lambda: final_readout(step.model))
+        keep = step.batch.positions(exclude_bos=self.exclude_bos).to(step.batch.tokens.device)
+        device, dtype = readout.device, readout.dtype
+        weight, bias = (state[name].to(device, dtype) for name in PARAMS)
+        # Every pass that saw a batch has a gradient (zero if no position counted), so every
+        # such pass is a step.
+        grad_w = state.zeros(GRAD + "weight", tuple(weight.shape), device)
+        grad_b = state.zeros(GRAD + "bias", tuple(bias.shape), device)
+        kl_sums = state.zeros("kl", (info.n_layers,), device)
+        state.add("positions", step.batch.n_tokens)  # the step's loss: mean over real tokens
+        if not keep.any():
+            return
+        with torch.no_grad():
+            states = [
+                step.resid(layer)[keep].to(device, dtype) for layer in range(info.n_layers + 1)
+            ]
+            target = readout.logits(states[-1]).log_softmax(-1)  # log p_L
+            p_target = target.exp()
+        grads: list[tuple[Tensor, Tensor, Tensor]] = []
+        for layer in range(info.n_layers):  # one layer's logits at a time
+            w = weight[layer].detach().requires_grad_(True)
+            b = bias[layer].detach().requires_grad_(True)
+            with torch.enable_grad():
+                h = states[layer]
+                logq = readout.logits(h + h @ w.T + b).log_softmax(-1)
+                kl = (p_target * (target - logq)).sum()
+                gw, gb = torch.autograd.grad(kl, (w, b))
+            grads.append((gw, gb, kl.detach()))
+        grad_w.add_(torch.stack([g[0] for g in grads]))
+        grad_b.add_(torch.stack([g[1] for g in grads]))
+        kl_sums.add_(torch.stack([g[2] for g in grads]))
+
+    def start_pass(self, state: Stats, info: ModelInfo, index: int) -> None:
+        """Step ``index``: the optimiser step on the gradient pass ``index - 1`` summed (over
+        every rank), written into the state in place of it."""
+        taken = self._advanced(state)
+        if taken is None:  # the data ran out: nothing to step on
+            return
+        for name in state.names():
+            if name.startswith(GRAD) or name in taken or name in ("kl", "positions"):
+                state.drop(name)
+        for name, value in taken.items():
+            state.fix(name, value)
+
+    def _advanced(self, state: Stats) -> dict[str, Any] | None:
+        """The state's fixed entries after the step on its pending gradient (``None``: no
+        gradient pending)."""
+        if GRAD + "weight" not in state:
+            return None
+        n = max(float(state["positions"]), 1.0)
+        params = {name: state[name] for name in PARAMS}
+        grads = {name: state[GRAD + name] / n for name in PARAMS}
+        slots = {name: state[MOMENTUM + name] for name in PARAMS if MOMENTUM + name in state}
+        done = int(state["steps"])
+        params, slots = self.optimizer().step(params, grads, slots, done)
+        loss = (state["kl"] / n).tolist()
+        return {
+            **params,
+            **{MOMENTUM + name: value for name, value in slots.items()},
+            "steps": done + 1,
+            "tokens": int(state["tokens"]) + int(float(state["positions"])),
+            "loss": loss,
+            "history": [*state["history"], sum(loss)],
+        }
+
+    def progress(self, state: Stats) -> TunedProgress:
+        """What the training did, its pending step counted (without taking it)."""
+        pending = GRAD + "weight" in state
+        n = max(float(state["positions"]), 1.0) if "positions" in state else 1.0
+        steps = int(state["steps"]) + pending
+        return TunedProgress(
+            steps=steps,
+            tokens=int(state["tokens"]) + (int(n) if "positions" in state else 0),
+            loss=(state["kl"] / n).tolist() if pending else list(state["loss"]) or None,
+            complete=steps >= self.steps,
+        )
+
+    def trained(self, state: Stats, info: ModelInfo) -> tuple[Translators, TunedProgress]:
+        """The translators after every step (the pending one taken) and what training did."""
+        taken = self._advanced(state) or {name: state[name] for name in PARAMS}
+        lens = Translators(info.n_layers, info.d_model)
+        with torch.no_grad():
+            for name in PARAMS:
+                getattr(lens, name).copy_(taken[name].detach().cpu())
+        return lens, self.progress(state)
+
+    def finalize(self, state: Stats, info: ModelInfo) -> Result:
+        lens, done = self.trained(state, info)
+        history = [*state["history"]]
+        if GRAD + "weight" in state:
+            history.append(sum(done.loss or []))
+        layers = list(range(info.n_layers))
+        loss = done.loss or [math.nan] * info.n_layers
+        tables = {
+            "tuned": Table(
+                "tuned",
+                {"layer": layers, "state": [f"h{layer}" for layer in layers], "kl": loss},
+                "Tuned lens: mean KL(p_L ‖ p_l) per residual state on the last step's tokens "
+                "(before its update)",
+            ),
+            "training": Table(
+                "training",
+                {"step": list(range(1, len(history) + 1)), "kl": history},
+                "Tuned lens: the summed KL over the layers, step by step",
+            ),
+        }
+        warnings: tuple[str, ...] = ()
+        if done.steps < self.steps:
+            warnings = (
+                f"trained {done.steps} of {self.steps} steps (the data ran out, or the run was "
+                "stopped): the learning rate had not decayed to 0",
+            )
+        meta = {"steps": done.steps, "tokens": done.tokens, "complete": done.complete}
+        return Result(
+            self.name,
+            f"Tuned lens after {done.steps} of {self.steps} steps ({done.tokens} tokens): "
+            f"summed KL {history[0] if history else math.nan:.4g} at the first step, "
+            f"{history[-1] if history else math.nan:.4g} at the last; saved in tuned-lens's "
+            f"layout ({TUNED_FOLDER}/).",
+            tables=tables,
+            plots=(
+                Plot(
+                    "line",
+                    "tuned_training",
+                    "Tuned lens: training loss",
+                    "training",
+                    x="step",
+                    y=("kl",),
+                    xlabel="step",
+                    ylabel="Σ_l KL(p_L ‖ p_l) (nats)",
+                    caption="The loss of each step, before its update.",
+                ),
+            ),
+            meta={**meta, "final_kl": done.loss},
+            warnings=warnings,
+            artifacts=(tuned_folder(lens, info, self.recipe, done),),
+        )
+
+
+def tuned_folder(
+    lens: Translators, info: ModelInfo, recipe: TunedRecipe, progress: TunedProgress
+) -> TunedLensFolder:
+    """The translators as a tuned-lens folder, with the recipe and progress in its config."""
+    return TunedLensFolder(
+        TUNED_FOLDER,
+        {layer: lens.weight[layer].detach() for layer in range(info.n_layers)},
+        {layer: lens.bias[layer].detach() for layer in range(info.n_layers)},
+        d_model=info.d_model,
+        n_layers=info.n_layers,
+        model_name=info.name,
+        extra=_config(recipe, progress),
+    )
+
+
+def _config(recipe: TunedRecipe, progress: TunedProgress) -> dict[str, Any]:
+    return {
+        "fitted_by": "lensdiv",
+        "lensdiv_lens": "tuned",
+        "recipe": asdict(recipe),
+        "steps_done": progress.steps,
+        "tokens": progress.tokens,
+        "complete": progress.complete,
+        "final_kl": progress.loss,
+    }
+
+
 def train_tuned(
     model: Any,
     info: ModelInfo,
@@ -124,10 +427,11 @@ def train_tuned(
     recipe: TunedRecipe,
     *,
     start: Translator | None = None,
-    world: Any = None,
     on_step: Callable[[TunedProgress], None] | None = None,
 ) -> tuple[Translators, TunedProgress]:
-    """Train translators on ``batches()`` (read once, in order) by ``recipe``.
+    """Train translators on ``batches()`` (read once, in order) by ``recipe``, in this process:
+    :class:`TunedFit`'s passes through an :class:`~lensdiv.run.engine.Engine`, without a run
+    folder (:func:`lensdiv.lenses.fit_lens` fits through the runner, ``torchrun`` included).
 
     Args:
         model: The frozen ``TransformerBridge``.
@@ -135,121 +439,41 @@ def train_tuned(
         batches: The data stream; it is cut into steps of ``recipe.tokens_per_step``.
         recipe: The training recipe.
         start: A lens to start from (an affine lens, say); the identity otherwise.
-        world: A :class:`~lensdiv.run.distributed.World` (``None``: one process).
         on_step: Called after every step (progress).
 
     Returns:
-        The translators (on the readout's device, float32) and what the training did. A
-        ``KeyboardInterrupt`` stops it between steps with what it has (``complete`` false).
+        The translators (float32, on the CPU) and what the training did. A ``KeyboardInterrupt``
+        stops it between two batches with what it has (``complete`` false).
+
+    Raises:
+        RuntimeError: The training failed (the line the engine recorded).
     """
-    readout = final_readout(model)
-    lens = Translators(info.n_layers, info.d_model, start).to(readout.device)
-    trained: nn.Module = lens
-    parallel = world is not None and world.parallel
-    if parallel:
-        trained = DistributedDataParallel(lens)
-    optimizer = torch.optim.SGD(
-        lens.parameters(),
-        lr=recipe.lr * (1 - recipe.momentum),
-        momentum=recipe.momentum,
-        nesterov=recipe.momentum > 0,
-        weight_decay=recipe.weight_decay,
-    )
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: max(0.0, 1.0 - step / recipe.steps)
-    )
-    progress = TunedProgress()
+    fit = TunedFit.from_recipe(recipe)
+    engine = Engine(model, info, [fit])
+    states = {fit.name: fit.start_state(info, start)}
+    stream = iter(batches())
     started = time.perf_counter()
-    rank, size = (world.rank, world.size) if parallel else (0, 1)
+    interrupted = False
     try:
-        for group in _steps(batches(), recipe):
-            nominal = sum(int(b.mask.sum()) for b in group)
-            mine = group[rank::size]
-            per_layer = torch.zeros(info.n_layers, dtype=torch.float64)
-            for i, batch in enumerate(mine):
-                last = i == len(mine) - 1
-                t0 = time.perf_counter()
-                per_layer += _accumulate(
-                    model, info, readout, trained, batch, recipe, nominal, size, sync=last
-                )
-                progress.forward_s += time.perf_counter() - t0
-            if not mine and parallel:
-                _join(trained, info.d_model, readout.device)
-            torch.nn.utils.clip_grad_norm_(lens.parameters(), recipe.clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            schedule.step()
-            progress.steps += 1
-            progress.tokens += nominal
-            progress.loss = (per_layer * size / max(nominal, 1)).tolist()
-            progress.seconds = time.perf_counter() - started
+        for index in range(engine.n_passes):
+            engine.begin_pass(index, states)
+            engine.feed(index, take_step(stream, recipe.tokens_per_step), states)
+            if engine.failures:
+                raise RuntimeError(engine.failures[fit.name])
             if on_step is not None:
-                on_step(progress)
-            if progress.steps >= recipe.steps:
-                break
-        progress.complete = progress.steps >= recipe.steps
+                on_step(_timed(fit.progress(states[fit.name]), started, engine))
     except KeyboardInterrupt:
-        progress.complete, progress.interrupted = False, True
-    return lens, progress
+        interrupted = True
+    lens, done = fit.trained(states[fit.name], info)
+    done = _timed(done, started, engine)
+    done.complete, done.interrupted = done.complete and not interrupted, interrupted
+    return lens, done
 
 
-def _steps(stream: Iterable[Batch], recipe: TunedRecipe) -> Iterator[list[Batch]]:
-    """Whole batches, ``tokens_per_step`` real tokens (at least) a step."""
-    group: list[Batch] = []
-    tokens = 0
-    for batch in stream:
-        group.append(batch)
-        tokens += batch.n_tokens
-        if tokens >= recipe.tokens_per_step:
-            yield group
-            group, tokens = [], 0
-    if group:
-        yield group
-
-
-def _accumulate(
-    model: Any,
-    info: ModelInfo,
-    readout: Any,
-    trained: nn.Module,
-    batch: Batch,
-    recipe: TunedRecipe,
-    nominal: int,
-    world_size: int,
-    *,
-    sync: bool,
-) -> Tensor:
-    """One batch's gradient (scaled so the step's gradient is the mean over its positions,
-    however it is split); returns the KL summed over positions, per layer."""
-    names = [info.resid(layer) for layer in range(info.n_layers + 1)]
-    device = input_device(model)
-    with torch.no_grad():
-        _, cache = capture(model, batch.tokens.to(device), names, need_logits=False)
-        keep = batch.positions(exclude_bos=recipe.exclude_bos).to(device)
-        states = [cache[name][keep] for name in names]
-        target = readout.logits(states[-1]).log_softmax(-1)  # log p_L
-        p_target = target.exp()
-    sums = torch.zeros(info.n_layers, dtype=torch.float64)
-    scale = world_size / max(nominal, 1)  # DDP averages over ranks
-    for layer in range(info.n_layers):
-        # One backward per layer (the logits of one layer at a time); the gradients are
-        # all-reduced by the last backward of the step only.
-        last = sync and layer == info.n_layers - 1
-        quiet = isinstance(trained, DistributedDataParallel) and not last
-        with trained.no_sync() if quiet else nullcontext():  # type: ignore[operator]
-            h = states[layer].to(readout.device, readout.dtype)
-            logq = readout.logits(trained(h, layer)).log_softmax(-1)
-            kl = (p_target * (target - logq)).sum(-1)
-            (kl.sum() * scale).backward()
-        sums[layer] = float(kl.detach().double().sum())
-    return sums
-
-
-def _join(trained: nn.Module, d_model: int, device: torch.device) -> None:
-    """A rank without a batch in a step still joins the step's all-reduce: a forward and
-    backward of nothing through DDP (its gradient contribution is zero)."""
-    empty = torch.zeros(0, d_model, device=device)
-    (trained(empty, 0).sum() * 0.0).backward()
+def _timed(progress: TunedProgress, started: float, engine: Engine) -> TunedProgress:
+    progress.seconds = time.perf_counter() - started
+    progress.forward_s = engine.forward_s
+    return progress
 
 
 def save_trained(
@@ -260,22 +484,4 @@ def save_trained(
     progress: TunedProgress,
 ) -> list[Path]:
     """Write the translators in tuned-lens's layout, with the recipe and progress in its config."""
-    weights = {layer: lens.weight[layer].detach() for layer in range(info.n_layers)}
-    biases = {layer: lens.bias[layer].detach() for layer in range(info.n_layers)}
-    return save_tuned(
-        folder,
-        weights,
-        biases,
-        d_model=info.d_model,
-        n_layers=info.n_layers,
-        model_name=info.name,
-        extra={
-            "fitted_by": "lensdiv",
-            "lensdiv_lens": "tuned",
-            "recipe": asdict(recipe),
-            "steps_done": progress.steps,
-            "tokens": progress.tokens,
-            "complete": progress.complete,
-            "final_kl": progress.loss,
-        },
-    )
+    return tuned_folder(lens, info, recipe, progress).write(Path(folder))

@@ -464,7 +464,7 @@ register_lens_kind(
         write=write_tuned_maps,
         owns=_fitted_by("tuned"),
         hub=_tuned_hub,
-        fitted="tuned_lens",
+        fitted="fit-tuned/tuned_lens",
     )
 )
 register_lens_kind(

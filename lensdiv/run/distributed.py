@@ -397,7 +397,7 @@ class DataParallelFeed(Feed):
         own_tokens: int,
     ) -> None:
         started = time.perf_counter()
-        if index == 0:  # the world's tokens, as one process would have counted them
+        if engine.counts(index):  # the world's tokens, as one process would have counted them
             total = torch.tensor([own_tokens], dtype=torch.int64, device=self.world.comm_device())
             all_reduce(self.world, total, "sum", "the count of tokens")
             engine.count_tokens(int(total.item()) - own_tokens)  # the other ranks' tokens

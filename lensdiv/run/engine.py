@@ -138,13 +138,27 @@ class Engine:
 
     @property
     def tokens(self) -> int:
-        """Real tokens of pass 0 fed so far (by every process, once a feed counted theirs)."""
+        """Real tokens fed so far (by every process, once a feed counted theirs): pass 0's, or
+        every pass's when the passes read the data onward (:meth:`counts`)."""
         return self._tokens
 
     def count_tokens(self, n: int) -> None:
-        """Count ``n`` more real tokens of pass 0: a data-parallel feed adds those that the
-        other processes fed."""
+        """Count ``n`` more real tokens (of a pass that :meth:`counts`): a data-parallel feed
+        adds those that the other processes fed."""
         self._tokens += int(n)
+
+    @property
+    def pass_tokens(self) -> int | None:
+        """Real tokens a pass reads when the group's passes read the data onward (a training
+        alone in its group: :meth:`Analyzer.pass_tokens`); ``None``: every pass reads it all."""
+        if len(self.analyzers) != 1:
+            return None
+        return self.analyzers[0].pass_tokens(self.info)
+
+    def counts(self, index: int) -> bool:
+        """Whether the tokens of pass ``index`` count towards :attr:`tokens`: pass 0's, or
+        every pass's when the passes read the data onward."""
+        return index == 0 or self.pass_tokens is not None
 
     @property
     def n_passes(self) -> int:
@@ -232,7 +246,8 @@ class Engine:
     ) -> None:
         """Pass ``index`` over ``batches``: one forward per batch, every member updates.
 
-        The clean forward's seconds (and, in pass 0, the real tokens) are counted as they go,
+        The clean forward's seconds (and the real tokens of a pass that :meth:`counts`) are
+        counted as they go,
         so an interrupted pass still reports them.
         """
         members = self.members(index)
@@ -258,7 +273,7 @@ class Engine:
                         return a.update(states[a.name], step)
 
                 self._timed(a, f"batch {batch.index}", update, ("update", None))
-            if index == 0:
+            if self.counts(index):
                 self.count_tokens(batch.n_tokens)
             if on_batch is not None:
                 on_batch(given)

@@ -110,6 +110,20 @@ def every_nth(batches: Iterable[Batch], index: int, count: int) -> Iterator[Batc
             yield batch
 
 
+def take_step(stream: Iterable[Batch], tokens: int) -> Iterator[Batch]:
+    """The next whole batches of ``stream`` until they hold ``tokens`` real tokens (fewer, or
+    none, when the stream ends first): the pass of an analyzer whose passes read the data
+    onward, one training step (:meth:`~lensdiv.core.analyzer.Analyzer.pass_tokens`). Reads no
+    batch beyond the step, so the next call goes on where this one stopped."""
+    source, seen = iter(stream), 0
+    while seen < tokens:
+        batch = next(source, None)
+        if batch is None:
+            return
+        seen += batch.n_tokens
+        yield batch
+
+
 @final
 class LocalFeed(Feed):
     """One process feeds every batch; the states finalize here."""

@@ -8,6 +8,7 @@ import dataclasses
 import os
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -33,7 +34,7 @@ from lensdiv.ops.readout import readout_dtype
 from lensdiv.ops.translators import LOGIT, Translator, parse_lens
 from lensdiv.run.distributed import DataParallelFeed, World, current_world, gather_objects
 from lensdiv.run.engine import Engine, describe, input_device
-from lensdiv.run.feed import Feed, LocalFeed
+from lensdiv.run.feed import Feed, LocalFeed, take_step
 from lensdiv.run.interrupts import handle_signals, interruption, shielded, signals_received
 from lensdiv.run.outcome import finish, read_manifest, save_result, write_manifest
 from lensdiv.run.report import write_report
@@ -355,11 +356,13 @@ def _run(
 
     # One fused stream over the corpus per numerics kind, then one stream per task analyzer.
     groups: list[tuple[list[Analyzer], Callable[[], Iterable[Batch]], int]] = []
+    # A training (passes that read the data onward: Analyzer.pass_tokens) streams on its own.
     for kind in ("raw", "folded"):
         shared = [a for a in analyzers if a.numerics == kind and tasks[a.name] is None]
-        if shared:
-            corpus = partial(ready_batches, spec, bridge.tokenizer)
-            groups.append((shared, partial(_checked, corpus, info), spec.max_tokens))
+        corpus = partial(_checked, partial(ready_batches, spec, bridge.tokenizer), info)
+        together = [a for a in shared if a.pass_tokens(info) is None]
+        for group in ([together] if together else []) + [[a] for a in shared if a not in together]:
+            groups.append((group, corpus, spec.max_tokens))
         for a in analyzers:
             own = tasks[a.name]
             if a.numerics == kind and own is not None:
@@ -462,29 +465,46 @@ def _stream(
     stopped: BaseException | None = None
     n_passes = engine.n_passes
     states: dict[str, Any] = {}
+    onward = engine.pass_tokens is not None  # a training: one stream, cut into steps
+    shared: Iterable[Batch] | None = None
     try:
         # Ctrl-C and SIGTERM take effect between batches (a second one at once), so every
         # state holds whole batches: a signal is recorded, and the feed stops the pass at the
         # next batch (a process group's ranks agree first, so a signal that reaches one rank
         # while it prepares a pass and another while it feeds stops both at the same round).
-        with shielded(soft=True):
+        with shielded(soft=True), ExitStack() as stack:
+            # A training's stream and its one progress bar outlive its passes (closed here).
+            def close_shared() -> None:
+                if isinstance(shared, Generator):
+                    shared.close()
+
+            stack.callback(close_shared)
             states = engine.init()
             for index in range(n_passes):
                 members = engine.begin_pass(index, states)
                 if not members:
                     break
+                if onward:
+                    if shared is None:
+                        shared, bar = (
+                            batches(),
+                            stack.enter_context(
+                                _progress(progress, ", ".join(a.name for a in members))
+                            ),
+                        )
+                        task = bar.add_task("training", total=total)
+                    assert engine.pass_tokens is not None
+                    part = take_step(shared, engine.pass_tokens)
+                    feed.run_pass(engine, index, part, states, partial(_advance, bar, task))
+                    continue
                 label = ", ".join(a.name for a in members)
                 if n_passes > 1:
                     label += f" (pass {index + 1}/{n_passes})"
                 with _progress(progress, label) as bar:
                     task = bar.add_task("analyzing", total=total)
-
-                    def advance(batch: Batch, bar: Any = bar, task: Any = task) -> None:
-                        bar.update(task, advance=batch.n_tokens)
-
                     stream = batches()
                     try:
-                        feed.run_pass(engine, index, stream, states, advance)
+                        feed.run_pass(engine, index, stream, states, partial(_advance, bar, task))
                     finally:  # a pass stopped early: the data's reader thread stops too
                         if isinstance(stream, Generator):
                             stream.close()
@@ -498,6 +518,11 @@ def _stream(
     with shielded():  # a second Ctrl-C waits until the results in hand are on disk
         _wrap_up(engine, states, stopped, run, out_dir, save_manifest, feed.finalizes)
     return stopped
+
+
+def _advance(bar: Any, task: Any, batch: Batch) -> None:
+    """Progress: ``batch``'s tokens are done."""
+    bar.update(task, advance=batch.n_tokens)
 
 
 def _wrap_up(

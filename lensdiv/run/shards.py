@@ -60,6 +60,12 @@ def check_shardable(analyzers: Iterable[Analyzer], info: ModelInfo) -> None:
     """
     for a in analyzers:
         passes = a.n_passes(info)
+        if a.pass_tokens(info) is not None:  # a training: each step needs the one before
+            raise LensdivError(
+                f"analyzer {a.name!r} trains, one pass per step, and each step needs the "
+                "merged gradient of all the data before it, which shards cannot share",
+                hint="train it under torchrun instead: torchrun --nproc-per-node N -m lensdiv ...",
+            )
         if passes > 1:
             raise LensdivError(
                 f"analyzer {a.name!r} needs {passes} passes over the data, and each pass needs "

@@ -1,0 +1,231 @@
+"""The tuned lens fitted as a run (issue 29, points 3 and 8): two gloo processes train the lens of
+one process; ``--max-tokens`` scales the steps or is refused before anything loads; the run's
+output folder, manifest and ``--overwrite`` are those of every run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import multiprocessing
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from lensdiv.cli import app
+from lensdiv.core.analyzer import Batch, ModelInfo
+from lensdiv.core.errors import LensdivError, OptionError
+from lensdiv.lenses.fit import fit_lens
+from lensdiv.lenses.tuned import PRESETS, TUNED_FOLDER, TunedFit, train_tuned
+from lensdiv.ops.translators import read_tuned
+from lensdiv.run.feed import take_step
+from lensdiv.run.runner import load_run
+from lensdiv.testing.models import save_tiny_model
+
+# 3 steps of 3 batches of 2 rows of 24 tokens: of a step's 3 batches rank 0 runs 2, rank 1 one.
+FIT: dict[str, Any] = {"preset": "toy", "options": {"steps": 3, "tokens_per_step": 120}, "seq_len": 24,
+       "batch_size": 2, "eval_tokens": 96, "progress": False}
+STEP_TOKENS = 3 * 2 * 24
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_model("llama", tmp_path_factory.mktemp("tuned") / "llama")
+
+
+def _rank_main(rank: int, store: str, model: str, out: str) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=300))
+    code = 0
+    try:
+        fit_lens(model, "tuned", out=out, **FIT)
+    except LensdivError as err:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        Path(out, f"rank{rank}.txt").write_text(str(err))
+        code = err.exit_code
+    finally:
+        dist.destroy_process_group()
+    sys.exit(code)
+
+
+def test_two_ranks_train_the_tuned_lens_of_one_process(llama_dir: Path, tmp_path: Path) -> None:
+    """The lens, its training loss and its evaluation of 2 gloo processes (the gradient of a
+    step all-reduced by the run's data-parallel feed) equal one process's."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["tests.test_tuned_fit"])
+    procs = [ctx.Process(target=_rank_main,
+                         args=(rank, str(tmp_path / "store"), str(llama_dir), str(tmp_path / "two")))
+             for rank in range(2)]
+    for p in procs:
+        p.start()
+    one = fit_lens(str(llama_dir), "tuned", out=tmp_path / "one", **FIT)
+    for p in procs:
+        p.join(300)
+    assert [p.exitcode for p in procs] == [0, 0], [p.exitcode for p in procs]
+    two = load_run(tmp_path / "two")
+    assert one.run is not None and one.run.ok and two.ok, (one.run, two.errors)
+    manifest = two.manifest
+    assert manifest["world_size"] == 2 and manifest["distributed"]["backend"] == "gloo"
+    assert [r["batches"] for r in manifest["distributed"]["ranks"]] == [6, 3]
+    assert manifest["timings"]["tokens"] == one.manifest["timings"]["tokens"] == 3 * STEP_TOKENS
+    a = read_tuned(tmp_path / "one" / "fit-tuned" / TUNED_FOLDER)
+    b = read_tuned(tmp_path / "two" / "fit-tuned" / TUNED_FOLDER)
+    assert a.meta["steps_done"] == b.meta["steps_done"] == 3 and a.meta["complete"]
+    assert sorted(a.maps) == sorted(b.maps)
+    moved = 0.0
+    for layer in a.maps:
+        wa, wb = a.maps[layer], b.maps[layer]
+        assert wa.bias is not None and wb.bias is not None
+        torch.testing.assert_close(wb.weight, wa.weight, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(wb.bias, wa.bias, rtol=1e-5, atol=1e-6)
+        moved = max(moved, float(wa.weight.abs().max()))
+    assert moved > 1e-3  # the lens trained: equal lenses are not two zero lenses
+    losses = [run["fit-tuned"].tables["training"]["kl"] for run in (one.run, two)]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5) and len(losses[0]) == 3
+    evaluation = json.loads((tmp_path / "two" / "evaluation.json").read_text())["columns"]
+    assert one.evaluation is not None
+    assert evaluation["kl_tuned"] == pytest.approx(list(one.evaluation["kl_tuned"]), rel=1e-5)
+    assert not (tmp_path / "two" / "rank1.txt").exists()
+
+
+def test_max_tokens_scales_the_steps_and_the_evaluation_is_written(llama_dir: Path,
+                                                                 tmp_path: Path) -> None:
+    """API: 2 steps' tokens (and a little more) train 2 steps of the recipe, the lens is
+    complete and evaluated; the folder is a run's: refused again without overwrite."""
+    out = tmp_path / "fit"
+    settings = {**FIT, "options": {"tokens_per_step": 120}}
+    fit = fit_lens(str(llama_dir), "tuned", out=out, max_tokens=2 * STEP_TOKENS + 50,
+                   **settings)
+    assert fit.run is not None and fit.run.ok
+    entry = fit.manifest["analyzers"]["fit-tuned"]
+    assert entry["options"]["steps"] == 2 and entry["status"] == "complete"
+    assert fit.manifest["timings"]["tokens"] == 2 * STEP_TOKENS
+    assert fit.lens == out / "fit-tuned" / TUNED_FOLDER
+    assert read_tuned(fit.lens).meta["complete"]
+    assert fit.evaluation is not None and (out / "evaluation.csv").is_file()
+    with pytest.raises(LensdivError, match="already holds"):
+        fit_lens(str(llama_dir), "tuned", out=out, max_tokens=STEP_TOKENS,
+                 **settings)
+    again = fit_lens(str(llama_dir), "tuned", out=out, max_tokens=STEP_TOKENS, overwrite=True,
+                     **settings)
+    assert again.manifest["analyzers"]["fit-tuned"]["options"]["steps"] == 1
+
+
+@pytest.mark.parametrize("options, max_tokens, message", [
+    ({}, 4096, "--max-tokens 4096 is less than one step"),  # cpu preset: 16384 a step
+    ({"steps": "3"}, 40000, "--max-tokens 40000 is less than the 3 steps asked for"),
+])
+def test_too_few_tokens_are_refused_before_anything_loads(options: dict[str, str],
+                                                          max_tokens: int, message: str) -> None:
+    """The model named does not exist: the refusal comes before it is looked for."""
+    with pytest.raises(OptionError, match=message):
+        fit_lens("/nonexistent/model", "tuned", out="/nonexistent/out", preset="cpu",
+                 options=options, max_tokens=max_tokens, progress=False)
+
+
+def test_cli_refuses_or_scales_and_evaluates(llama_dir: Path, tmp_path: Path) -> None:
+    """The issue's command (cpu preset, 16384 tokens a step, --max-tokens 4096) is one line and
+    exit 2 before the toy model is trained or loaded; a budget of 2 steps trains 2 and writes
+    the evaluation as the other kinds do."""
+    bad = CliRunner().invoke(app, ["lenses", "fit", "/nonexistent/toy", "--kind", "tuned",
+                                   "--max-tokens", "4096", "--out", str(tmp_path / "bad"),
+                                   "--no-progress"])
+    assert bad.exit_code == 2, bad.output
+    assert bad.output.startswith("error: --max-tokens 4096 is less than one step of the tuned "
+                                 "lens' recipe (16384 tokens a step")
+    assert "Traceback" not in bad.output and not (tmp_path / "bad").exists()
+    out = tmp_path / "fit"
+    good = CliRunner().invoke(app, ["lenses", "fit", str(llama_dir), "--kind", "tuned",
+                                    "--preset", "toy", "-O", "tokens_per_step=120",
+                                    "--max-tokens", str(2 * STEP_TOKENS), "--seq-len", "24",
+                                    "--batch-size", "2", "--eval-tokens", "96", "--out",
+                                    str(out), "--no-progress"])
+    assert good.exit_code == 0, good.output
+    folder = out / "fit-tuned" / TUNED_FOLDER
+    assert f"--lens tuned:{folder}" in " ".join(good.output.split())
+    assert read_tuned(folder).meta["steps_done"] == 2
+    assert (out / "evaluation.csv").is_file() and (out / "evaluation.json").is_file()
+    assert json.loads((out / "manifest.json").read_text())["status"] == "complete"
+    help_text = " ".join(CliRunner().invoke(app, ["lenses", "fit", "--help"]).output.split())
+    assert "scaled" in help_text
+
+
+def test_steps_take_whole_batches_and_go_on_where_the_last_stopped() -> None:
+    batches = [Batch(torch.zeros(1, n, dtype=torch.long), torch.ones(1, n, dtype=torch.bool),
+                     index=i) for i, n in enumerate((5, 5, 5, 3))]
+    stream = iter(batches)
+    steps = [[b.index for b in take_step(stream, 8)] for _ in range(3)]
+    assert steps == [[0, 1], [2, 3], []]
+
+
+def test_train_tuned_in_one_process_matches_the_run(llama_dir: Path, tmp_path: Path) -> None:
+    """``train_tuned`` (an engine, no run folder) trains the lens ``fit_lens`` writes."""
+    from lensdiv.data.sources import DataSpec, token_batches
+    from lensdiv.models.load import load_model
+
+    model = load_model(str(llama_dir), device="cpu", progress=False)
+    info = ModelInfo.from_model(model)
+    fit = fit_lens(model, "tuned", out=tmp_path, **{**FIT, "eval_tokens": 0})
+    spec = DataSpec(seq_len=24, batch_size=2, max_tokens=3 * STEP_TOKENS)
+    recipe = dataclasses.replace(PRESETS["toy"], steps=3, tokens_per_step=120)
+    assert TunedFit.from_recipe(recipe).recipe == recipe
+    seen: list[int] = []
+    lens, done = train_tuned(model, info, lambda: token_batches(spec, model.tokenizer), recipe,
+                             on_step=lambda p: seen.append(p.steps))
+    assert seen == [1, 2, 3] and done.complete and done.tokens == 3 * STEP_TOKENS
+    assert fit.lens is not None
+    written = read_tuned(fit.lens)
+    for layer, found in written.maps.items():
+        torch.testing.assert_close(found.weight, lens.weight[layer].detach(), rtol=1e-6,
+                                   atol=1e-7)
+
+
+def test_ctrl_c_keeps_the_lens_of_the_steps_done(llama_dir: Path, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C in the 3rd step (its first batch) stops the run as any run stops: exit 130, the
+    manifest interrupted, the lens of the 2 steps done written and marked incomplete, no
+    evaluation."""
+    calls = {"n": 0}
+    original = TunedFit.update
+
+    def interrupt_in_third_step(self: TunedFit, state: Any, step: Any) -> None:
+        calls["n"] += 1
+        if calls["n"] == 7:  # 3 batches a step
+            raise KeyboardInterrupt
+        original(self, state, step)
+
+    monkeypatch.setattr(TunedFit, "update", interrupt_in_third_step)
+    out = tmp_path / "fit"
+    result = CliRunner().invoke(app, ["lenses", "fit", str(llama_dir), "--kind", "tuned",
+                                      "--preset", "toy", "-O", "tokens_per_step=120", "-O",
+                                      "steps=5", "--seq-len", "24", "--batch-size", "2",
+                                      "--eval-tokens", "96", "--out", str(out), "--no-progress"])
+    assert result.exit_code == 130, result.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["status"] == "interrupted"
+    assert manifest["analyzers"]["fit-tuned"]["status"] == "partial"
+    config = read_tuned(out / "fit-tuned" / TUNED_FOLDER).meta
+    assert config["steps_done"] == 2 and config["complete"] is False
+    assert manifest["timings"]["tokens"] == 2 * STEP_TOKENS
+    assert not (out / "evaluation.csv").exists()
+
+
+def test_a_training_is_not_split_into_shards(llama_dir: Path, tmp_path: Path) -> None:
+    """Even one step: a shard's gradient would never meet the others' before the step."""
+    from lensdiv.run.runner import analyze
+
+    with pytest.raises(LensdivError, match="'fit-tuned' trains, one pass per step"):
+        analyze(str(llama_dir), plugins=[TunedFit(steps=1, tokens_per_step=48)], shard="0/2",
+                seq_len=24, batch_size=2, max_tokens=96, out=tmp_path / "s", progress=False)
+    with pytest.raises(OptionError, match="cannot be split into shards"):
+        fit_lens(str(llama_dir), "tuned", out=tmp_path / "f", shard="0/2", progress=False)
