@@ -153,7 +153,12 @@ def fit_lens(
     out = Path(out)
     options = dict(options or {})
     fitter, tokens, start = found.fitter.plan(
-        preset, options, init, max_tokens=max_tokens, seq_len=seq_len, batch_size=batch_size,
+        preset,
+        options,
+        init,
+        max_tokens=max_tokens,
+        seq_len=seq_len,
+        batch_size=batch_size,
         shard=shard,
     )
     bridge = _bridge(model, device, dtype, progress and current_world().main, **load)
