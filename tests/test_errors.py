@@ -382,6 +382,37 @@ def test_files_not_written_are_errors_on_stderr_and_the_last_line_says_which(
         lensdiv.Run(out=tmp_path / "ok2", manifest=manifest(tmp_path / "ok2")).written())
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="RLIMIT_FSIZE is POSIX")
+def test_a_file_size_limit_says_what_was_and_was_not_written(tmp_path: Path) -> None:
+    """Issue 29, point 7, for real: under `ulimit -f` (20 kB) the plots and the report do not
+    fit; every error is on standard error and the last line lists exactly what is on disk."""
+    import resource
+
+    lensdiv.load_model("toy", progress=False)  # trained and cached before the limit
+    limit = 20_000
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "lensdiv", "analyze", "toy", "-p", "lens,contrib", "--out",
+         str(out), *FAST],
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)),
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONWARNINGS": "ignore", "LENSDIV_TOKEN_CACHE": "off"},
+    )  # fmt: skip
+    assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr
+    assert proc.returncode == 1, proc.stderr
+    assert "File too large" in proc.stderr and "ulimit -f" in proc.stderr
+    assert "File too large" not in proc.stdout and "error:" not in proc.stdout
+    last = proc.stdout.strip().splitlines()[-1]
+    head = f"results in {out} are incomplete: not written: "
+    assert last.startswith(head), last
+    missing, written = (part.split(", ") for part in last[len(head):].split("; written: "))
+    assert "report.html" in missing and "manifest.json" in written
+    assert all(not (out / name).exists() for name in missing), missing
+    assert all((out / name.split(" (")[0]).exists() for name in written), written
+    assert all(f"{name}/result.json" in manifest(out)["analyzers"][name]["files"]
+               for name in ("lens", "contrib"))
+
+
 def test_report_plots_into_an_unwritable_run_is_one_line(tmp_path: Path) -> None:
     out = tmp_path / "run"
     assert invoke("analyze", "toy", "-p", "lens", "--out", str(out), *FAST).exit_code == 0

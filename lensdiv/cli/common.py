@@ -173,15 +173,32 @@ def interrupted() -> Iterator[None]:
 def show_run(run: Any) -> None:
     """Print a run's results, then one unbroken line per skipped or failed analyzer (so a log
     keeps each on one line): a failed analyzer and an ``error:`` line on standard error."""
+    term = console()
+    for result in run.results.values():
+        term.print(result)
+    show_notes(run.notes())
+
+
+# How a note of each kind is printed, and which go to standard error.
+_NOTE_STYLES = {
+    "skipped": "yellow",
+    "pending": "yellow",
+    "interrupted": "yellow",
+    "failed": "red",
+    "error": "red",
+}
+_ERRORS = ("failed", "error")
+
+
+def show_notes(notes: Sequence[tuple[str, str]]) -> None:
+    """``(kind, line)`` notes of a run or a study, each an unbroken line: ``failed`` and
+    ``error`` on standard error, the others (skipped, pending, interrupted) on standard output."""
     from rich.text import Text
 
     term, errors = console(), console(stderr=True)
-    for result in run.results.values():
-        term.print(result)
-    styles = {"skipped": "yellow", "failed": "red", "error": "red", "interrupted": "yellow"}
-    for kind, line in run.notes():
-        where = errors if kind in ("failed", "error") else term
-        where.print(Text(line, style=styles[kind]), soft_wrap=True)
+    for kind, line in notes:
+        where = errors if kind in _ERRORS else term
+        where.print(Text(line, style=_NOTE_STYLES[kind]), soft_wrap=True)
 
 
 def show_written(written: Any, complete: str | None = None, prefix: str = "") -> None:

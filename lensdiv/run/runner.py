@@ -44,7 +44,7 @@ from lensdiv.run.outcome import (
     write_manifest,
     written,
 )
-from lensdiv.run.report import REPORT, write_report
+from lensdiv.run.report import REPORT, VIEWS, write_report
 from lensdiv.run.shards import ShardFeed, check_shardable, parse_shard
 from lensdiv.run.validate import (
     check_arguments,
@@ -429,6 +429,9 @@ def _report(run: Run, model: Any) -> None:
         except Exception as err:  # a full disk, a view that cannot be drawn
             run.problems.append(f"{REPORT} could not be written: {describe(err)}")
             run.unwritten[REPORT] = run.problems[-1]
+            views = None if run.out is None else run.out / VIEWS  # written before the page
+            if model is not None and "lens" in run.results and views and not views.is_file():
+                run.unwritten[VIEWS] = run.problems[-1]
 
 
 def _checked(
