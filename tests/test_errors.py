@@ -309,6 +309,110 @@ def test_a_manifest_that_cannot_be_written_is_said_and_the_results_stay(
     assert (out / "lens" / "result.json").is_file()
 
 
+def _refuse(monkeypatch: pytest.MonkeyPatch, what: str) -> None:
+    """The disk refuses ``what``: the contrib folder's files, or the manifest and the report."""
+    from lensdiv.core import results
+    from lensdiv.run import outcome, report
+
+    if what == "contrib":
+        original = results._atomic.__exit__
+
+        def full_disk(self: Any, exc_type: Any, *rest: Any) -> None:
+            if exc_type is None and self.path.parent.name == "contrib":
+                original(self, OSError, None, None)
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.tmp))
+            original(self, exc_type, *rest)
+
+        monkeypatch.setattr(results._atomic, "__exit__", full_disk)
+        return
+
+    def too_big(*args: Any, **kwargs: Any) -> None:
+        raise OSError(errno.EFBIG, os.strerror(errno.EFBIG))
+
+    monkeypatch.setattr(outcome, "write_json_atomic", too_big)
+    monkeypatch.setattr(report, "report_html", too_big)
+
+
+@pytest.mark.parametrize("what", ["contrib", "manifest"])
+def test_files_not_written_are_errors_on_stderr_and_the_last_line_says_which(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, what: str
+) -> None:
+    """Issue 29, point 7: "analyzer failed" and "error:" lines go to standard error, and the
+    last line says what was written and what was not (through the CLI and the API)."""
+    _refuse(monkeypatch, what)
+    out = tmp_path / "run"
+    result = invoke("analyze", "toy", "-p", "lens,contrib", "--out", str(out), *FAST)
+    assert "Traceback" not in result.output and result.exit_code == 1, result.output
+    last = result.stdout.strip().splitlines()[-1]
+    assert last.startswith(f"results in {out} are incomplete: not written: "), last
+    assert "one folder per analyzer" not in last
+    written = last.split("; written: ")[1]
+    assert "lens/" in written.split(", ")
+    if what == "contrib":
+        assert "analyzer 'contrib' failed" in result.stderr, result.stderr
+        assert "failed" not in result.stdout and "No space left" not in result.stdout
+        assert "contrib/result.json" in last and "contrib/contrib.csv" in last
+        assert "manifest.json" in written and "report.html" in written
+        assert "contrib/" not in written and (out / "manifest.json").is_file()
+    else:
+        assert f"error: {out / 'manifest.json'} could not be written: File too large" in (
+            result.stderr.replace("\n", " "))
+        assert "error:" not in result.stdout and "File too large" not in result.stdout
+        assert "not written: manifest.json, report.html;" in last
+        assert "contrib/" in written.split(", ")
+        assert not (out / "manifest.json").exists() and not (out / "report.html").exists()
+    # The API: the run says the same.
+    run = lensdiv.analyze("toy", plugins="lens,contrib", out=tmp_path / "api", **API_FAST)
+    done = run.written()
+    assert done is not None and not done.complete
+    assert done.line() == last.replace(str(out), str(tmp_path / "api"))
+    if what == "contrib":
+        assert {"contrib/result.json", "contrib/contrib.csv"} <= set(done.missing)
+        assert "contrib" in run.errors and "lens/" in done.files
+    else:
+        assert done.missing == ("manifest.json", "report.html") and run.unwritten
+        assert set(run.unwritten) == {"manifest.json", "report.html"}
+    # A run whose files are all there says so as before.
+    monkeypatch.undo()
+    ok = invoke("analyze", "toy", "-p", "lens", "--out", str(tmp_path / "ok"), *FAST)
+    assert ok.exit_code == 0 and ok.stderr.strip() == "", ok.output
+    assert ok.stdout.strip().splitlines()[-1] == (
+        f"results in {tmp_path / 'ok'} (report.html, manifest.json, one folder per analyzer)")
+    assert lensdiv.analyze("toy", plugins="lens", out=tmp_path / "ok2", **API_FAST).written() == (
+        lensdiv.Run(out=tmp_path / "ok2", manifest=manifest(tmp_path / "ok2")).written())
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="RLIMIT_FSIZE is POSIX")
+def test_a_file_size_limit_says_what_was_and_was_not_written(tmp_path: Path) -> None:
+    """Issue 29, point 7, for real: under `ulimit -f` (20 kB) the plots and the report do not
+    fit; every error is on standard error and the last line lists exactly what is on disk."""
+    import resource
+
+    lensdiv.load_model("toy", progress=False)  # trained and cached before the limit
+    limit = 20_000
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "lensdiv", "analyze", "toy", "-p", "lens,contrib", "--out",
+         str(out), *FAST],
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)),
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONWARNINGS": "ignore", "LENSDIV_TOKEN_CACHE": "off"},
+    )  # fmt: skip
+    assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr
+    assert proc.returncode == 1, proc.stderr
+    assert "File too large" in proc.stderr and "ulimit -f" in proc.stderr
+    assert "File too large" not in proc.stdout and "error:" not in proc.stdout
+    last = proc.stdout.strip().splitlines()[-1]
+    head = f"results in {out} are incomplete: not written: "
+    assert last.startswith(head), last
+    missing, written = (part.split(", ") for part in last[len(head):].split("; written: "))
+    assert "report.html" in missing and "manifest.json" in written
+    assert all(not (out / name).exists() for name in missing), missing
+    assert all((out / name.split(" (")[0]).exists() for name in written), written
+    assert all(f"{name}/result.json" in manifest(out)["analyzers"][name]["files"]
+               for name in ("lens", "contrib"))
+
+
 def test_report_plots_into_an_unwritable_run_is_one_line(tmp_path: Path) -> None:
     out = tmp_path / "run"
     assert invoke("analyze", "toy", "-p", "lens", "--out", str(out), *FAST).exit_code == 0

@@ -35,7 +35,7 @@ from lensdiv.core.registry import list_plugins, make_analyzers
 from lensdiv.data.sources import DataSpec
 from lensdiv.ops.capture import capture
 from lensdiv.ops.members import member_hooks
-from lensdiv.ops.patching import run_variants
+from lensdiv.ops.patching import integrated_gradients, run_variants
 from lensdiv.ops.readout import Workspace, final_readout, lens_statistics, readout_dtype
 from lensdiv.ops.resume import Resumer
 from lensdiv.ops.skipping import skip_effects, split_intervals
@@ -578,6 +578,58 @@ def test_every_analyzer_runs_on_a_float64_model(boot: Any, name: str) -> None:
             if not good.all():
                 problems.append(f"{what}: {x.tolist()} vs {y.tolist()}")
     assert not problems, "\n".join(problems)
+
+
+def test_integrated_gradients_of_a_float64_model_equal_a_float64_riemann_sum(boot: Any) -> None:
+    """A float64 model's attributions come back in float64 (issue 29, point 14): they equal a
+    plain midpoint Riemann sum of autograd gradients, one float64 pass per step, to float64
+    rounding, and so do their completeness errors (float32 attributions miss by ~1e-4)."""
+    model = boot("gpt2", torch.float64)  # (Hugging Face's RMSNorm computes in float32)
+    info = ModelInfo.from_model(model)
+    layer, steps = 1, 6
+    ((batch, cache),) = captured(model, DataSpec(seq_len=12, max_tokens=24, batch_size=2),
+                                 [info.resid(layer)])
+    tokens = batch.tokens
+    target = tokens[:, 1]
+    x = cache[info.resid(layer)].detach()
+    base = x[:, 1:].mean(1, keepdim=True).expand_as(x)
+
+    def fn(lg: torch.Tensor) -> torch.Tensor:  # [k, batch, d_vocab] -> [k, batch]
+        return lg.log_softmax(-1).gather(-1, target.expand(lg.shape[0], -1)[..., None])[..., 0]
+
+    def f_and_grad(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = h.detach().clone().requires_grad_(True)
+        with torch.enable_grad(), model.hooks(fwd_hooks=[(info.resid(layer), lambda t, hook: h)]):
+            value = fn(model(tokens)[None, :, -1].double())[0]
+            (grad,) = torch.autograd.grad(value.sum(), h)
+        return value.detach(), grad
+
+    diff = x - base
+    grads = [f_and_grad(base + (k + 0.5) / steps * diff)[1] for k in range(steps)]
+    want = (diff * torch.stack(grads).mean(0)).sum(-1)
+    want_gap = f_and_grad(x)[0] - f_and_grad(base)[0]
+    assert float(want.abs().max()) > 1e-3 and float(want_gap.abs().min()) > 1e-3
+    for start in (None, layer):  # the hooked full pass and the resumed one
+        attr, f_x, f_base = integrated_gradients(
+            model, tokens, info.resid(layer), x, base, fn, steps, start
+        )
+        assert attr.dtype == torch.float64 and f_x.dtype == torch.float64, start
+        torch.testing.assert_close(attr, want, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(f_x - f_base, want_gap, rtol=1e-10, atol=1e-12)
+        completeness = attr.sum(-1) - (f_x - f_base)
+        want_completeness = want.sum(-1) - want_gap
+        assert float(want_completeness.abs().min()) > 1e-8  # the midpoint rule's own error
+        torch.testing.assert_close(completeness, want_completeness, rtol=1e-7, atol=0.0)
+    # Lower precision keeps its float32 attributions.
+    low = boot("gpt2", torch.bfloat16)
+    ((low_batch, low_cache),) = captured(low, DataSpec(seq_len=12, max_tokens=24, batch_size=2),
+                                         [info.resid(layer)])
+    h = low_cache[info.resid(layer)]
+    attr, _, _ = integrated_gradients(
+        low, low_batch.tokens, info.resid(layer), h, h.mean(1, keepdim=True).expand_as(h),
+        lambda lg: lg.float().log_softmax(-1)[..., 0], 2
+    )
+    assert attr.dtype == torch.float32
 
 
 # -- devices: an offloaded lm_head -------------------------------------------------------------------

@@ -241,6 +241,37 @@ def test_a_model_that_cannot_load_is_listed_and_the_others_finish(
     assert [m.action for m in again.models] == ["kept", "ran"]  # the failed one is tried again
 
 
+def test_a_study_page_the_disk_refuses_is_said_on_stderr_and_in_the_last_line(
+    family: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 29, point 7, for `lensdiv study`: errors on standard error, and the last line says
+    what was and was not written (the API: ``Study.unwritten``)."""
+    import errno
+
+    import lensdiv.studies.crossmodel.study as module
+
+    def too_big(*args: Any, **kwargs: Any) -> str:
+        raise OSError(errno.EFBIG, os.strerror(errno.EFBIG))
+
+    monkeypatch.setattr(module, "study_html", too_big)
+    out = tmp_path / "study"
+    result = CliRunner().invoke(
+        app,
+        ["study", "run", family[0], "--plugins", "lens", "--out", str(out), "--no-progress",
+         "--max-tokens", "128", "--seq-len", "32", "--batch-size", "4"],
+    )  # fmt: skip
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert "error: study.html could not be written: OSError: [Errno 27] File too large" in (
+        result.stderr), result.stderr
+    assert "error:" not in result.stdout
+    last = result.stdout.strip().splitlines()[-1]
+    assert last == (f"results in {out} are incomplete: not written: study.html; written: "
+                    "study.parquet, study.csv, study.json, summary/"), last
+    assert not (out / "study.html").exists() and (out / "study.parquet").is_file()
+    again = run_study(family[0], plugins="lens", out=tmp_path / "api", progress=False, **FAST)
+    assert again.unwritten == ["study.html"] and not again.ok
+
+
 # -- mistakes, before any model ------------------------------------------------------------------
 def test_mistakes_are_one_line_before_any_model(
     study: Any, family: list[str], tmp_path: Path

@@ -30,6 +30,7 @@ from lensdiv.cli.common import (
     parse_options,
     plugin_warnings,
     show_run,
+    show_written,
     user_errors,
 )
 from lensdiv.core.errors import OptionError, SaveError
@@ -214,9 +215,7 @@ def _show(run: Any, out: Path) -> None:
             "shard with `lensdiv merge`"
         )
     else:
-        term.print(
-            f"results in [bold]{out}[/bold] (report.html, manifest.json, one folder per analyzer)"
-        )
+        show_written(run.written(), "report.html, manifest.json, one folder per analyzer")
 
 
 def _add_ref(plugins: str, options: dict[str, dict[str, str]], ref: str) -> str:

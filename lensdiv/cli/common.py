@@ -173,15 +173,43 @@ def interrupted() -> Iterator[None]:
 
 def show_run(run: Any) -> None:
     """Print a run's results, then one unbroken line per skipped or failed analyzer (so a log
-    keeps each on one line)."""
-    from rich.text import Text
-
+    keeps each on one line): a failed analyzer and an ``error:`` line on standard error."""
     term = console()
     for result in run.results.values():
         term.print(result)
-    styles = {"skipped": "yellow", "failed": "red", "error": "red", "interrupted": "yellow"}
-    for kind, line in run.notes():
-        term.print(Text(line, style=styles[kind]), soft_wrap=True)
+    show_notes(run.notes())
+
+
+# How a note of each kind is printed, and which go to standard error.
+_NOTE_STYLES = {
+    "skipped": "yellow",
+    "pending": "yellow",
+    "interrupted": "yellow",
+    "failed": "red",
+    "error": "red",
+}
+_ERRORS = ("failed", "error")
+
+
+def show_notes(notes: Sequence[tuple[str, str]]) -> None:
+    """``(kind, line)`` notes of a run or a study, each an unbroken line: ``failed`` and
+    ``error`` on standard error, the others (skipped, pending, interrupted) on standard output."""
+    from rich.text import Text
+
+    term, errors = console(), console(stderr=True)
+    for kind, line in notes:
+        where = errors if kind in _ERRORS else term
+        where.print(Text(line, style=_NOTE_STYLES[kind]), soft_wrap=True)
+
+
+def show_written(written: Any, complete: str | None = None, prefix: str = "") -> None:
+    """The last line of a command that wrote results: where they are or, when the disk refused
+    some (full, a file-size limit), what was and was not written
+    (:class:`~lensdiv.run.outcome.Written`; ``complete`` describes a complete folder)."""
+    from rich.text import Text
+
+    style = "" if written.complete else "red"
+    console().print(Text(prefix + written.line(complete), style=style), soft_wrap=True)
 
 
 def check_writable(out: Path, flag: str = "--out") -> None:
@@ -196,15 +224,24 @@ def check_writable(out: Path, flag: str = "--out") -> None:
 def save_and_show(result: Any, out: Path) -> None:
     """Print a study's result, write it to ``out`` and say which files are there (or, if the
     disk refused some, which ones are missing: exit code 1)."""
-    term = console()
-    term.print(result)
+    from lensdiv.run.outcome import Written  # start-up: only a command that wrote loads it
+
+    console().print(result)
     try:
-        written = result.save(out)
+        written, missing = result.save(out), []
     except SaveError as err:
         error_line(str(err))
-        raise typer.Exit(1) from None
-    names = ", ".join(sorted(p.name for p in written))
-    term.print(f"results in [bold]{out}[/bold] ({names})")
+        written, missing = err.written, list(err.failed)
+    show_written(Written(out, _names(written, out), _names(missing, out)))
+    if missing:
+        raise typer.Exit(1)
+
+
+def _names(paths: Sequence[Path], out: Path) -> tuple[str, ...]:
+    """``paths`` relative to ``out``, sorted."""
+    return tuple(
+        sorted(p.relative_to(out).as_posix() if p.is_relative_to(out) else str(p) for p in paths)
+    )
 
 
 def parse_options(pairs: list[str]) -> dict[str, dict[str, str]]:

@@ -19,6 +19,7 @@ from lensdiv.cli.common import (
     console,
     default_out,
     out_option,
+    show_run,
     user_errors,
 )
 from lensdiv.core.errors import OptionError
@@ -138,7 +139,7 @@ def fit(
         return
     term = console()
     if done.run is not None:
-        term.print(done.run)
+        show_run(done.run)  # a failed analyzer and an error on standard error
     if done.evaluation is not None:
         term.print(done.evaluation)
     term.print(done.line(), soft_wrap=True, markup=False)  # one line a log keeps whole

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from lensdiv.cli.common import console, default_out, out_option, user_errors
+from lensdiv.cli.common import default_out, out_option, show_run, show_written, user_errors
 
 
 def merge(
@@ -28,11 +28,11 @@ def merge(
     out = out or default_out("merged")
     with user_errors():
         run = merge_runs(shards, out)
-    term = console()
-    term.print(run)
-    term.print(
-        f"{run.manifest['merged']['shards']} shards merged; results in [bold]{out}[/bold] "
-        "(manifest.json, one folder per analyzer)"
+    show_run(run)
+    show_written(
+        run.written(),
+        "manifest.json, one folder per analyzer",
+        prefix=f"{run.manifest['merged']['shards']} shards merged; ",
     )
-    if run.errors:
+    if run.errors or run.problems:
         raise typer.Exit(1)

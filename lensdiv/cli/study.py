@@ -34,6 +34,8 @@ from lensdiv.cli.common import (
     interrupted,
     out_option,
     parse_options,
+    show_notes,
+    show_written,
     user_errors,
 )
 
@@ -165,13 +167,32 @@ def report(
 
 
 def _show(study: Any) -> None:
+    """The study's table and numbers, its notes (failures and errors on standard error), and
+    a last line: where it is or, when the disk refused some files, which are there and which
+    are not."""
+    # start-up: loaded only when a study ran (the runner's outcome imports the report's view).
+    from lensdiv.run.outcome import Written
+    from lensdiv.studies.crossmodel.folder import CSV, HTML, PARQUET, STUDY, SUMMARY
+
     term = console()
-    term.print(study)
-    if study.out is not None and study.summary is not None and not study.problems:
+    for part in study.overview():
+        term.print(part)
+    show_notes(study.notes())
+    if study.out is None or study.summary is None:
+        return
+    if not study.problems:
         term.print(
             f"study in [bold]{study.out}[/bold] (study.html, study.parquet, study.csv, summary/, "
             "runs/ with one run folder per model)"
         )
+        return
+    out, lost = Path(study.out), study.unwritten
+    there = [n for n in (HTML, PARQUET, CSV, STUDY) if n not in lost and (out / n).is_file()]
+    if (out / SUMMARY).is_dir():
+        there.append(
+            f"{SUMMARY}/" + (" (in part)" if any(n.startswith(SUMMARY) for n in lost) else "")
+        )
+    show_written(Written(out, tuple(there), tuple(lost)))
 
 
 def _exit(study: Any) -> None:

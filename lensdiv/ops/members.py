@@ -33,7 +33,8 @@ from torch import Tensor
 
 from lensdiv.core.analyzer import ModelInfo
 from lensdiv.core.errors import HookError
-from lensdiv.ops.readout import FinalReadout, NormKind, final_readout, norm_error
+from lensdiv.ops.norms import LayerNorm, RMSNorm, declared_norm
+from lensdiv.ops.readout import FinalReadout, final_readout, norm_error
 
 Constant = Literal["shared", "separate"]
 
@@ -83,13 +84,8 @@ class MemberReadout:
         ``inplace=True`` overwrites ``c`` (which must then be in the readout dtype) instead of
         copying it.
         """
-        kind = self.full.kind
         c = c.to(self.W_U.dtype) if inplace else c.to(self.W_U.dtype, copy=True)
-        if kind == "LN":
-            c.sub_(c.mean(-1, keepdim=True))
-        if kind != "none":
-            c.mul_(self.weight / sigma.unsqueeze(-1))
-        return c
+        return self.full.norm.fold(c, sigma)
 
     @property
     def gram(self) -> Float[Tensor, "d_model d_model"]:
@@ -245,17 +241,17 @@ def keep_chunks(
 
 def _build_member_readout(model: Any, full: FinalReadout) -> MemberReadout:
     name = str(getattr(model.cfg, "model_name", "this model"))
-    if full.kind == "module":
+    if not full.norm.decomposed:
         ln_final = model.ln_final
         inner = getattr(ln_final, "original_component", None) or ln_final
         norm_type = str(getattr(model.cfg, "normalization_type", ""))
-        kind: NormKind = "RMS" if norm_type.startswith("RMS") else "LN"
+        form = declared_norm(norm_type) or (RMSNorm if norm_type.startswith("RMS") else LayerNorm)
         worst = min(
-            norm_error(ln_final, kind, gamma, full.bias, full.eps, full.model_dtype)
+            norm_error(ln_final, form(gamma, full.bias, full.eps), full.model_dtype)
             for gamma in (full.weight, full.weight + 1.0)
         )
         raise HookError(
-            f"{name}'s final norm ({type(inner).__name__}) is not a {kind} with the weight, bias "
+            f"{name}'s final norm ({type(inner).__name__}) is not a {form.kind} with the weight, bias "
             f"and eps it declares (eps={full.eps:g}; relative error {worst:.2g} on probe "
             "vectors), so member contributions would not add up to the logits",
             hint="this analyzer does not support this architecture",

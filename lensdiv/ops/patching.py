@@ -7,7 +7,8 @@ patch of a layer into one pass, chunked to stay within a fixed memory budget: a 
 TransformerLens' ``get_act_patch_*`` runs ``3·L·T`` full passes. :func:`integrated_gradients`
 needs gradients; it batches the integration steps the same way and unembeds only the answer
 position. Both read logits at the last position only (the answer position of a prompt), through
-the resumer's readout: float32 logits whatever the model's dtype (:mod:`lensdiv.ops.readout`).
+the resumer's readout: readout-dtype logits (float32, float64 for a float64 model) whatever the
+model's dtype (:mod:`lensdiv.ops.readout`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
+from lensdiv.ops.readout import readout_dtype
 from lensdiv.ops.resume import Resumer
 
 # Activation elements one batched intervention pass may hold (~256 MB in fp32).
@@ -162,6 +164,9 @@ def integrated_gradients(
     Returns:
         ``attr[b, t] = Σ_d (x - baseline)[b, t, d] · mean_α ∂f/∂h[b, t, d]``, ``f(x)`` and
         ``f(baseline)`` per row; completeness says ``attr.sum(-1) ≈ f(x) - f(baseline)``.
+        ``attr`` is summed in float64 and returned in the readout dtype of ``x``'s dtype
+        (:func:`~lensdiv.ops.readout.readout_dtype`: float64 for a float64 model, else
+        float32).
 
     With ``start`` (``hook_name`` is then the residual ``h_start``) each pass resumes from the
     path value and runs only blocks ``start..L-1``, with ``resumer`` (the run's; a new one for
@@ -208,4 +213,4 @@ def integrated_gradients(
         grad_sum += grad.sum(0)
     assert ends is not None
     attr = (diff.double() * grad_sum.double()).sum(-1) / steps
-    return attr.float(), ends[0], ends[1]
+    return attr.to(readout_dtype(diff.dtype)), ends[0], ends[1]

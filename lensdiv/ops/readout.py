@@ -29,7 +29,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from jaxtyping import Float, Int
@@ -37,9 +37,8 @@ from torch import Tensor
 
 from lensdiv.core.analyzer import Step
 from lensdiv.core.errors import HookError
+from lensdiv.ops.norms import FinalNorm, ModuleNorm, NoNorm, declared_norm
 from lensdiv.ops.translators import LOGIT, Translator
-
-NormKind = Literal["LN", "RMS", "none", "module"]
 
 # Full-vocabulary elements of one readout buffer ([rows, d_vocab]); a lens holds three of them
 # (128 MiB each in float32). Large enough for an efficient unembedding matmul on any vocabulary:
@@ -79,13 +78,9 @@ class FinalReadout:
     """The model's final norm and unembedding in the readout dtype, where the unembedding runs.
 
     Args:
-        kind: ``"LN"`` (centre, then scale), ``"RMS"`` (scale only), ``"none"`` (no final norm)
-            or ``"module"``: a norm of neither form, run as the model's own module in the
-            model's dtype (the one place the policy cannot hold; recorded as
-            :attr:`precision`).
-        weight: ``γ`` (ones for a non-learnable norm), readout dtype.
-        bias: ``β`` (zeros when the norm has none).
-        eps: The norm's own epsilon.
+        norm: The final norm (:mod:`lensdiv.ops.norms`): a LayerNorm, an RMSNorm, none, or a
+            norm of neither form run as the model's own module in the model's dtype (the one
+            place the policy cannot hold; recorded as :attr:`precision`).
         W_U: Unembedding ``[d_model, d_vocab]`` in the readout dtype, times :attr:`logit_scale`.
         b_U: Unembedding bias ``[d_vocab]`` (zeros when there is none), times the scale.
         model_dtype: The dtype of the model's unembedding.
@@ -93,19 +88,34 @@ class FinalReadout:
             almost every model), folded into ``W_U`` and ``b_U``.
         transform: The adapter's transform when it is not a scalar (e.g. a softcap), applied
             to readout-dtype logits.
-        norm_module: The model's final norm module (``kind == "module"``).
     """
 
-    kind: NormKind
-    weight: Float[Tensor, " d_model"]
-    bias: Float[Tensor, " d_model"]
-    eps: float
+    norm: FinalNorm = field(repr=False)
     W_U: Float[Tensor, "d_model d_vocab"]
     b_U: Float[Tensor, " d_vocab"]
     model_dtype: torch.dtype
     logit_scale: float = 1.0
     transform: Callable[[Tensor], Tensor] | None = None
-    norm_module: Any = field(default=None, repr=False)
+
+    @property
+    def kind(self) -> str:
+        """The final norm's kind: ``"LN"``, ``"RMS"``, ``"none"`` or ``"module"``."""
+        return self.norm.kind
+
+    @property
+    def weight(self) -> Float[Tensor, " d_model"]:
+        """``γ`` (ones for a non-learnable norm), readout dtype."""
+        return self.norm.weight
+
+    @property
+    def bias(self) -> Float[Tensor, " d_model"]:
+        """``β`` (zeros when the norm has none)."""
+        return self.norm.bias
+
+    @property
+    def eps(self) -> float:
+        """The norm's own epsilon."""
+        return self.norm.eps
 
     @property
     def dtype(self) -> torch.dtype:
@@ -126,39 +136,19 @@ class FinalReadout:
     def precision(self) -> str:
         """What the readout computes in, for results: e.g. ``"float32"``."""
         name = str(self.dtype).replace("torch.", "")
-        if self.kind == "module":
+        if not self.norm.decomposed:
             model = str(self.model_dtype).replace("torch.", "")
             return f"{name} (final norm in the model's {model}: it is neither a LN nor an RMSNorm)"
         return name
 
     def scale(self, h: Float[Tensor, "n d_model"]) -> Float[Tensor, " n"]:
         """``σ(h)`` per row in the readout dtype, with the norm's epsilon (1 without a norm)."""
-        x = h.to(device=self.device, dtype=self.dtype)
-        if self.kind == "LN":
-            return (x.var(-1, unbiased=False) + self.eps).sqrt()
-        if self.kind == "RMS":
-            return (x.pow(2).mean(-1) + self.eps).sqrt()
-        return torch.ones(x.shape[:-1], dtype=x.dtype, device=x.device)
+        return self.norm.scale(h.to(device=self.device, dtype=self.dtype))
 
     def normalize(self, h: Float[Tensor, "n d_model"]) -> Float[Tensor, "n d_model"]:
         """The final norm's output ``γ ⊙ (h − mean h)/σ(h) + β`` in the readout dtype, on
         :attr:`device` (a new tensor: ``h`` is never modified)."""
-        if self.kind == "module":
-            x = h.to(device=self.device, dtype=self.model_dtype)
-            with torch.no_grad():
-                return self.norm_module(x.unsqueeze(0)).squeeze(0).to(self.dtype)
-        x = h.to(device=self.device, dtype=self.dtype, copy=True)
-        if self.kind == "none":
-            return x
-        if torch.is_grad_enabled() and x.requires_grad:  # autograd: no in-place updates
-            if self.kind == "LN":
-                x = x - x.mean(-1, keepdim=True)
-            sigma = (x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt()
-            return x / sigma * self.weight + self.bias
-        if self.kind == "LN":
-            x.sub_(x.mean(-1, keepdim=True))
-        sigma = (x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt()
-        return x.div_(sigma).mul_(self.weight).add_(self.bias)
+        return self.norm.apply(h, dtype=self.dtype, device=self.device)
 
     def logits(
         self, h: Float[Tensor, "n d_model"], out: Tensor | None = None
@@ -287,16 +277,16 @@ def _build(model: Any) -> FinalReadout:
     ln_final = getattr(model, "ln_final", None)
     ones = torch.ones(d_model, dtype=dtype, device=device)
     zeros = torch.zeros(d_model, dtype=dtype, device=device)
-    kind: NormKind
+    norm: FinalNorm
     if norm_type is None and ln_final is None:
-        kind, weight, bias, eps = "none", ones, zeros, 0.0
+        norm = NoNorm(ones, zeros, 0.0)
     elif isinstance(ln_final, torch.nn.Module):
         inner = getattr(ln_final, "original_component", None) or ln_final
         with onloaded(inner):
             weight = _param(inner, "weight", ones)
             bias = _param(inner, "bias", zeros)
         eps = _eps(inner, model.cfg)
-        kind, weight = _verify_norm(ln_final, norm_type, weight, bias, eps, model_dtype)
+        norm = _verify_norm(ln_final, norm_type, weight, bias, eps, model_dtype)
     else:
         raise HookError(
             f"{name} declares a final norm ({norm_type!r}) but exposes no ln_final component",
@@ -306,16 +296,12 @@ def _build(model: Any) -> FinalReadout:
     if scale != 1.0:
         W_U, b_U = W_U * scale, b_U * scale
     return FinalReadout(
-        kind=kind,
-        weight=weight,
-        bias=bias,
-        eps=eps,
+        norm=norm,
         W_U=W_U,
         b_U=b_U,
         model_dtype=model_dtype,
         logit_scale=scale,
         transform=transform,
-        norm_module=ln_final if kind == "module" else None,
     )
 
 
@@ -338,27 +324,19 @@ def _eps(module: torch.nn.Module, cfg: Any) -> float:
     return float(getattr(cfg, "eps", 1e-5))
 
 
-def norm_error(
-    ln_final: torch.nn.Module,
-    kind: NormKind,
-    weight: Tensor,
-    bias: Tensor,
-    eps: float,
-    model_dtype: torch.dtype,
-) -> float:
-    """Largest relative error of the decomposed norm against the module on probe vectors (small
-    ones make ``eps`` visible), computed in the readout dtype from the same probe inputs."""
+def norm_error(ln_final: torch.nn.Module, norm: FinalNorm, model_dtype: torch.dtype) -> float:
+    """Largest relative error of the decomposed ``norm`` against the module on probe vectors
+    (small ones make ``eps`` visible), computed in the readout dtype from the same probe
+    inputs."""
     gen = torch.Generator().manual_seed(0)
+    weight = norm.weight
     d_model = weight.shape[0]
     scales = torch.tensor([1e-3, 3e-2, 1.0, 30.0]).repeat_interleave(4).unsqueeze(-1)
     probe = torch.randn(scales.shape[0], d_model, generator=gen) * scales + 0.1 * scales
     probe = probe.to(device=weight.device, dtype=model_dtype)
     with torch.no_grad():
         theirs = ln_final(probe.unsqueeze(0)).squeeze(0).to(weight.dtype)
-    trial = FinalReadout(
-        kind, weight, bias, eps, weight.new_zeros(d_model, 1), weight.new_zeros(1), model_dtype
-    )
-    ours = trial.normalize(probe)
+    ours = norm.apply(probe, dtype=weight.dtype, device=weight.device)
     return float(((ours - theirs).norm(dim=-1) / theirs.norm(dim=-1).clamp_min(1e-12)).max())
 
 
@@ -369,17 +347,17 @@ def _verify_norm(
     bias: Tensor,
     eps: float,
     model_dtype: torch.dtype,
-) -> tuple[NormKind, Tensor]:
-    """The decomposed form that reproduces the module (``γ`` or Gemma's ``1 + γ``), else
-    ``"module"`` (run the module itself)."""
-    if norm_type not in ("LN", "LNPre", "RMS", "RMSPre"):
-        return "module", weight
-    kind: NormKind = "RMS" if str(norm_type).startswith("RMS") else "LN"
-    rtol = _PROBE_RTOL.get(model_dtype, _PROBE_RTOL_LOW)
-    for gamma in (weight, weight + 1.0):
-        if norm_error(ln_final, kind, gamma, bias, eps, model_dtype) <= rtol:
-            return kind, gamma
-    return "module", weight
+) -> FinalNorm:
+    """The decomposed form that reproduces the module (``γ`` or Gemma's ``1 + γ``), else a
+    :class:`~lensdiv.ops.norms.ModuleNorm` (run the module itself)."""
+    form = declared_norm(norm_type)
+    if form is not None:
+        rtol = _PROBE_RTOL.get(model_dtype, _PROBE_RTOL_LOW)
+        for gamma in (weight, weight + 1.0):
+            norm = form(gamma, bias, eps)
+            if norm_error(ln_final, norm, model_dtype) <= rtol:
+                return norm
+    return ModuleNorm(weight, bias, eps, module=ln_final, model_dtype=model_dtype)
 
 
 def _output_transform(

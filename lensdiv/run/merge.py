@@ -19,11 +19,10 @@ from typing import Any
 from lensdiv.core.analyzer import ModelInfo
 from lensdiv.core.errors import ResultError, StateError
 from lensdiv.core.registry import make_analyzers
-from lensdiv.core.results import write_json_atomic
 from lensdiv.core.stats import Stats, merge_all
 from lensdiv.run.engine import describe
-from lensdiv.run.outcome import MANIFEST, read_manifest, save_result
-from lensdiv.run.report import write_report
+from lensdiv.run.outcome import MANIFEST, read_manifest, save_result, write_manifest
+from lensdiv.run.report import REPORT, write_report
 from lensdiv.run.runner import Run
 
 # What shards must agree on, in the order a difference is reported.
@@ -218,7 +217,14 @@ def merge_runs(folders: Sequence[str | Path], out: str | Path | None = None) -> 
                 merged_entry.update(status="failed", error=problem)
     manifest["status"] = "failed" if run.errors else "complete"
     manifest["timings"] = {"tokens": corpus_tokens, "merge_s": round(time.time() - started, 3)}
-    if out_dir is not None:
-        write_json_atomic(out_dir / MANIFEST, manifest)
-        write_report(run)  # without the model: no example prompt views
+    if out_dir is not None:  # a file that cannot be written is a line, as in a run
+        problem = write_manifest(out_dir, manifest)
+        if problem is not None:
+            run.problems.append(problem)
+            run.unwritten[MANIFEST] = problem
+        try:
+            write_report(run)  # without the model: no example prompt views
+        except Exception as err:  # a full disk
+            run.problems.append(f"{REPORT} could not be written: {describe(err)}")
+            run.unwritten[REPORT] = run.problems[-1]
     return run

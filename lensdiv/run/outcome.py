@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from lensdiv.core.errors import ResultError, SaveError
 from lensdiv.core.results import Result, write_json_atomic
 from lensdiv.run.interrupts import shielded, signal_name, signum_of
+from lensdiv.run.report import REPORT, VIEWS
 
 MANIFEST = "manifest.json"
 FINAL = ("complete", "partial", "failed", "interrupted")
@@ -46,6 +48,65 @@ def save_result(result: Result, out: Path, entry: dict[str, Any]) -> str | None:
     if written:
         entry["path"] = result.analyzer
     return problem
+
+
+@dataclass(frozen=True)
+class Written:
+    """What a run left in its folder: the files written and those that could not be.
+
+    Args:
+        folder: The run's output folder.
+        files: What is there, relative to ``folder``: ``manifest.json``, ``report.html``, ...,
+            and ``NAME/`` for an analyzer folder with every file the result has.
+        missing: Files that could not be written (disk full, a file-size limit), relative to
+            ``folder``; an analyzer folder some of whose files are missing is listed here file
+            by file and, for the files that are there, as ``NAME/ (n of m files)`` in ``files``.
+    """
+
+    folder: Path
+    files: tuple[str, ...]
+    missing: tuple[str, ...]
+
+    @property
+    def complete(self) -> bool:
+        """Every file the run meant to write is on disk."""
+        return not self.missing
+
+    def line(self, complete: str | None = None) -> str:
+        """One line for the end of a command: where the results are, and when some are missing,
+        what was and was not written. ``complete`` describes the folder when nothing is
+        missing (default: the list of files)."""
+        if not self.missing:
+            return f"results in {self.folder} ({complete or ', '.join(self.files)})"
+        there = ", ".join(self.files) if self.files else "nothing"
+        return (
+            f"results in {self.folder} are incomplete: not written: {', '.join(self.missing)}; "
+            f"written: {there}"
+        )
+
+
+def written(
+    out: Path, manifest: Mapping[str, Any], unwritten: Mapping[str, str] | None = None
+) -> Written:
+    """What the run of ``manifest`` left in ``out``.
+
+    Args:
+        out: The run folder.
+        manifest: The run's manifest (its analyzers' ``files`` and ``not_written``).
+        unwritten: ``{name: why}`` for the run's own files (``manifest.json``, ``report.html``)
+            whose last write failed: they are missing even if an older copy is on disk.
+    """
+    unwritten = unwritten or {}
+    files = [n for n in (MANIFEST, REPORT, VIEWS) if n not in unwritten and (out / n).is_file()]
+    missing = [n for n in (MANIFEST, REPORT, VIEWS) if n in unwritten]
+    for name, entry in manifest.get("analyzers", {}).items():
+        kept, lost = entry.get("files", []), entry.get("not_written", [])
+        if kept and lost:
+            files.append(f"{name}/ ({len(kept)} of {len(kept) + len(lost)} files)")
+        elif kept:
+            files.append(f"{name}/")
+        missing += lost
+    return Written(out, tuple(files), tuple(missing))
 
 
 def _relative(path: Path, out: Path) -> str:

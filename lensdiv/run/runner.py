@@ -36,8 +36,16 @@ from lensdiv.run.distributed import DataParallelFeed, World, current_world, gath
 from lensdiv.run.engine import Engine, describe, input_device
 from lensdiv.run.feed import Feed, LocalFeed, take_step
 from lensdiv.run.interrupts import handle_signals, interruption, shielded, signals_received
-from lensdiv.run.outcome import finish, read_manifest, save_result, write_manifest
-from lensdiv.run.report import write_report
+from lensdiv.run.outcome import (
+    MANIFEST,
+    Written,
+    finish,
+    read_manifest,
+    save_result,
+    write_manifest,
+    written,
+)
+from lensdiv.run.report import REPORT, VIEWS, write_report
 from lensdiv.run.shards import ShardFeed, check_shardable, parse_shard
 from lensdiv.run.validate import (
     check_arguments,
@@ -65,6 +73,8 @@ class Run(Rendered):
         out: Output folder, if results were written.
         skipped: ``{analyzer: reason}`` for analyzers that cannot support the model.
         problems: Lines about the run itself (a manifest that could not be written).
+        unwritten: ``{file: why}`` for the run's own files in :attr:`out` (``manifest.json``,
+            ``report.html``) whose last write failed; :meth:`written` says what is there.
     """
 
     results: dict[str, Result] = field(default_factory=dict)
@@ -73,6 +83,7 @@ class Run(Rendered):
     out: Path | None = None
     skipped: dict[str, str] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    unwritten: dict[str, str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -81,6 +92,11 @@ class Run(Rendered):
 
     def __getitem__(self, name: str) -> Result:
         return self.results[name]
+
+    def written(self) -> Written | None:
+        """What the run wrote to :attr:`out` and what it could not write (a full disk, a
+        file-size limit); ``None`` when the run wrote nothing (no ``out``)."""
+        return None if self.out is None else written(self.out, self.manifest, self.unwritten)
 
     def notes(self) -> list[tuple[str, str]]:
         """``(kind, line)`` for everything besides the results: ``skipped`` and ``failed``
@@ -351,8 +367,11 @@ def _run(
 
     def save_manifest() -> None:
         problem = write_manifest(out_dir, run.manifest)
-        if problem is not None and problem not in run.problems:
-            run.problems.append(problem)
+        run.unwritten.pop(MANIFEST, None)
+        if problem is not None:
+            run.unwritten[MANIFEST] = problem
+            if problem not in run.problems:
+                run.problems.append(problem)
 
     # One fused stream over the corpus per numerics kind, then one stream per task analyzer.
     groups: list[tuple[list[Analyzer], Callable[[], Iterable[Batch]], int]] = []
@@ -413,7 +432,11 @@ def _report(run: Run, model: Any) -> None:
         try:
             write_report(run, model)
         except Exception as err:  # a full disk, a view that cannot be drawn
-            run.problems.append(f"report.html could not be written: {describe(err)}")
+            run.problems.append(f"{REPORT} could not be written: {describe(err)}")
+            run.unwritten[REPORT] = run.problems[-1]
+            views = None if run.out is None else run.out / VIEWS  # written before the page
+            if model is not None and "lens" in run.results and views and not views.is_file():
+                run.unwritten[VIEWS] = run.problems[-1]
 
 
 def _checked(

@@ -91,6 +91,7 @@ class Study(Rendered):
         summary: The summary result (models, numbers, depth profiles), when it was made.
         interrupted: ``"SIGINT"`` or ``"SIGTERM"`` when a signal stopped the study.
         problems: Lines about the study itself (a file that could not be written).
+        unwritten: The study's own files (relative to ``out``) that could not be written.
     """
 
     out: Path | None
@@ -101,6 +102,7 @@ class Study(Rendered):
     summary: Result | None = None
     interrupted: str | None = None
     problems: list[str] = field(default_factory=list)
+    unwritten: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -135,8 +137,17 @@ class Study(Rendered):
         return notes
 
     def __rich_console__(self, console: Any, options: Any) -> Any:
-        from rich.table import Table as RichTable
         from rich.text import Text
+
+        yield from self.overview()
+        styles = {"failed": "red", "pending": "yellow", "error": "red", "interrupted": "yellow"}
+        for kind, line in self.notes():
+            yield Text(line, style=styles[kind])
+
+    def overview(self) -> Iterator[Any]:
+        """The rich renderables of the study without its :meth:`notes`: every model's status,
+        then the summary's numbers."""
+        from rich.table import Table as RichTable
 
         table = RichTable(title="study", title_justify="left")
         for column in ("model", "status", "parameters", "L", "d_model", "s", "this call"):
@@ -155,9 +166,6 @@ class Study(Rendered):
         yield table
         if self.summary is not None and len(self.summary.tables.get("numbers", ())):
             yield self.summary.tables["numbers"]
-        styles = {"failed": "red", "pending": "yellow", "error": "red", "interrupted": "yellow"}
-        for kind, line in self.notes():
-            yield Text(line, style=styles[kind])
 
 
 def run_study(
@@ -391,6 +399,12 @@ def _run_model(
             write_json_atomic(record, {**entry.row(), "finished": now(), "host": host()})
         except OSError as err:
             study.problems.append(f"{record} could not be written: {err.strerror or err}")
+            out = study.out
+            study.unwritten.append(
+                record.relative_to(out).as_posix()
+                if out and record.is_relative_to(out)
+                else str(record)
+            )
     return stopped
 
 
@@ -438,6 +452,7 @@ def _finish(study: Study, classes: Mapping[str, type[Analyzer]], *, report: bool
             write_json_atomic(study.out / STUDY, study_manifest(study.settings, study.models))
         except OSError as err:
             study.problems.append(f"{study.out / STUDY} could not be written: {err}")
+            study.unwritten.append(STUDY)
     study.runs = _finished_runs(study) if study.out is not None else study.runs
     if not report:
         return
@@ -458,6 +473,7 @@ def _finish(study: Study, classes: Mapping[str, type[Analyzer]], *, report: bool
         )
     except Exception as err:  # a full disk, a dataset pyarrow refuses: a line, not a loss
         study.problems.append(f"the dataset could not be written: {describe(err)}")
+        study.unwritten += [PARQUET, CSV]
     folder = study.out / SUMMARY
     shutil.rmtree(folder, ignore_errors=True)  # profiles of an earlier gathering go too
     try:
@@ -465,6 +481,8 @@ def _finish(study: Study, classes: Mapping[str, type[Analyzer]], *, report: bool
     except LensdivError as err:
         study.problems.append(str(err))
         written = getattr(err, "written", [])
+        failed = getattr(err, "failed", {}) or {folder: str(err)}
+        study.unwritten += [f"{SUMMARY}/{Path(p).name}" for p in failed]
     images = {p.stem: p.read_bytes() for p in written if p.suffix == ".png"}
     try:
         page = study_html(
@@ -476,6 +494,7 @@ def _finish(study: Study, classes: Mapping[str, type[Analyzer]], *, report: bool
         (study.out / HTML).write_text(page, encoding="utf-8")
     except Exception as err:  # the page is a view: the numbers are on disk already
         study.problems.append(f"{HTML} could not be written: {describe(err)}")
+        study.unwritten.append(HTML)
 
 
 def _refresh_kept(study: Study) -> None:
