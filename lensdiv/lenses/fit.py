@@ -28,6 +28,7 @@ from lensdiv.core.errors import LensdivError, OptionError
 from lensdiv.core.progress import progress_allowed, progress_bar
 from lensdiv.core.provenance import versions
 from lensdiv.core.results import Rendered, Table, write_json_atomic
+from lensdiv.core.settings import DEFAULTS, RunSettings, settings_keywords
 from lensdiv.data.sources import DataSpec, check_source, token_batches
 from lensdiv.lenses.affine import AFFINE_FOLDER, AffineFit
 from lensdiv.lenses.jacobian import JacobianFit
@@ -90,23 +91,25 @@ class LensFit(Rendered):
         yield Text(self.line())
 
 
+# The fits' own defaults of the run settings: a fit's tokens are its kind's budget (affine and
+# Jacobian: the run's default; tuned: its recipe's), an evaluation's 8192 held-out tokens.
+_FIT_DEFAULTS: dict[str, Any] = {"max_tokens": None}
+_EVALUATE_DEFAULTS: dict[str, Any] = {"max_tokens": 8192}
+
+
+@settings_keywords(keep_rest=True, hide=("lens",), **_FIT_DEFAULTS)
 def fit_lens(
     model: Any,
     kind: str,
     *,
     out: str | Path,
     data: Any = None,
-    max_tokens: int | None = None,
+    settings: RunSettings | None = None,
     eval_tokens: int = 8192,
-    seq_len: int = 128,
-    batch_size: int = 8,
     preset: str = "cpu",
     options: dict[str, Any] | None = None,
     init: Any = None,
     shard: str | tuple[int, int] | None = None,
-    device: Any = None,
-    dtype: Any = None,
-    seed: int = 0,
     progress: bool = True,
     overwrite: bool = False,
     **load: Any,
@@ -119,21 +122,28 @@ def fit_lens(
             (least squares to ``h_L``).
         out: The output folder (the lens is written inside it).
         data: As for :func:`lensdiv.analyze` (default: the built-in corpus).
-        max_tokens: Tokens the fit reads (default: affine and Jacobian 16384; tuned: its
-            recipe's steps × tokens per step).
+        settings: The run settings (:class:`~lensdiv.core.settings.RunSettings`), or their
+            names as keywords, as for :func:`lensdiv.analyze` (a Jacobian lens' prompt is one
+            row of ``seq_len``); ``lens`` does not apply (a fit reads the model's own states).
+            ``max_tokens``: the tokens the fit reads; its default here, ``None``, is the kind's
+            budget: affine and Jacobian 16384, tuned its recipe's steps × tokens per step.
         eval_tokens: Held-out tokens the evaluation reads after the fit's (0: no evaluation).
-        seq_len, batch_size: How the data is packed (a Jacobian lens' prompt is one row).
         preset: Tuned: ``paper`` (250 steps of 2^18 tokens), ``cpu`` or ``toy``.
         options: The fit's options: ``JacobianFit``/``AffineFit`` fields, or ``TunedRecipe``
             fields for a tuned lens (they override the preset).
         init: Tuned: a lens to start from (an affine lens' spec, say); the identity otherwise.
         shard: ``"I/N"``: fit shard I of N (affine, Jacobian), merged by ``lensdiv merge``.
-        device, dtype, seed, progress, overwrite, load: As for :func:`lensdiv.analyze`
-            (``load``: ``device_map``, ``max_memory``, ``trust_remote_code``, ...).
+        progress, overwrite, load: As for :func:`lensdiv.analyze` (``load``: the run
+            settings as keywords, and ``device_map``, ``max_memory``, ``trust_remote_code``, ...
+            for loading the model).
 
     Raises:
         LensdivError: A bad kind, option or data, before any work.
+        TypeError: A run setting passed both ways, or ``settings`` that is no ``RunSettings``.
     """
+    given = {n: load.pop(n) for n in RunSettings.names() if n in load}
+    settings = RunSettings.of(settings, given, caller="fit_lens", defaults=_FIT_DEFAULTS)
+    _no_lens(settings, "a fit reads the model's own residual states", "tuned: init=LENS")
     if kind not in KINDS:
         raise OptionError(f"unknown lens kind {kind!r}", hint=f"use one of {', '.join(KINDS)}")
     out = Path(out)
@@ -148,32 +158,25 @@ def fit_lens(
             model,
             out=out,
             data=data,
-            max_tokens=max_tokens,
+            settings=settings,
             eval_tokens=eval_tokens,
-            seq_len=seq_len,
-            batch_size=batch_size,
             preset=preset,
             options=options,
             init=init,
-            device=device,
-            dtype=dtype,
-            seed=seed,
             progress=progress,
             overwrite=overwrite,
             **load,
         )
     fitter = (JacobianFit if kind == "jacobian" else AffineFit).from_options(options)
-    tokens = max_tokens or 16384
-    bridge = _bridge(model, device, dtype, progress, **load)
+    tokens = settings.max_tokens or DEFAULTS.max_tokens
+    bridge = _bridge(model, settings.device, settings.dtype, progress, **load)
     run = analyze(
         bridge,
         data=data,
         plugins=[fitter],
         out=out,
-        seq_len=seq_len,
-        max_tokens=tokens,
-        batch_size=batch_size,
-        seed=seed,
+        # the bridge is loaded where and how the settings say
+        settings=dataclasses.replace(settings, max_tokens=tokens, device=None, dtype=None),
         progress=progress,
         overwrite=overwrite,
         shard=shard,
@@ -186,48 +189,49 @@ def fit_lens(
             bridge,
             f"{kind}:{lens}",
             data=data,
+            settings=dataclasses.replace(settings, max_tokens=eval_tokens),
             skip_tokens=tokens,
-            max_tokens=eval_tokens,
-            seq_len=seq_len,
-            batch_size=batch_size,
-            seed=seed,
             out=out,
             progress=progress,
         )
     return fit
 
 
+@settings_keywords(**_EVALUATE_DEFAULTS)
 def evaluate_lens(
     model: Any,
     lens: Any,
     *,
     data: Any = None,
+    settings: RunSettings | None = None,
     skip_tokens: int = 0,
-    max_tokens: int = 8192,
-    seq_len: int = 128,
-    batch_size: int = 8,
-    seed: int = 0,
     out: str | Path | None = None,
     progress: bool = True,
+    **given: Any,
 ) -> Table:
     """The ``lens`` analyzer through the logit lens and through ``lens``, side by side.
 
     Args:
         model: A model spec or a ``TransformerBridge``.
         lens: A fitted lens (``KIND:PATH`` or a :class:`Translator`).
-        data, seq_len, batch_size, seed: As for :func:`lensdiv.analyze`.
+        data: As for :func:`lensdiv.analyze`.
+        settings: The run settings (:class:`~lensdiv.core.settings.RunSettings`), or their
+            names as keywords, as for :func:`lensdiv.analyze` (``lens`` is the argument above);
+            ``max_tokens``: the tokens to evaluate on (default here 8192).
         skip_tokens: Tokens of the data to leave out first (those the fit read).
-        max_tokens: Tokens to evaluate on.
         out: Write ``evaluation.csv`` and ``evaluation.json`` there.
 
     Returns:
         A table per residual state: KL to the output and next-token cross-entropy through each.
+
+    Raises:
+        TypeError: A keyword that is neither an argument nor a run setting.
     """
+    settings = RunSettings.of(settings, given, caller="evaluate_lens", defaults=_EVALUATE_DEFAULTS)
+    _no_lens(settings, "evaluate_lens reads through its lens argument", "pass the lens as lens")
     translator = parse_lens(lens)
-    bridge = _bridge(model, None, None, progress)
-    spec = DataSpec.from_data(
-        data, seq_len=seq_len, max_tokens=max_tokens, batch_size=batch_size, seed=seed
-    )
+    bridge = _bridge(model, settings.device, settings.dtype, progress)
+    spec = DataSpec.from_data(data, **settings.data())
     spec = dataclasses.replace(spec, skip_tokens=skip_tokens)
     runs = {
         name: analyze(bridge, data=spec, plugins="lens", lens=how, progress=progress)
@@ -259,6 +263,12 @@ def evaluate_lens(
     return result
 
 
+def _no_lens(settings: RunSettings, why: str, hint: str) -> None:
+    """Refuse a ``lens`` setting where it does not apply (rather than ignore it)."""
+    if settings.lens != DEFAULTS.lens:
+        raise OptionError(f"{why}: the lens setting {settings.lens!r} does not apply", hint=hint)
+
+
 def _bridge(model: Any, device: Any, dtype: Any, progress: bool, **load: Any) -> Any:
     """The model, loaded once for the fit and its evaluation."""
     if not isinstance(model, (str, Path)):
@@ -272,16 +282,11 @@ def _fit_tuned(
     *,
     out: Path,
     data: Any,
-    max_tokens: int | None,
+    settings: RunSettings,
     eval_tokens: int,
-    seq_len: int,
-    batch_size: int,
     preset: str,
     options: dict[str, Any],
     init: Any,
-    device: Any,
-    dtype: Any,
-    seed: int,
     progress: bool,
     overwrite: bool,
     **load: Any,
@@ -291,11 +296,11 @@ def _fit_tuned(
         raise OptionError(f"unknown preset {preset!r}", hint=f"use one of {', '.join(PRESETS)}")
     recipe = recipe_with(PRESETS[preset], options)
     # A step takes whole batches: budget the steps' batches, not their nominal tokens.
-    batch_tokens = batch_size * seq_len
-    tokens = max_tokens or recipe.steps * -(-recipe.tokens_per_step // batch_tokens) * batch_tokens
-    spec = DataSpec.from_data(
-        data, seq_len=seq_len, max_tokens=tokens, batch_size=batch_size, seed=seed
+    batch_tokens = settings.batch_size * settings.seq_len
+    tokens = settings.max_tokens or (
+        recipe.steps * -(-recipe.tokens_per_step // batch_tokens) * batch_tokens
     )
+    spec = DataSpec.from_data(data, **settings.data(max_tokens=tokens))
     check_source(spec)
     start = parse_lens(init) if init is not None else None
     folder = out / TUNED_FOLDER
@@ -304,7 +309,7 @@ def _fit_tuned(
             f"{folder} already holds a lens", hint="pass --overwrite, or another --out"
         )
     world = current_world()
-    bridge = _bridge(model, device, dtype, progress and world.main, **load)
+    bridge = _bridge(model, settings.device, settings.dtype, progress and world.main, **load)
     info = ModelInfo.from_model(bridge, name=str(model) if isinstance(model, str) else None)
     if start is not None:
         start.check(info)
@@ -323,7 +328,7 @@ def _fit_tuned(
         "steps": done.steps,
         "tokens": done.tokens,
         "world_size": world.size,
-        "seed": seed,
+        "seed": settings.seed,
         "versions": versions(),
         "timings": {
             "total_s": round(time.time() - started, 3),
@@ -342,11 +347,8 @@ def _fit_tuned(
             bridge,
             f"tuned:{folder}",
             data=data,
+            settings=dataclasses.replace(settings, max_tokens=eval_tokens),
             skip_tokens=tokens,
-            max_tokens=eval_tokens,
-            seq_len=seq_len,
-            batch_size=batch_size,
-            seed=seed,
             out=out,
             progress=progress,
         )
