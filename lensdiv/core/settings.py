@@ -39,7 +39,8 @@ class RunSettings:
         field: The JSONL / data-set field holding the text.
         split: The split of an ``hf:`` data set.
         seq_len: Tokens per row, BOS included.
-        max_tokens: Stop after this many real tokens.
+        max_tokens: Stop after this many real tokens (``None``: a fit's own budget, where
+            :func:`~lensdiv.lenses.fit.fit_lens` says; a run needs a number).
         batch_size: Rows per forward pass.
         bos: ``"prepend"`` puts BOS at position 0 of every row; ``"none"`` does not.
         seed: Seeds torch and the built-in corpus; recorded in every result.
@@ -59,7 +60,7 @@ class RunSettings:
     field: str = _setting("text", "JSONL / data-set field holding the text.", data=True)
     split: str = _setting("train", "Split of an hf: data set.", data=True)
     seq_len: int = _setting(128, "Tokens per sequence (BOS included).", data=True)
-    max_tokens: int = _setting(16384, "Stop after this many tokens.", data=True)
+    max_tokens: int | None = _setting(16384, "Stop after this many tokens.", cli=int, data=True)
     batch_size: int = _setting(8, "Sequences per forward pass.", data=True)
     bos: str = _setting("prepend", "BOS policy: prepend | none.", data=True)
     seed: int = _setting(0, "Random seed (recorded in every result).", data=True)

@@ -18,6 +18,7 @@ through the fitted one, per layer — the fit's own quality, ``evaluation.csv`` 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -142,6 +143,18 @@ def fit_lens(
         TypeError: A run setting passed both ways, or ``settings`` that is no ``RunSettings``.
     """
     given = {n: load.pop(n) for n in RunSettings.names() if n in load}
+    loading = set(inspect.signature(load_model).parameters) - {
+        "spec",
+        "device",
+        "dtype",
+        "progress",
+    }
+    unknown = sorted(set(load) - loading)
+    if unknown:
+        raise TypeError(
+            f"fit_lens() got an unexpected keyword argument {unknown[0]!r} (its run settings: "
+            f"{', '.join(RunSettings.names())}; load_model's: {', '.join(sorted(loading))})"
+        )
     settings = RunSettings.of(settings, given, caller="fit_lens", defaults=_FIT_DEFAULTS)
     _no_lens(settings, "a fit reads the model's own residual states", "tuned: init=LENS")
     if kind not in KINDS:
@@ -168,7 +181,7 @@ def fit_lens(
             **load,
         )
     fitter = (JacobianFit if kind == "jacobian" else AffineFit).from_options(options)
-    tokens = settings.max_tokens or DEFAULTS.max_tokens
+    tokens: int = settings.max_tokens or RunSettings.declared("max_tokens").default
     bridge = _bridge(model, settings.device, settings.dtype, progress, **load)
     run = analyze(
         bridge,

@@ -208,7 +208,10 @@ def run_study(
     given = {n: run_options.pop(n) for n in RunSettings.names() if n in run_options}
     unknown = sorted(set(run_options) - set(_RUN_OPTIONS))
     if unknown:
-        raise TypeError(f"run_study() got unexpected keyword arguments: {', '.join(unknown)}")
+        raise TypeError(
+            f"run_study() got an unexpected keyword argument {unknown[0]!r} (its run settings: "
+            f"{', '.join(RunSettings.names())}; analyze's: {', '.join(_RUN_OPTIONS)})"
+        )
     settings = RunSettings.of(settings, given, caller="run_study")
     seed, lens = settings.seed, settings.lens
     # Where the model runs passes through to every run, and is recorded as given.
