@@ -30,7 +30,7 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
 from lensdiv.core.errors import DataError
 from lensdiv.core.settings import DEFAULTS
@@ -71,7 +71,7 @@ class DataSpec:
     field: str = DEFAULTS.field
     split: str = DEFAULTS.split
     seq_len: int = DEFAULTS.seq_len
-    max_tokens: int = DEFAULTS.max_tokens
+    max_tokens: int = cast(int, DEFAULTS.max_tokens)  # a number there (None: a fit's budget)
     batch_size: int = DEFAULTS.batch_size
     bos: str = DEFAULTS.bos  # validated below: "prepend" | "none"
     seed: int = DEFAULTS.seed

@@ -181,7 +181,7 @@ def fit_lens(
             **load,
         )
     fitter = (JacobianFit if kind == "jacobian" else AffineFit).from_options(options)
-    tokens: int = settings.max_tokens or RunSettings.declared("max_tokens").default
+    tokens = settings.max_tokens or DataSpec.max_tokens  # the run's default
     bridge = _bridge(model, settings.device, settings.dtype, progress, **load)
     run = analyze(
         bridge,

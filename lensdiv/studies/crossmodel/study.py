@@ -233,7 +233,7 @@ def run_study(
         ModelEntry(m, r, task=i % part.count)
         for i, (m, r) in enumerate(zip(specs, names, strict=True))
     ]
-    settings = {
+    recorded = {
         "models": specs,
         "plugins": {a.name: a.options() for a in analyzers},
         "data": spec.describe(),
@@ -241,11 +241,11 @@ def run_study(
         "seed": seed,
         **run_options,
     }
-    settings = _plain(settings)
+    recorded = _plain(recorded)
     out_dir = Path(out) if out is not None else None
     if out_dir is not None and world.main:
-        open_folder(out_dir, settings)
-    study = Study(out_dir, entries, settings, part)
+        open_folder(out_dir, recorded)
+    study = Study(out_dir, entries, recorded, part)
     classes = {a.name: type(a) for a in analyzers}
     say = _Lines(progress and world.main)
     mine = [e for i, e in enumerate(entries) if part.runs(i)]
