@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from lensdiv.core.results import Plot as Plot
     from lensdiv.core.results import Result as Result
     from lensdiv.core.results import Table as Table
+    from lensdiv.core.settings import RunSettings as RunSettings
     from lensdiv.core.stats import Stats as Stats
     from lensdiv.data.sources import DataSpec as DataSpec
     from lensdiv.lenses.fit import LensFit as LensFit
@@ -59,6 +60,7 @@ _EXPORTS = {
     "Plot": "lensdiv.core.results",
     "Result": "lensdiv.core.results",
     "Table": "lensdiv.core.results",
+    "RunSettings": "lensdiv.core.settings",
     "Run": "lensdiv.run.runner",
     "analyze": "lensdiv.run.runner",
     "load_run": "lensdiv.run.runner",

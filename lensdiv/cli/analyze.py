@@ -9,16 +9,8 @@ from typing import Annotated, Any
 import typer
 
 from lensdiv.cli.common import (
-    BatchSize,
-    Bos,
     Data,
-    Device,
-    Dtype,
-    Field,
-    Lens,
     Progress,
-    SeqLen,
-    Split,
     TokenCacheFlag,
     TrustRemoteCode,
     check_out,
@@ -29,19 +21,19 @@ from lensdiv.cli.common import (
     out_option,
     parse_options,
     plugin_warnings,
+    run_settings,
     show_run,
     show_written,
     user_errors,
 )
 from lensdiv.core.errors import OptionError, SaveError
+from lensdiv.core.settings import DEFAULTS, RunSettings
 
 # Options of `analyze` and `compare` alone.
-MaxTokens = Annotated[int, typer.Option(help="Stop after this many tokens.")]
 Threads = Annotated[
     int | None,
     typer.Option(help="Torch threads for this run (recorded in the manifest). Default: torch's."),
 ]
-Seed = Annotated[int, typer.Option(help="Random seed (recorded in every result).")]
 Overwrite = Annotated[
     bool,
     typer.Option(
@@ -90,6 +82,7 @@ DistTimeout = Annotated[
 ]
 
 
+@run_settings()
 def analyze(
     model: Annotated[
         str,
@@ -102,22 +95,13 @@ def analyze(
         ),
     ] = "lens,contrib",
     data: Data = None,
-    field: Field = "text",
-    split: Split = "train",
-    seq_len: SeqLen = 128,
-    max_tokens: MaxTokens = 16384,
-    batch_size: BatchSize = 8,
-    bos: Bos = "prepend",
-    lens: Lens = "logit",
+    settings: RunSettings = DEFAULTS,
     option: Annotated[
         list[str] | None,
         typer.Option("--option", "-O", help="Analyzer option, ANALYZER.OPTION=VALUE (repeatable)."),
     ] = None,
     out: Annotated[str | None, out_option("MODEL-TIME")] = None,
-    device: Device = None,
-    dtype: Dtype = None,
     threads: Threads = None,
-    seed: Seed = 0,
     trust_remote_code: TrustRemoteCode = False,
     progress: Progress = True,
     overwrite: Overwrite = False,
@@ -177,16 +161,8 @@ def analyze(
             plugins,
             out=folder,
             options=options,
-            seq_len=seq_len,
-            max_tokens=max_tokens,
-            batch_size=batch_size,
-            field=field,
-            split=split,
-            bos=bos,
-            device=device,
-            dtype=dtype,
+            settings=settings,
             threads=threads,
-            seed=seed,
             trust_remote_code=trust_remote_code,
             progress=progress,
             overwrite=overwrite,
@@ -194,7 +170,6 @@ def analyze(
             max_memory=max_memory,
             offload_folder=offload_folder,
             shard=shard,
-            lens=lens,
         )
     if world.main:
         _show(run, folder)
@@ -238,21 +213,17 @@ def _add_ref(plugins: str, options: dict[str, dict[str, str]], ref: str) -> str:
     return ",".join(names)
 
 
+@run_settings(exclude=("lens",))
 def compare(
     shallow: Annotated[str, typer.Argument(help="The model whose layers are mapped (source).")],
     deep: Annotated[str, typer.Argument(help="The deeper model with the same tokenizer (target).")],
     data: Data = None,
-    seq_len: SeqLen = 128,
-    max_tokens: MaxTokens = 16384,
-    batch_size: BatchSize = 8,
+    settings: RunSettings = DEFAULTS,
     option: Annotated[
         list[str] | None,
         typer.Option("--option", "-O", help="linmap option, e.g. -O linmap.ridge=1e-3."),
     ] = None,
     out: Annotated[str | None, out_option("SHALLOW-TIME")] = None,
-    device: Device = None,
-    dtype: Dtype = None,
-    seed: Seed = 0,
     progress: Progress = True,
     overwrite: Overwrite = False,
 ) -> None:
@@ -266,14 +237,9 @@ def compare(
         model=shallow,
         plugins="linmap",
         data=data,
-        seq_len=seq_len,
-        max_tokens=max_tokens,
-        batch_size=batch_size,
+        settings=settings,
         option=option,
         out=out,
-        device=device,
-        dtype=dtype,
-        seed=seed,
         progress=progress,
         overwrite=overwrite,
         ref=deep,

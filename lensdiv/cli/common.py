@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import re
 import sys
 import time
-from collections.abc import Iterator, Sequence
+import typing
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
 from typer import _click as click  # typer ships its own click; its exceptions live here
@@ -16,6 +19,7 @@ from typer.core import TyperGroup
 
 from lensdiv.core.errors import LensdivError, OptionError, PluginWarning, SaveError
 from lensdiv.core.files import folder_problem
+from lensdiv.core.settings import RunSettings
 from lensdiv.data.sources import DataSpec, registered_sources, source_of
 
 
@@ -31,18 +35,66 @@ def _data_help() -> str:
     return f"{', '.join(forms[:-1])} or {forms[-1]}. Default: {default.summary}."
 
 
-# Options several commands take, with the same flag, type and help everywhere.
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def run_settings(
+    *only: str, exclude: tuple[str, ...] = (), **changed: Mapping[str, Any]
+) -> Callable[[F], F]:
+    """Give a command the run settings as options, made from their one declaration
+    (:class:`~lensdiv.core.settings.RunSettings`: flag ``--seq-len``, type, default, help): every
+    setting, or those named in ``only``, less ``exclude``; ``changed`` gives a setting another
+    ``default``, ``help`` or ``type`` in this command (``max_tokens={"default": 8192}``).
+
+    The command declares ``settings: RunSettings = DEFAULTS`` where the options go (the order
+    of ``--help``) and receives them there as one :class:`RunSettings`.
+    """
+    names = [n for n in (only or RunSettings.names()) if n not in exclude]
+    defaults = {n: c["default"] for n, c in changed.items() if "default" in c}
+
+    def wrap(func: F) -> F:
+        hints = typing.get_type_hints(func, include_extras=True)
+        signature = inspect.signature(func)
+        params: list[inspect.Parameter] = []
+        for param in signature.parameters.values():
+            if param.name == "settings":
+                params += [_setting_option(n, changed.get(n, {})) for n in names]
+            else:
+                params.append(param.replace(annotation=hints.get(param.name, param.annotation)))
+
+        @functools.wraps(func)
+        def command(*args: Any, settings: RunSettings | None = None, **kwargs: Any) -> Any:
+            given = {n: kwargs.pop(n) for n in names if n in kwargs}
+            chosen = RunSettings.of(settings, given, caller=func.__name__, defaults=defaults)
+            return func(*args, settings=chosen, **kwargs)
+
+        # typer reads the options from the signature and the annotations
+        command.__signature__ = signature.replace(  # type: ignore[attr-defined]
+            parameters=params, return_annotation=None
+        )
+        command.__annotations__ = {p.name: p.annotation for p in params}
+        return typing.cast(F, command)
+
+    return wrap
+
+
+def _setting_option(name: str, changed: Mapping[str, Any]) -> inspect.Parameter:
+    """The command-line option of run setting ``name``: ``--name`` with its type, default and
+    help from the declaration (or from ``changed``)."""
+    declared = RunSettings.declared(name)
+    kind = changed.get("type", declared.metadata["cli"] or typing.get_type_hints(RunSettings)[name])
+    option = typer.Option(help=changed.get("help", declared.metadata["help"]))
+    return inspect.Parameter(
+        name,
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+        default=changed.get("default", declared.default),
+        annotation=Annotated[kind, option],
+    )
+
+
+# Options several commands take, with the same flag, type and help everywhere (the run
+# settings' options come from their declaration: `run_settings`).
 Data = Annotated[str | None, typer.Option("--data", "-d", help=_data_help())]
-Field = Annotated[str, typer.Option(help="JSONL / data-set field holding the text.")]
-Split = Annotated[str, typer.Option(help="Split of an hf: data set.")]
-SeqLen = Annotated[int, typer.Option(help="Tokens per sequence (BOS included).")]
-BatchSize = Annotated[int, typer.Option(help="Sequences per forward pass.")]
-Bos = Annotated[str, typer.Option(help="BOS policy: prepend | none.")]
-Device = Annotated[str | None, typer.Option(help="cpu, cuda, cuda:1 ... Default: best available.")]
-Dtype = Annotated[
-    str | None,
-    typer.Option(help="float32 (default), bfloat16, float16, float64. Readouts are float32."),
-]
 TrustRemoteCode = Annotated[
     bool, typer.Option("--trust-remote-code", help="Allow hub models that ship their own code.")
 ]
@@ -53,15 +105,6 @@ TokenCacheFlag = Annotated[
         "--token-cache/--no-token-cache",
         help="Read the data's ids from the token cache, tokenising only what it lacks (the "
         "same batches either way; LENSDIV_TOKEN_CACHE=off or DIR).",
-    ),
-]
-Lens = Annotated[
-    str,
-    typer.Option(
-        "--lens",
-        help="Read residual states through: logit (default), tuned:PATH, jacobian:PATH or "
-        "affine:PATH (PATH: the --out folder of `lensdiv lenses fit`, the lens' file or folder, "
-        "or a published lens' name), or PATH alone (the kind read from the files).",
     ),
 ]
 

@@ -8,15 +8,16 @@ from typing import Annotated
 import typer
 
 from lensdiv.cli.common import (
-    Device,
-    Dtype,
     TrustRemoteCode,
     check_writable,
     console,
+    run_settings,
     user_errors,
 )
+from lensdiv.core.settings import DEFAULTS, RunSettings
 
 
+@run_settings("device", "dtype")
 def lens(
     model: Annotated[
         str, typer.Argument(help="Hub name (gpt2), local HF folder, or toy model (toy, toy:d8).")
@@ -42,8 +43,7 @@ def lens(
     ] = None,
     part: Annotated[str, typer.Option(help="What --skip removes: block, attn or mlp.")] = "block",
     bos: Annotated[bool, typer.Option(help="Prepend the BOS token.")] = True,
-    device: Device = None,
-    dtype: Dtype = None,
+    settings: RunSettings = DEFAULTS,
     trust_remote_code: TrustRemoteCode = False,
 ) -> None:
     """What every layer predicts at every position of TEXT: top tokens and their probabilities.
@@ -66,7 +66,12 @@ def lens(
         for flag, path in (("--html", html), ("--png", png)):  # before the model loads
             if path is not None:
                 check_writable(path.parent, flag)
-        bridge = load_model(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
+        bridge = load_model(
+            model,
+            device=settings.device,
+            dtype=settings.dtype,
+            trust_remote_code=trust_remote_code,
+        )
         view = prompt_view(
             bridge, text, top_k=top_k, lens=kind, skip=skip, part=part, prepend_bos=bos
         )

@@ -8,21 +8,19 @@ from typing import Annotated
 import typer
 
 from lensdiv.cli.common import (
-    BatchSize,
     Data,
-    Device,
-    Dtype,
     Progress,
-    SeqLen,
     TrustRemoteCode,
     check_out,
     console,
     default_out,
     out_option,
+    run_settings,
     show_run,
     user_errors,
 )
 from lensdiv.core.errors import OptionError
+from lensdiv.core.settings import DEFAULTS, RunSettings
 
 app = typer.Typer(
     help="Fitted lenses: read every analyzer's residual states through a tuned, Jacobian or "
@@ -38,6 +36,16 @@ Model = Annotated[
 
 
 @app.command("fit")
+@run_settings(
+    exclude=("lens",),
+    max_tokens={
+        "type": int | None,
+        "default": None,
+        "help": f"Tokens the fit reads. Default: {DEFAULTS.max_tokens}, or the tuned preset's "
+        "budget. Tuned: the preset's steps are scaled to it (as many whole steps as fit, the "
+        "schedule over them); less than one step is refused before anything loads.",
+    },
+)
 def fit(
     model: Model,
     kind: Annotated[
@@ -51,14 +59,7 @@ def fit(
     ],
     data: Data = None,
     out: Annotated[str | None, out_option("MODEL-KIND-lens-TIME")] = None,
-    max_tokens: Annotated[
-        int | None,
-        typer.Option(
-            help="Tokens the fit reads. Default: 16384, or the tuned preset's budget. Tuned: "
-            "the preset's steps are scaled to it (as many whole steps as fit, the schedule "
-            "over them); less than one step is refused before anything loads."
-        ),
-    ] = None,
+    settings: RunSettings = DEFAULTS,
     eval_tokens: Annotated[
         int, typer.Option(help="Held-out tokens (after the fit's) to evaluate on; 0: none.")
     ] = 8192,
@@ -84,11 +85,6 @@ def fit(
             metavar="I/N", help="Fit shard I of N (affine, jacobian); then lensdiv merge."
         ),
     ] = None,
-    seq_len: SeqLen = 128,
-    batch_size: BatchSize = 8,
-    device: Device = None,
-    dtype: Dtype = None,
-    seed: Annotated[int, typer.Option(help="Random seed (recorded).")] = 0,
     trust_remote_code: TrustRemoteCode = False,
     progress: Progress = True,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a fit in --out.")] = False,
@@ -120,17 +116,12 @@ def fit(
             kind,
             out=folder,
             data=data,
-            max_tokens=max_tokens,
+            settings=settings,
             eval_tokens=eval_tokens,
-            seq_len=seq_len,
-            batch_size=batch_size,
             preset=preset,
             options=_options(option or []),
             init=init,
             shard=shard,
-            device=device,
-            dtype=dtype,
-            seed=seed,
             progress=progress,
             overwrite=overwrite,
             trust_remote_code=trust_remote_code,
@@ -153,16 +144,15 @@ def fit(
 
 
 @app.command("evaluate")
+@run_settings(exclude=("lens",), max_tokens={"default": 8192, "help": "Tokens to evaluate on."})
 def evaluate(
     model: Model,
     lens: Annotated[str, typer.Option("--lens", help="The lens: tuned:PATH, jacobian:PATH, ...")],
     data: Data = None,
-    max_tokens: Annotated[int, typer.Option(help="Tokens to evaluate on.")] = 8192,
+    settings: RunSettings = DEFAULTS,
     skip_tokens: Annotated[
         int, typer.Option(help="Leave out the data's first tokens (those the fit read).")
     ] = 0,
-    seq_len: SeqLen = 128,
-    batch_size: BatchSize = 8,
     out: Annotated[
         Path | None, typer.Option("--out", "-o", help="Write evaluation.csv/json.")
     ] = None,
@@ -179,10 +169,8 @@ def evaluate(
             model,
             lens,
             data=data,
+            settings=settings,
             skip_tokens=skip_tokens,
-            max_tokens=max_tokens,
-            seq_len=seq_len,
-            batch_size=batch_size,
             out=out,
             progress=progress,
         )

@@ -8,23 +8,18 @@ from typing import Annotated
 import typer
 
 from lensdiv.cli.common import (
-    BatchSize,
-    Bos,
     Data,
-    Device,
-    Dtype,
-    Field,
     Progress,
-    SeqLen,
-    Split,
     TrustRemoteCode,
     check_writable,
     default_out,
     out_option,
+    run_settings,
     save_and_show,
     user_errors,
 )
 from lensdiv.core.errors import OptionError
+from lensdiv.core.settings import DEFAULTS, RunSettings
 
 app = typer.Typer(
     help="Depth scaling laws: fit L = c_m/m^α_m + c_ℓ/ℓ^α_ℓ + c_D/D^α_D + L0 to runs.\n\n"
@@ -40,7 +35,8 @@ Terms = Annotated[
 ]
 Bootstrap = Annotated[int, typer.Option("--bootstrap", help="Bootstrap resamples (0: none).")]
 Folds = Annotated[int, typer.Option(help="Folds of the held-out check (0: none).")]
-Seed = Annotated[int, typer.Option(help="Seeds the bootstrap and the folds (recorded).")]
+_SEED_HELP = "Seeds the bootstrap and the folds (recorded)."
+Seed = Annotated[int, typer.Option(help=_SEED_HELP)]
 DepthOffset = Annotated[
     int, typer.Option(help="Added to the layer count: depth ℓ = n_layers + OFFSET (e.g. -2).")
 ]
@@ -114,6 +110,11 @@ def fit(
 
 
 @app.command("family")
+@run_settings(
+    exclude=("lens",),
+    max_tokens={"help": "Evaluate every model on this many tokens."},
+    seed={"help": _SEED_HELP},
+)
 def family(
     models: Annotated[
         str,
@@ -123,20 +124,10 @@ def family(
     ],
     terms: Terms = "full",
     data: Data = None,
-    field: Field = "text",
-    split: Split = "train",
-    seq_len: SeqLen = 128,
-    max_tokens: Annotated[
-        int, typer.Option(help="Evaluate every model on this many tokens.")
-    ] = 16384,
-    batch_size: BatchSize = 8,
-    bos: Bos = "prepend",
+    settings: RunSettings = DEFAULTS,
     depth_offset: DepthOffset = 0,
     n_bootstrap: Bootstrap = 200,
     folds: Folds = 5,
-    seed: Seed = 0,
-    device: Device = None,
-    dtype: Dtype = None,
     trust_remote_code: TrustRemoteCode = False,
     progress: Progress = True,
     out: Out = None,
@@ -158,16 +149,8 @@ def family(
     out = out or default_out(f"scaling-{models.split(',')[0]}")
     with user_errors():
         check_writable(out)  # before every model is evaluated
-        spec = DataSpec.from_data(  # the API's own reading of --data ("" is an error)
-            data,
-            field=field,
-            split=split,
-            seq_len=seq_len,
-            max_tokens=max_tokens,
-            batch_size=batch_size,
-            bos=bos,
-            seed=seed,
-        )
+        # the API's own reading of --data ("" is an error)
+        spec = DataSpec.from_data(data, **settings.data())
         result = fit_family(
             models,
             spec,
@@ -175,9 +158,9 @@ def family(
             depth_offset=depth_offset,
             n_bootstrap=n_bootstrap,
             folds=folds,
-            seed=seed,
-            device=device,
-            dtype=dtype,
+            seed=settings.seed,
+            device=settings.device,
+            dtype=settings.dtype,
             trust_remote_code=trust_remote_code,
             progress=progress,
             study=out / "study",

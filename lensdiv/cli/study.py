@@ -11,22 +11,12 @@ from lensdiv.cli.analyze import (
     DeviceMap,
     DistTimeout,
     MaxMemory,
-    MaxTokens,
     OffloadFolder,
-    Seed,
     Threads,
 )
 from lensdiv.cli.common import (
-    BatchSize,
-    Bos,
     Data,
-    Device,
-    Dtype,
-    Field,
-    Lens,
     Progress,
-    SeqLen,
-    Split,
     TrustRemoteCode,
     check_out,
     console,
@@ -34,10 +24,12 @@ from lensdiv.cli.common import (
     interrupted,
     out_option,
     parse_options,
+    run_settings,
     show_notes,
     show_written,
     user_errors,
 )
+from lensdiv.core.settings import DEFAULTS, RunSettings
 
 app = typer.Typer(
     help="Studies: the same analysis over a family of models, compared at relative depth ℓ/L.\n\n"
@@ -66,28 +58,20 @@ Task = Annotated[
 
 
 @app.command("run")
+@run_settings()
 def run(
     models: Models,
     plugins: Annotated[
         str, typer.Option("--plugins", "-p", help="Comma-separated analyzers, run on every model.")
     ] = "lens,contrib",
     data: Data = None,
-    field: Field = "text",
-    split: Split = "train",
-    seq_len: SeqLen = 128,
-    max_tokens: MaxTokens = 16384,
-    batch_size: BatchSize = 8,
-    bos: Bos = "prepend",
-    lens: Lens = "logit",
+    settings: RunSettings = DEFAULTS,
     option: Annotated[
         list[str] | None,
         typer.Option("--option", "-O", help="Analyzer option, ANALYZER.OPTION=VALUE (repeatable)."),
     ] = None,
     out: Annotated[str | None, out_option("study-TIME")] = None,
-    device: Device = None,
-    dtype: Dtype = None,
     threads: Threads = None,
-    seed: Seed = 0,
     trust_remote_code: TrustRemoteCode = False,
     progress: Progress = True,
     device_map: DeviceMap = None,
@@ -123,18 +107,11 @@ def run(
             plugins,
             out=folder,
             options=parse_options(option or []),
-            seq_len=seq_len,
-            max_tokens=max_tokens,
-            batch_size=batch_size,
-            field=field,
-            split=split,
-            bos=bos,
-            seed=seed,
-            lens=lens,
+            settings=settings,
             task=task,
             progress=progress,
-            device=device,
-            dtype=dtype,
+            device=settings.device,  # recorded in study.json as before
+            dtype=settings.dtype,
             threads=threads,
             trust_remote_code=trust_remote_code,
             device_map=device_map,

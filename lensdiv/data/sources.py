@@ -30,9 +30,10 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
 from lensdiv.core.errors import DataError
+from lensdiv.core.settings import DEFAULTS
 from lensdiv.data.cache import file_identity, token_cache
 from lensdiv.data.corpus import CORPUS_VERSION, builtin_documents
 
@@ -66,13 +67,14 @@ class DataSpec:
     """
 
     source: str = BUILTIN
-    field: str = "text"
-    split: str = "train"
-    seq_len: int = 128
-    max_tokens: int = 16384
-    batch_size: int = 8
-    bos: str = "prepend"  # validated below: "prepend" | "none"
-    seed: int = 0
+    # the defaults of the run settings that say how data is read (declared in core/settings)
+    field: str = DEFAULTS.field
+    split: str = DEFAULTS.split
+    seq_len: int = DEFAULTS.seq_len
+    max_tokens: int = cast(int, DEFAULTS.max_tokens)  # a number there (None: a fit's budget)
+    batch_size: int = DEFAULTS.batch_size
+    bos: str = DEFAULTS.bos  # validated below: "prepend" | "none"
+    seed: int = DEFAULTS.seed
     texts: tuple[str, ...] | None = dataclasses.field(default=None, repr=False, compare=False)
     tokens: Any = dataclasses.field(default=None, repr=False, compare=False)
     skip_tokens: int = 0
@@ -100,13 +102,13 @@ class DataSpec:
             raise DataError(
                 f"--seq-len {self.seq_len} is too short: a sequence needs at least 2 tokens (with "
                 "the default BOS, BOS and one token) to predict anything",
-                hint="use --seq-len 2 or more (default 128)",
+                hint=f"use --seq-len 2 or more (default {DEFAULTS.seq_len})",
             )
         if self.max_tokens < 2:
             raise DataError(
                 f"--max-tokens {self.max_tokens} is too few: at least 2 tokens are needed to "
                 "predict one",
-                hint="use --max-tokens 2 or more (default 16384)",
+                hint=f"use --max-tokens 2 or more (default {DEFAULTS.max_tokens})",
             )
         if self.batch_size < 1:
             raise DataError(

@@ -25,6 +25,7 @@ through the fitted one, per layer — the fit's own quality, ``evaluation.csv`` 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from lensdiv.core.analyzer import Analyzer, ModelInfo
 from lensdiv.core.errors import OptionError
 from lensdiv.core.progress import progress_allowed
 from lensdiv.core.results import Rendered, Table, write_json_atomic
+from lensdiv.core.settings import DEFAULTS, RunSettings, settings_keywords
 from lensdiv.data.sources import DataSpec
 from lensdiv.lenses.affine import AFFINE_FOLDER, AffineFit
 from lensdiv.lenses.jacobian import JacobianFit
@@ -99,23 +101,25 @@ class LensFit(Rendered):
         yield Text(self.line())
 
 
+# The fits' own defaults of the run settings: a fit's tokens are its kind's budget (affine and
+# Jacobian: the run's default; tuned: its recipe's), an evaluation's 8192 held-out tokens.
+_FIT_DEFAULTS: dict[str, Any] = {"max_tokens": None}
+_EVALUATE_DEFAULTS: dict[str, Any] = {"max_tokens": 8192}
+
+
+@settings_keywords(keep_rest=True, hide=("lens",), **_FIT_DEFAULTS)
 def fit_lens(
     model: Any,
     kind: str,
     *,
     out: str | Path,
     data: Any = None,
-    max_tokens: int | None = None,
+    settings: RunSettings | None = None,
     eval_tokens: int = 8192,
-    seq_len: int = 128,
-    batch_size: int = 8,
     preset: str = "cpu",
     options: dict[str, Any] | None = None,
     init: Any = None,
     shard: str | tuple[int, int] | None = None,
-    device: Any = None,
-    dtype: Any = None,
-    seed: int = 0,
     progress: bool = True,
     overwrite: bool = False,
     **load: Any,
@@ -128,23 +132,43 @@ def fit_lens(
             (least squares to ``h_L``).
         out: The output folder (the lens is written inside it).
         data: As for :func:`lensdiv.analyze` (default: the built-in corpus).
-        max_tokens: Tokens the fit reads (default: affine and Jacobian 16384; tuned: its
-            recipe's steps × tokens per step). Tuned: the steps are scaled to it (as many whole
-            steps as fit; fewer than one step is refused before anything loads), unless
-            ``options`` set ``steps`` (then it must hold them).
+        settings: The run settings (:class:`~lensdiv.core.settings.RunSettings`), or their
+            names as keywords, as for :func:`lensdiv.analyze` (a Jacobian lens' prompt is one
+            row of ``seq_len``); ``lens`` does not apply (a fit reads the model's own states).
+            ``max_tokens``: the tokens the fit reads; its default here, ``None``, is the kind's
+            budget: affine and Jacobian 16384, tuned its recipe's steps × tokens per step.
+            Tuned: the steps are scaled to a ``max_tokens`` given (as many whole steps as fit;
+            fewer than one step is refused before anything loads), unless ``options`` set
+            ``steps`` (then it must hold them).
         eval_tokens: Held-out tokens the evaluation reads after the fit's (0: no evaluation).
-        seq_len, batch_size: How the data is packed (a Jacobian lens' prompt is one row).
         preset: Tuned: ``paper`` (250 steps of 2^18 tokens), ``cpu`` or ``toy``.
         options: The fit's options: ``JacobianFit``/``AffineFit`` fields, or ``TunedRecipe``
             fields for a tuned lens (they override the preset).
         init: Tuned: a lens to start from (an affine lens' spec, say); the identity otherwise.
         shard: ``"I/N"``: fit shard I of N (affine, Jacobian), merged by ``lensdiv merge``.
-        device, dtype, seed, progress, overwrite, load: As for :func:`lensdiv.analyze`
-            (``load``: ``device_map``, ``max_memory``, ``trust_remote_code``, ...).
+        progress, overwrite, load: As for :func:`lensdiv.analyze` (``load``: the run
+            settings as keywords, and ``device_map``, ``max_memory``, ``trust_remote_code``, ...
+            for loading the model).
 
     Raises:
         LensdivError: A bad kind, option or data, before any work.
+        TypeError: A run setting passed both ways, or ``settings`` that is no ``RunSettings``.
     """
+    given = {n: load.pop(n) for n in RunSettings.names() if n in load}
+    loading = set(inspect.signature(load_model).parameters) - {
+        "spec",
+        "device",
+        "dtype",
+        "progress",
+    }
+    unknown = sorted(set(load) - loading)
+    if unknown:
+        raise TypeError(
+            f"fit_lens() got an unexpected keyword argument {unknown[0]!r} (its run settings: "
+            f"{', '.join(RunSettings.names())}; load_model's: {', '.join(sorted(loading))})"
+        )
+    settings = RunSettings.of(settings, given, caller="fit_lens", defaults=_FIT_DEFAULTS)
+    _no_lens(settings, "a fit reads the model's own residual states", "tuned: init=LENS")
     found = LENS_KINDS.get(kind)
     if found is None or found.fitter is None:
         raise OptionError(
@@ -156,12 +180,14 @@ def fit_lens(
         preset,
         options,
         init,
-        max_tokens=max_tokens,
-        seq_len=seq_len,
-        batch_size=batch_size,
+        max_tokens=settings.max_tokens,
+        seq_len=settings.seq_len,
+        batch_size=settings.batch_size,
         shard=shard,
     )
-    bridge = _bridge(model, device, dtype, progress and current_world().main, **load)
+    bridge = _bridge(
+        model, settings.device, settings.dtype, progress and current_world().main, **load
+    )
     if start is not None:  # a start of another model: one line before any pass
         start.check(ModelInfo.from_model(bridge))
     run = analyze(
@@ -169,10 +195,8 @@ def fit_lens(
         data=data,
         plugins=[fitter],
         out=out,
-        seq_len=seq_len,
-        max_tokens=tokens,
-        batch_size=batch_size,
-        seed=seed,
+        # the bridge is loaded where and how the settings say
+        settings=dataclasses.replace(settings, max_tokens=tokens, device=None, dtype=None),
         progress=progress,
         overwrite=overwrite,
         shard=shard,
@@ -193,11 +217,8 @@ def fit_lens(
             bridge,
             f"{kind}:{lens}",
             data=data,
+            settings=dataclasses.replace(settings, max_tokens=eval_tokens),
             skip_tokens=tokens,
-            max_tokens=eval_tokens,
-            seq_len=seq_len,
-            batch_size=batch_size,
-            seed=seed,
             out=out,
             progress=progress,
         )
@@ -226,9 +247,9 @@ class AnalyzerFitter:
         batch_size: int,
         shard: Any,
     ) -> tuple[Analyzer, int, Translator | None]:
-        """The fitting analyzer and the tokens it reads (16384 by default); ``preset`` and
+        """The fitting analyzer and the tokens it reads (the run's default unless given); ``preset`` and
         ``init`` are a tuned lens'."""
-        return self.analyzer.from_options(options), max_tokens or 16384, None
+        return self.analyzer.from_options(options), max_tokens or DataSpec.max_tokens, None
 
 
 @dataclass(frozen=True)
@@ -264,37 +285,41 @@ attach_fitter("jacobian", AnalyzerFitter(JacobianFit, JACOBIAN_FILE))
 attach_fitter("affine", AnalyzerFitter(AffineFit, AFFINE_FOLDER))
 
 
+@settings_keywords(**_EVALUATE_DEFAULTS)
 def evaluate_lens(
     model: Any,
     lens: Any,
     *,
     data: Any = None,
+    settings: RunSettings | None = None,
     skip_tokens: int = 0,
-    max_tokens: int = 8192,
-    seq_len: int = 128,
-    batch_size: int = 8,
-    seed: int = 0,
     out: str | Path | None = None,
     progress: bool = True,
+    **given: Any,
 ) -> Table:
     """The ``lens`` analyzer through the logit lens and through ``lens``, side by side.
 
     Args:
         model: A model spec or a ``TransformerBridge``.
         lens: A fitted lens (``KIND:PATH`` or a :class:`Translator`).
-        data, seq_len, batch_size, seed: As for :func:`lensdiv.analyze`.
+        data: As for :func:`lensdiv.analyze`.
+        settings: The run settings (:class:`~lensdiv.core.settings.RunSettings`), or their
+            names as keywords, as for :func:`lensdiv.analyze` (``lens`` is the argument above);
+            ``max_tokens``: the tokens to evaluate on (default here 8192).
         skip_tokens: Tokens of the data to leave out first (those the fit read).
-        max_tokens: Tokens to evaluate on.
         out: Write ``evaluation.csv`` and ``evaluation.json`` there.
 
     Returns:
         A table per residual state: KL to the output and next-token cross-entropy through each.
+
+    Raises:
+        TypeError: A keyword that is neither an argument nor a run setting.
     """
+    settings = RunSettings.of(settings, given, caller="evaluate_lens", defaults=_EVALUATE_DEFAULTS)
+    _no_lens(settings, "evaluate_lens reads through its lens argument", "pass the lens as lens")
     translator = parse_lens(lens)
-    bridge = _bridge(model, None, None, progress)
-    spec = DataSpec.from_data(
-        data, seq_len=seq_len, max_tokens=max_tokens, batch_size=batch_size, seed=seed
-    )
+    bridge = _bridge(model, settings.device, settings.dtype, progress)
+    spec = DataSpec.from_data(data, **settings.data())
     spec = dataclasses.replace(spec, skip_tokens=skip_tokens)
     runs = {
         name: analyze(bridge, data=spec, plugins="lens", lens=how, progress=progress)
@@ -324,6 +349,12 @@ def evaluate_lens(
             {"lens": translator.describe(), "data": spec.describe(), "columns": columns},
         )
     return result
+
+
+def _no_lens(settings: RunSettings, why: str, hint: str) -> None:
+    """Refuse a ``lens`` setting where it does not apply (rather than ignore it)."""
+    if settings.lens != DEFAULTS.lens:
+        raise OptionError(f"{why}: the lens setting {settings.lens!r} does not apply", hint=hint)
 
 
 def _bridge(model: Any, device: Any, dtype: Any, progress: bool, **load: Any) -> Any:

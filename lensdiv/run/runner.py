@@ -27,6 +27,7 @@ from lensdiv.core.progress import progress_allowed, progress_bar
 from lensdiv.core.provenance import versions
 from lensdiv.core.registry import make_analyzers
 from lensdiv.core.results import Rendered, Result
+from lensdiv.core.settings import RunSettings, settings_keywords
 from lensdiv.data.prefetch import ready_batches
 from lensdiv.data.sources import DataSpec, check_source
 from lensdiv.models.load import load_model
@@ -117,6 +118,7 @@ class Run(Rendered):
             yield Text(line, style=styles[kind])
 
 
+@settings_keywords()
 def analyze(
     model: Any = "toy",
     data: Any = None,
@@ -124,16 +126,8 @@ def analyze(
     *,
     out: str | Path | None = None,
     options: Mapping[str, Mapping[str, Any]] | None = None,
-    seq_len: int = 128,
-    max_tokens: int = 16384,
-    batch_size: int = 8,
-    field: str = "text",
-    split: str = "train",
-    bos: str = "prepend",
-    device: Any = None,
-    dtype: Any = None,
+    settings: RunSettings | None = None,
     threads: int | None = None,
-    seed: int = 0,
     trust_remote_code: bool = False,
     progress: bool = True,
     overwrite: bool = False,
@@ -142,7 +136,7 @@ def analyze(
     offload_folder: str | Path | None = None,
     shard: str | tuple[int, int] | None = None,
     feed: Feed | None = None,
-    lens: Any = "logit",
+    **given: Any,
 ) -> Run:
     """Run analyzers over a model and data; one fused forward pass per batch.
 
@@ -155,14 +149,21 @@ def analyze(
         plugins: Analyzer names/aliases (``"lens,contrib"``), classes or instances.
         out: Folder for ``manifest.json`` and ``<analyzer>/`` results; ``None`` writes nothing.
         options: ``{analyzer: {option: value}}``.
-        seq_len, max_tokens, batch_size, field, split, bos: How data is read and packed
-            (see :class:`DataSpec`); ignored when ``data`` is a ``DataSpec``.
-        device, dtype: Where and in which precision the model runs (residual states are read
+        settings: The run settings (:class:`~lensdiv.core.settings.RunSettings`: ``seq_len``,
+            ``max_tokens``, ``batch_size``, ``field``, ``split``, ``bos``, ``seed``, ``lens``,
+            ``device``, ``dtype``), or the same names as keywords (they change ``settings``, or
+            the defaults). The data settings say how data is read and packed (see
+            :class:`DataSpec`; ignored when ``data`` is a ``DataSpec``); ``device`` and
+            ``dtype`` where and in which precision the model runs (residual states are read
             out in float32 whatever the dtype, float64 for a float64 model: see the README's
-            precision policy).
+            precision policy); ``seed`` seeds torch and the built-in corpus (recorded in every
+            result); ``lens`` is the lens every analyzer reads residual states through:
+            ``"logit"`` (the default), ``"tuned:PATH"``, ``"jacobian:PATH"``, ``"affine:PATH"``
+            (a fitted lens' file or folder, or a published lens' name) or a
+            :class:`~lensdiv.ops.translators.Translator`, recorded in the manifest and named in
+            the results of the analyzers that use it.
         threads: Set torch's intra-op threads (``torch.set_num_threads``, for this process)
             before the run; ``None`` keeps torch's setting. Recorded in the manifest.
-        seed: Seeds torch and the built-in corpus; recorded in every result.
         trust_remote_code: Allow hub models with custom code.
         progress: Show progress bars (``False`` silences every bar of the run, model loading
             included).
@@ -173,11 +174,6 @@ def analyze(
         shard: ``"I/N"`` or ``(I, N)``: run shard ``I`` of ``N`` (batch ``j`` when
             ``j mod N == I``) and save the analyzers' states for ``lensdiv merge`` instead of
             results (single-pass analyzers only).
-        lens: The lens every analyzer reads residual states through: ``"logit"`` (the
-            default), ``"tuned:PATH"``, ``"jacobian:PATH"``, ``"affine:PATH"`` (a fitted
-            lens' file or folder, or a published lens' name) or a
-            :class:`~lensdiv.ops.translators.Translator`. Recorded in the manifest and named in
-            the results of the analyzers that use it.
         feed: How this process's batches reach the analyzers and what becomes of the states
             after each pass (a :class:`~lensdiv.run.feed.Feed`); by default one process feeds
             everything, or the process group (``torchrun``) or ``shard`` decide. For new ways
@@ -194,7 +190,10 @@ def analyze(
     Raises:
         LensdivError: Bad model spec, data, plugin name, option, device, output folder, context
             length or task file — before any work (see :mod:`lensdiv.run.validate`).
+        TypeError: A keyword that is neither an argument nor a run setting.
     """
+    settings = RunSettings.of(settings, given, caller="analyze")
+    device, dtype, seed = settings.device, settings.dtype, settings.seed
     out_dir = check_arguments(
         out=out,
         device=device,
@@ -210,7 +209,7 @@ def analyze(
     ):
         raise OptionError(f"threads must be a whole number of at least 1, not {threads!r}")
     analyzers = make_analyzers(plugins, options)
-    translator = parse_lens(lens)
+    translator = parse_lens(settings.lens)
     warn_unread_lens(translator, analyzers)
     world, part = _split(shard)
     if feed is not None and (part is not None or world.parallel):
@@ -220,16 +219,7 @@ def analyze(
         )
     if device is None and world.parallel:
         device = world.default_device()
-    spec = DataSpec.from_data(
-        data,
-        field=field,
-        split=split,
-        seq_len=seq_len,
-        max_tokens=max_tokens,
-        batch_size=batch_size,
-        bos=bos,
-        seed=seed,
-    )
+    spec = DataSpec.from_data(data, **settings.data())
     check_source(spec)
     _check_output_once(world, out_dir, analyzers, overwrite=overwrite)
     with handle_signals(), progress_allowed(progress):

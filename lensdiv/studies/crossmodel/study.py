@@ -35,6 +35,7 @@ from lensdiv.core.errors import LensdivError, PluginError, ResultError
 from lensdiv.core.progress import progress_allowed
 from lensdiv.core.registry import get_analyzer, make_analyzers
 from lensdiv.core.results import Rendered, Result, write_json_atomic
+from lensdiv.core.settings import RunSettings, settings_keywords
 from lensdiv.data.sources import DataSpec, check_source
 from lensdiv.ops.translators import parse_lens
 from lensdiv.run.distributed import current_world
@@ -74,7 +75,7 @@ from lensdiv.view.study import study_html
 
 # Arguments of `analyze` a study sets itself; every other one passes through to each run.
 _OWN = {"model", "data", "plugins", "out", "options", "overwrite", "shard", "feed", "progress"}
-_OWN |= {"seq_len", "max_tokens", "batch_size", "field", "split", "bos", "seed", "lens"}
+_OWN |= {"settings", *RunSettings.names()} - {"device", "dtype"}
 _RUN_OPTIONS = tuple(p for p in inspect.signature(analyze).parameters if p not in _OWN)
 
 
@@ -168,6 +169,7 @@ class Study(Rendered):
             yield self.summary.tables["numbers"]
 
 
+@settings_keywords(keep_rest=True)
 def run_study(
     models: str | Sequence[str],
     data: Any = None,
@@ -175,14 +177,7 @@ def run_study(
     *,
     out: str | Path | None = None,
     options: Mapping[str, Mapping[str, Any]] | None = None,
-    seq_len: int = 128,
-    max_tokens: int = 16384,
-    batch_size: int = 8,
-    field: str = "text",
-    split: str = "train",
-    bos: str = "prepend",
-    seed: int = 0,
-    lens: Any = "logit",
+    settings: RunSettings | None = None,
     task: str | tuple[int, int] | None = None,
     progress: bool = True,
     report: bool = True,
@@ -194,19 +189,20 @@ def run_study(
     Args:
         models: What MODELS names (:func:`~.models.resolve_models`): ``"zoo:depth"``,
             ``"toy:d2,toy:d4"``, ``"EleutherAI/pythia-{70m,160m}"``, a file of specs, folders.
-        data, plugins, options, seq_len, max_tokens, batch_size, field, split, bos, seed: As
-            for :func:`lensdiv.analyze`; the same for every model.
+        data, plugins, options: As for :func:`lensdiv.analyze`; the same for every model.
+        settings: The run settings (:class:`~lensdiv.core.settings.RunSettings`), or their
+            names as keywords, as for ``analyze``; the same for every model. In ``lens``,
+            ``{model}`` and ``{run}`` are replaced by each model's spec and run folder name
+            (``"tuned:lenses/{run}"``: a lens fitted per model).
         out: The study folder; ``None`` keeps everything in memory (no resume).
-        lens: As for ``analyze``; ``{model}`` and ``{run}`` in it are replaced by each model's
-            spec and run folder name (``"tuned:lenses/{run}"``: a lens fitted per model).
         task: ``"I/N"``: run only every N-th model from the I-th (a job array's task; the
             SLURM array variables set it when present). ``lensdiv study report`` then gathers.
         progress: Show each model's progress and a line per model (standard error).
         report: After the models, write the dataset, summary and ``study.html`` (not when the
             study is split into tasks: ``report_study`` does it once they are done).
-        **run_options: Any other argument of ``analyze``, passed to every run: ``device``,
-            ``dtype``, ``threads``, ``trust_remote_code``, ``device_map``, ``max_memory``,
-            ``offload_folder``.
+        **run_options: The run settings as keywords, and any other argument of ``analyze``,
+            passed to every run: ``threads``, ``trust_remote_code``, ``device_map``,
+            ``max_memory``, ``offload_folder``.
 
     Returns:
         A :class:`Study`: every model's status (a model that could not be loaded or failed is
@@ -217,20 +213,24 @@ def run_study(
             family, bad ``task``, an ``out`` that cannot be written or holds another study.
         TypeError: An argument ``analyze`` does not take.
     """
+    given = {n: run_options.pop(n) for n in RunSettings.names() if n in run_options}
     unknown = sorted(set(run_options) - set(_RUN_OPTIONS))
     if unknown:
-        raise TypeError(f"run_study() got unexpected keyword arguments: {', '.join(unknown)}")
+        raise TypeError(
+            f"run_study() got an unexpected keyword argument {unknown[0]!r} (its run settings: "
+            f"{', '.join(RunSettings.names())}; analyze's: {', '.join(_RUN_OPTIONS)})"
+        )
+    settings = RunSettings.of(settings, given, caller="run_study")
+    seed, lens = settings.seed, settings.lens
+    # Where the model runs passes through to every run, and is recorded as given.
+    placement = {
+        n: getattr(settings, n)
+        for n in ("device", "dtype")
+        if n in given or getattr(settings, n) is not None
+    }
+    run_options = {**placement, **run_options}
     analyzers = make_analyzers(plugins, options)
-    spec = DataSpec.from_data(
-        data,
-        field=field,
-        split=split,
-        seq_len=seq_len,
-        max_tokens=max_tokens,
-        batch_size=batch_size,
-        bos=bos,
-        seed=seed,
-    )
+    spec = DataSpec.from_data(data, **settings.data())
     check_source(spec)
     specs = resolve_models(models)
     _check_lens(lens)
@@ -241,7 +241,7 @@ def run_study(
         ModelEntry(m, r, task=i % part.count)
         for i, (m, r) in enumerate(zip(specs, names, strict=True))
     ]
-    settings = {
+    recorded = {
         "models": specs,
         "plugins": {a.name: a.options() for a in analyzers},
         "data": spec.describe(),
@@ -249,11 +249,11 @@ def run_study(
         "seed": seed,
         **run_options,
     }
-    settings = _plain(settings)
+    recorded = _plain(recorded)
     out_dir = Path(out) if out is not None else None
     if out_dir is not None and world.main:
-        open_folder(out_dir, settings)
-    study = Study(out_dir, entries, settings, part)
+        open_folder(out_dir, recorded)
+    study = Study(out_dir, entries, recorded, part)
     classes = {a.name: type(a) for a in analyzers}
     say = _Lines(progress and world.main)
     mine = [e for i, e in enumerate(entries) if part.runs(i)]
