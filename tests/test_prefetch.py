@@ -235,9 +235,9 @@ def test_ctrl_c_while_the_data_is_slow_stops_after_the_batch(
 ) -> None:
     """SIGINT while the model waits for a slow tokenizer: the run stops after the next batch,
     keeps what it counted, and leaves no reader behind."""
-    from lensdiv.data import sources
+    from lensdiv.data import packing
 
-    encode = sources._encode
+    encode = packing._encode
 
     def slow(tokenizer: Any, texts: list[str]) -> list[list[int]]:
         time.sleep(0.3)
@@ -250,7 +250,7 @@ def test_ctrl_c_while_the_data_is_slow_stops_after_the_batch(
                 threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()
             super().update(state, step)
 
-    monkeypatch.setattr(sources, "_encode", slow)
+    monkeypatch.setattr(packing, "_encode", slow)
     run = lensdiv.analyze("toy", plugins=[Interrupting()], max_tokens=10**7,
                           out=tmp_path / "run", **SMALL)
     assert run.manifest["status"] == "interrupted" and run.manifest["signal"] == "SIGINT"

@@ -18,7 +18,7 @@ in a folder named by its :func:`entry_key` under :func:`cache_root`:
   past the prefix) and ``complete`` (whether the stream ended there).
 
 Invariants: the batches packed from an entry are those of tokenising the stream, bit for bit
-(:func:`lensdiv.data.sources.pack` reads it, see there); an entry never holds a document past
+(:func:`lensdiv.data.packing.pack` reads it, see there); an entry never holds a document past
 one that failed to read; a run that needs more than an entry holds tokenises only the documents
 after it and replaces the entry by the longer prefix. Entries are written to a temporary folder
 and renamed into place, so processes writing the same entry at once (ranks of ``torchrun``,
@@ -26,7 +26,7 @@ tasks of a job array) leave one whole entry: the loser of the race drops its cop
 fails a run (a read-only or full disk warns once and the run goes on uncached); an entry that
 cannot be read (a truncated array, a bad ``meta.json``) is ignored and written again.
 
-Only sources whose documents are fixed by what :meth:`~lensdiv.data.sources.Source.cache_identity`
+Only sources whose documents are fixed by what :meth:`~lensdiv.data.spec.Source.cache_identity`
 returns are cached (files by path, size and modification time; a hub data set by name, config,
 split and field, assumed not to change under that name); text given inline, documents or tokens
 in memory are not. ``LENSDIV_TOKEN_CACHE=off`` turns the cache off (``lensdiv analyze
