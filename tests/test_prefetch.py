@@ -256,3 +256,27 @@ def test_ctrl_c_while_the_data_is_slow_stops_after_the_batch(
     assert run.manifest["status"] == "interrupted" and run.manifest["signal"] == "SIGINT"
     assert run["count"].table()["n"] == [run.manifest["timings"]["tokens"]] != [0]
     assert not _readers()
+
+
+def test_the_private_copy_is_kept_while_the_tokenizer_is_the_same() -> None:
+    """A run's reader copies the tokenizer once (a 50k-token copy costs a few hundred ms a run):
+    the next run on the same, unchanged tokenizer reuses the copy, padding or truncation the
+    caller's calls left set change nothing, and a changed tokenizer is copied again."""
+    import copy
+
+    from lensdiv.data import prefetch
+
+    tokenizer = copy.deepcopy(byte_tokenizer())  # this test's own
+    spec = DataSpec(max_tokens=500, seq_len=32, batch_size=2)
+    first = prefetch._private_copy(tokenizer)
+    assert first is not tokenizer and prefetch._private_copy(tokenizer) is first
+    tokenizer(["a", "bcd"], padding=True, truncation=True, max_length=2)  # the caller's own use
+    assert prefetch._private_copy(tokenizer) is first
+    assert _plain(ready_batches(spec, tokenizer)) == _plain(token_batches(spec, byte_tokenizer()))
+    tokenizer.add_tokens(["the cat"])  # other ids: a new copy, tokenising as the tokenizer does
+    second = prefetch._private_copy(tokenizer)
+    assert second is not first and len(second) == len(tokenizer)
+    docs = ["the cat sleeps"] * 40
+    spec = DataSpec.from_data(docs, max_tokens=500, seq_len=32, batch_size=2)
+    changed = _plain(ready_batches(spec, tokenizer))
+    assert changed == _plain(token_batches(spec, tokenizer)) != _plain(token_batches(spec, byte_tokenizer()))

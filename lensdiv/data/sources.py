@@ -43,6 +43,7 @@ __all__ = [
     "Source",
     "check_source",
     "documents",
+    "most_tokens",
     "pack",
     "read_task_jsonl",
     "register_source",
@@ -322,6 +323,17 @@ class TokenRows(Source):
             bos = bos_id is not None and bool((tokens[:, 0] == bos_id).all())
             yield Batch(tokens=tokens, mask=mask, bos=bos, index=index, doc=doc)
 
+    def most_tokens(self) -> int:
+        """Exactly the real tokens :meth:`batches` yields (the same arithmetic, no tensors)."""
+        n_rows, width = (int(n) for n in self.spec.tokens.shape)
+        budget = total = self.spec.max_tokens
+        for lo in range(0, n_rows, self.spec.batch_size):
+            if budget <= 1:
+                break
+            keep = min(self.spec.batch_size, n_rows - lo, -(-budget // width))
+            budget -= min(keep * width, budget)
+        return total - budget
+
     def describe(self) -> dict[str, Any]:
         blob = self.spec.tokens.cpu().numpy().tobytes()
         return super().describe() | {"sha256": hashlib.sha256(blob).hexdigest()}
@@ -354,6 +366,15 @@ def token_batches(spec: DataSpec, tokenizer: Any) -> Iterator[Batch]:
         return source_of(spec).batches(tokenizer)
     whole = dataclasses.replace(spec, max_tokens=spec.max_tokens + spec.skip_tokens, skip_tokens=0)
     return _after(source_of(whole).batches(tokenizer), spec.skip_tokens)
+
+
+def most_tokens(spec: DataSpec) -> int:
+    """The most real tokens :func:`token_batches` can yield, known without reading the data
+    (exact for a token tensor; see :meth:`Source.most_tokens`)."""
+    if not spec.skip_tokens:
+        return source_of(spec).most_tokens()
+    whole = dataclasses.replace(spec, max_tokens=spec.max_tokens + spec.skip_tokens, skip_tokens=0)
+    return max(0, min(spec.max_tokens, source_of(whole).most_tokens() - spec.skip_tokens))
 
 
 def _after(batches: Iterator[Batch], skip: int) -> Iterator[Batch]:

@@ -213,7 +213,7 @@ class Source(abc.ABC):
     A subclass sets the class attributes below, says in :meth:`claims` whether a spec names it,
     yields its documents in :meth:`documents`, and is registered with :func:`register_source`.
     :meth:`check`, :meth:`batches`, :meth:`cache_identity` (the token cache's key: by default
-    the source is not cached) and :meth:`describe` have defaults that most sources keep.
+    the source is not cached), :meth:`most_tokens` and :meth:`describe` have defaults that most sources keep.
 
     Args:
         spec: The spec that names this source (its sizes, field, split and seed apply).
@@ -274,6 +274,12 @@ class Source(abc.ABC):
             OSError: The data cannot be looked at (then it is read uncached, and checked).
         """
         return None
+
+    def most_tokens(self) -> int:
+        """The most real tokens this source's batches can hold, known without reading the data
+        (a progress bar's total until the data's end is known): ``max_tokens``, unless the
+        source knows better (token rows in memory know exactly)."""
+        return self.spec.max_tokens
 
     def describe(self) -> dict[str, Any]:
         """The spec's settings as plain data for the manifest (data in memory adds its sha256)."""
