@@ -111,7 +111,11 @@ def bpe_tokenizer(vocab: int) -> Any:
     core = Tokenizer(models.BPE(vocab=ids, merges=merges))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     end = "<|endoftext|>"
-    return PreTrainedTokenizerFast(tokenizer_object=core, bos_token=end, eos_token=end)
+    folder = tempfile.mkdtemp(prefix="bench_fixed_bpe_")  # loaded from a folder, as a hub one is
+    PreTrainedTokenizerFast(tokenizer_object=core, bos_token=end, eos_token=end).save_pretrained(
+        folder
+    )
+    return PreTrainedTokenizerFast.from_pretrained(folder)
 
 
 def worker(args: argparse.Namespace) -> None:

@@ -41,6 +41,7 @@ import os
 import shutil
 import sys
 import tempfile
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,11 @@ def tokenizer_identity(tokenizer: Any) -> dict[str, Any] | None:
     lower-casing flag changes ids, not the vocabulary). The special ids packing uses are part
     of it too.
     """
+    try:
+        if tokenizer in _FIXED:
+            return _FIXED[tokenizer]
+    except TypeError:  # not weakly referable
+        pass
     kind = type(tokenizer)
     out: dict[str, Any] = {
         "class": f"{kind.__module__}.{kind.__qualname__}",
@@ -104,6 +110,19 @@ def tokenizer_identity(tokenizer: Any) -> dict[str, Any] | None:
         return _plain(out)
     except Exception:  # an exotic tokenizer: not cached rather than cached wrongly
         return None
+
+
+# The identities of tokenizers that nothing changes (the data reader's private copies, see
+# fix_identity): read once, not serialised again at every run.
+_FIXED: weakref.WeakKeyDictionary[Any, dict[str, Any] | None] = weakref.WeakKeyDictionary()
+
+
+def fix_identity(tokenizer: Any) -> None:
+    """Read ``tokenizer``'s identity now and keep it for as long as it lives: only for a
+    tokenizer that nothing changes afterwards (a private copy called without padding or
+    truncation)."""
+    _FIXED.pop(tokenizer, None)
+    _FIXED[tokenizer] = tokenizer_identity(tokenizer)
 
 
 def backend_state(tokenizer: Any) -> str | None:

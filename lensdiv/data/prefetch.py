@@ -26,7 +26,7 @@ import weakref
 from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from lensdiv.data.cache import backend_state
+from lensdiv.data.cache import backend_state, fix_identity
 from lensdiv.data.sources import DataSpec, token_batches
 
 if TYPE_CHECKING:
@@ -150,6 +150,7 @@ def _private_copy(tokenizer: Any) -> Any:
         return None
     if key is not None:
         _COPIES[tokenizer] = (key, private)
+        fix_identity(private)  # the token cache's key of the copy, read once
     return private
 
 
