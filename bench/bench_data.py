@@ -8,7 +8,7 @@ Two parts, each in one process, cases interleaved, best of ``--repeats`` after a
 
    - ``before``: packing as lensdiv 0.1 did it (:func:`pack_one_at_a_time`, copied here: one
      tokenizer call per document, rows as Python lists of ``(token, document)`` tuples);
-   - ``after``: :func:`lensdiv.data.sources.pack` (chunks of documents, one batched tokenizer
+   - ``after``: :func:`lensdiv.data.packing.pack` (chunks of documents, one batched tokenizer
      call each, rows cut with numpy), checked to give the same batches bit for bit;
    - ``after, read ahead``: what the runner iterates, the same on a background thread
      (:func:`lensdiv.data.prefetch.ready_batches`);
@@ -17,7 +17,7 @@ Two parts, each in one process, cases interleaved, best of ``--repeats`` after a
      ids read from disk, no tokenizer call), checked to give the same batches bit for bit;
    - ``tokenizer alone``: one batched call over the same documents, nothing else (the ceiling
      of any packing);
-   - ``packing alone``: :func:`~lensdiv.data.sources.pack` with the ids already known.
+   - ``packing alone``: :func:`~lensdiv.data.packing.pack` with the ids already known.
 
    Wall-clock tokens/s, and tokens per CPU second of the process (all its threads; steadier on
    a shared machine). Every case but ``after, cached`` runs with the token cache off.
@@ -57,7 +57,8 @@ from lensdiv.core.analyzer import Batch
 from lensdiv.core.errors import DataError
 from lensdiv.data.cache import ENV as CACHE_ENV
 from lensdiv.data.corpus import builtin_documents
-from lensdiv.data.sources import DataSpec, pack, token_batches
+from lensdiv.data.packing import pack
+from lensdiv.data.sources import DataSpec, token_batches
 from lensdiv.data.tokenizer import byte_tokenizer
 
 _R = TypeVar("_R")

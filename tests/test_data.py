@@ -528,7 +528,7 @@ def test_one_tokenizer_call_per_chunk_equals_one_per_document(tokenizer: Any) ->
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from lensdiv.data.sources import _encode
+    from lensdiv.data.packing import _encode
 
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -235,9 +235,9 @@ def test_ctrl_c_while_the_data_is_slow_stops_after_the_batch(
 ) -> None:
     """SIGINT while the model waits for a slow tokenizer: the run stops after the next batch,
     keeps what it counted, and leaves no reader behind."""
-    from lensdiv.data import sources
+    from lensdiv.data import packing
 
-    encode = sources._encode
+    encode = packing._encode
 
     def slow(tokenizer: Any, texts: list[str]) -> list[list[int]]:
         time.sleep(0.3)
@@ -250,9 +250,33 @@ def test_ctrl_c_while_the_data_is_slow_stops_after_the_batch(
                 threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()
             super().update(state, step)
 
-    monkeypatch.setattr(sources, "_encode", slow)
+    monkeypatch.setattr(packing, "_encode", slow)
     run = lensdiv.analyze("toy", plugins=[Interrupting()], max_tokens=10**7,
                           out=tmp_path / "run", **SMALL)
     assert run.manifest["status"] == "interrupted" and run.manifest["signal"] == "SIGINT"
     assert run["count"].table()["n"] == [run.manifest["timings"]["tokens"]] != [0]
     assert not _readers()
+
+
+def test_the_private_copy_is_kept_while_the_tokenizer_is_the_same() -> None:
+    """A run's reader copies the tokenizer once (a 50k-token copy costs a few hundred ms a run):
+    the next run on the same, unchanged tokenizer reuses the copy, padding or truncation the
+    caller's calls left set change nothing, and a changed tokenizer is copied again."""
+    import copy
+
+    from lensdiv.data import prefetch
+
+    tokenizer = copy.deepcopy(byte_tokenizer())  # this test's own
+    spec = DataSpec(max_tokens=500, seq_len=32, batch_size=2)
+    first = prefetch._private_copy(tokenizer)
+    assert first is not tokenizer and prefetch._private_copy(tokenizer) is first
+    tokenizer(["a", "bcd"], padding=True, truncation=True, max_length=2)  # the caller's own use
+    assert prefetch._private_copy(tokenizer) is first
+    assert _plain(ready_batches(spec, tokenizer)) == _plain(token_batches(spec, byte_tokenizer()))
+    tokenizer.add_tokens(["the cat"])  # other ids: a new copy, tokenising as the tokenizer does
+    second = prefetch._private_copy(tokenizer)
+    assert second is not first and len(second) == len(tokenizer)
+    docs = ["the cat sleeps"] * 40
+    spec = DataSpec.from_data(docs, max_tokens=500, seq_len=32, batch_size=2)
+    changed = _plain(ready_batches(spec, tokenizer))
+    assert changed == _plain(token_batches(spec, tokenizer)) != _plain(token_batches(spec, byte_tokenizer()))

@@ -124,3 +124,99 @@ def test_threads_are_set_and_recorded(native_model: Any, tmp_path: Path) -> None
     for bad in (0, -2, True):
         with pytest.raises(OptionError, match="threads"):
             analyze(native_model, data=spec, plugins="contrib", threads=bad, progress=False)
+
+
+# -- the progress bar's total: the tokens that will be read (issue 29, point 4) -------------------
+
+
+def _progress_lines(text: str) -> list[tuple[int, int]]:
+    """``(done, total)`` of each ``lens: DONE/TOTAL tokens`` line a run logged."""
+    import re
+
+    return [(int(a.replace(",", "")), int(b.replace(",", ""))) for a, b in
+            re.findall(r"^lens: ([\d,]+)/([\d,]+) tokens", text, flags=re.M)]
+
+
+def test_progress_counts_the_tokens_of_token_ids_from_the_start(
+    native_model: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """288 token ids under the default budget of 16384: every line's total is 288, the last line
+    288/288 — through the API (the command line reads no token tensors)."""
+    ids = torch.randint(3, 200, (9, 32), generator=torch.Generator().manual_seed(0))
+    run = analyze(native_model, data=ids, plugins="lens", batch_size=4)
+    lines = _progress_lines(capsys.readouterr().err)
+    assert run.manifest["timings"]["tokens"] == 288
+    assert lines and {total for _, total in lines} == {288} and lines[-1] == (288, 288)
+    # A budget that cuts the last row short: still the tokens read, exactly.
+    analyze(native_model, data=ids, plugins="lens", batch_size=4, max_tokens=100)
+    lines = _progress_lines(capsys.readouterr().err)
+    assert lines and {total for _, total in lines} == {100} and lines[-1] == (100, 100)
+
+
+def test_progress_of_data_shorter_than_the_budget_ends_at_its_tokens(
+    native_model: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Documents in memory, ``text:`` and a small file hold fewer tokens than ``max_tokens``: the
+    bar's total becomes their tokens as soon as the reader reaches their end, and the run ends at
+    100 %, through the API and the command line."""
+    from typer.testing import CliRunner
+
+    from lensdiv.cli import app
+
+    for data in (["The cat sleeps on the mat. " * 10, "A dog."], "text:hello there, a short text"):
+        run = analyze(native_model, data=data, plugins="lens", seq_len=32, batch_size=2)
+        tokens = run.manifest["timings"]["tokens"]
+        lines = _progress_lines(capsys.readouterr().err)
+        assert 0 < tokens < 16384 and lines[-1] == (tokens, tokens), (data, lines)
+    path = tmp_path / "short.txt"
+    path.write_text("A short file of a few words. " * 5)
+    result = CliRunner().invoke(app, ["analyze", "toy", "--data", str(path), "--plugins", "lens",
+                                      "--seq-len", "32", "--batch-size", "2",
+                                      "--out", str(tmp_path / "run")])
+    assert result.exit_code == 0, result.output
+    tokens = load_run(tmp_path / "run").manifest["timings"]["tokens"]
+    lines = _progress_lines(result.output)  # standard output and error, as a terminal shows them
+    assert 0 < tokens < 16384 and lines and lines[-1] == (tokens, tokens), result.output
+
+
+def test_most_tokens_is_what_a_token_tensor_yields() -> None:
+    """The up-front total of a token tensor is exactly the real tokens of its batches, whatever
+    the budget, batch size and skipped tokens; other data says its budget."""
+    from lensdiv.data.sources import most_tokens
+    from lensdiv.data.tokenizer import byte_tokenizer
+
+    ids = torch.randint(3, 200, (7, 5), generator=torch.Generator().manual_seed(1))
+    for max_tokens in (2, 3, 5, 6, 9, 11, 34, 35, 36, 1000):
+        for batch_size in (1, 2, 3, 8):
+            for skip in (0, 5, 11):
+                spec = DataSpec.from_data(ids, max_tokens=max_tokens, batch_size=batch_size,
+                                          skip_tokens=skip)
+                real = sum(b.n_tokens for b in token_batches(spec, byte_tokenizer()))
+                bound = most_tokens(spec)
+                assert bound == real if not skip else bound >= real, (spec, bound, real)
+    assert most_tokens(DataSpec(max_tokens=777)) == 777
+
+
+def test_the_probe_runs_once_per_model(native_model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The validation's forward pass (an architecture that boots but cannot run) is a run's
+    largest fixed cost: a model that passed it is not probed again, unless it was moved to
+    another dtype (or device, or its weights replaced)."""
+    import copy
+
+    from lensdiv.run import validate
+
+    model = copy.deepcopy(native_model)
+    info = ModelInfo.from_model(model)
+    probes: list[int] = []
+    real = validate.capture
+    monkeypatch.setattr(validate, "capture", lambda *a, **k: probes.append(1) or real(*a, **k))
+    validate.check_runs(model, info)
+    validate.check_runs(model, info)
+    assert probes == [1]
+    model.to(torch.float64)
+    validate.check_runs(model, info)
+    assert probes == [1, 1]
+    # Through a run: the probe is not in the second run's forward passes.
+    spec = DataSpec(max_tokens=64, seq_len=32, batch_size=2)
+    analyze(model, data=spec, plugins="lens", progress=False)
+    assert probes == [1, 1]

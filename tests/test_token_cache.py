@@ -16,6 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 import lensdiv.data.cache as cache_mod
+import lensdiv.data.packing as packing
 import lensdiv.data.sources as sources
 from lensdiv.cli import app
 from lensdiv.core.errors import DataError
@@ -42,13 +43,13 @@ def root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def calls(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
     """The texts of each tokenizer call of the data path, in order."""
     seen: list[list[str]] = []
-    encode = sources._encode
+    encode = packing._encode
 
     def counting(tokenizer: Any, texts: list[str]) -> list[list[int]]:
         seen.append(list(texts))
         return encode(tokenizer, texts)
 
-    monkeypatch.setattr(sources, "_encode", counting)
+    monkeypatch.setattr(packing, "_encode", counting)
     return seen
 
 

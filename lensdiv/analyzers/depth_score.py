@@ -58,7 +58,7 @@ from lensdiv.core.errors import DataError, LensdivError, OptionError
 from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
 from lensdiv.data.corpus import CHAINS, KnowledgeBase
-from lensdiv.data.sources import read_task_jsonl
+from lensdiv.data.tasks import read_task_jsonl
 from lensdiv.data.tokenizer import NAME
 from lensdiv.models.load import load_model
 from lensdiv.models.toy import KB_TOY

@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import functools
 import platform
 
 
 def versions(*extra: str) -> dict[str, str]:
     """Versions of everything that can change a number (plus the ``extra`` distributions)."""
-    from importlib import metadata
-
     out = {"python": platform.python_version()}
     for dist in ("lensdiv", "torch", "transformer-lens", "transformers", "numpy", *extra):
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            out[dist] = "not installed"
+        out[dist] = _version(dist)
     return out
+
+
+@functools.cache
+def _version(dist: str) -> str:
+    """A distribution's version, read once a process (reading a package's metadata costs a few
+    milliseconds, and every run records five)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"

@@ -18,7 +18,7 @@ in a folder named by its :func:`entry_key` under :func:`cache_root`:
   past the prefix) and ``complete`` (whether the stream ended there).
 
 Invariants: the batches packed from an entry are those of tokenising the stream, bit for bit
-(:func:`lensdiv.data.sources.pack` reads it, see there); an entry never holds a document past
+(:func:`lensdiv.data.packing.pack` reads it, see there); an entry never holds a document past
 one that failed to read; a run that needs more than an entry holds tokenises only the documents
 after it and replaces the entry by the longer prefix. Entries are written to a temporary folder
 and renamed into place, so processes writing the same entry at once (ranks of ``torchrun``,
@@ -26,7 +26,7 @@ tasks of a job array) leave one whole entry: the loser of the race drops its cop
 fails a run (a read-only or full disk warns once and the run goes on uncached); an entry that
 cannot be read (a truncated array, a bad ``meta.json``) is ignored and written again.
 
-Only sources whose documents are fixed by what :meth:`~lensdiv.data.sources.Source.cache_identity`
+Only sources whose documents are fixed by what :meth:`~lensdiv.data.spec.Source.cache_identity`
 returns are cached (files by path, size and modification time; a hub data set by name, config,
 split and field, assumed not to change under that name); text given inline, documents or tokens
 in memory are not. ``LENSDIV_TOKEN_CACHE=off`` turns the cache off (``lensdiv analyze
@@ -41,6 +41,7 @@ import os
 import shutil
 import sys
 import tempfile
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,11 @@ def tokenizer_identity(tokenizer: Any) -> dict[str, Any] | None:
     lower-casing flag changes ids, not the vocabulary). The special ids packing uses are part
     of it too.
     """
+    try:
+        if tokenizer in _FIXED:
+            return _FIXED[tokenizer]
+    except TypeError:  # not weakly referable
+        pass
     kind = type(tokenizer)
     out: dict[str, Any] = {
         "class": f"{kind.__module__}.{kind.__qualname__}",
@@ -84,15 +90,9 @@ def tokenizer_identity(tokenizer: Any) -> dict[str, Any] | None:
         "split_special_tokens": getattr(tokenizer, "split_special_tokens", None),
     }
     try:
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        if backend is not None and hasattr(backend, "to_str"):
-            # Without the padding and truncation the last call left set (each call sets its
-            # own; packing asks for neither).
-            state = json.loads(backend.to_str())
-            state.pop("padding", None)
-            state.pop("truncation", None)
-            blob = json.dumps(state, sort_keys=True, ensure_ascii=False).encode()
-            out["backend_sha256"] = hashlib.sha256(blob).hexdigest()
+        state = backend_state(tokenizer)
+        if state is not None:
+            out["backend_sha256"] = hashlib.sha256(state.encode()).hexdigest()
             return _plain(out)
         vocab = tokenizer.get_vocab() if callable(getattr(tokenizer, "get_vocab", None)) else None
         if not isinstance(vocab, dict) or not vocab:
@@ -110,6 +110,46 @@ def tokenizer_identity(tokenizer: Any) -> dict[str, Any] | None:
         return _plain(out)
     except Exception:  # an exotic tokenizer: not cached rather than cached wrongly
         return None
+
+
+# The identities of tokenizers that nothing changes (the data reader's private copies, see
+# fix_identity): read once, not serialised again at every run.
+_FIXED: weakref.WeakKeyDictionary[Any, dict[str, Any] | None] = weakref.WeakKeyDictionary()
+
+
+def fix_identity(tokenizer: Any) -> None:
+    """Read ``tokenizer``'s identity now and keep it for as long as it lives: only for a
+    tokenizer that nothing changes afterwards (a private copy called without padding or
+    truncation)."""
+    _FIXED.pop(tokenizer, None)
+    _FIXED[tokenizer] = tokenizer_identity(tokenizer)
+
+
+def backend_state(tokenizer: Any) -> str | None:
+    """A fast tokenizer's native serialisation without the padding and truncation its last call
+    left set (each call sets its own; packing asks for neither), or ``None`` for another
+    tokenizer. The serialisation is deterministic (the vocabulary in id order), so it is hashed
+    as it is: the usual case, nothing set, costs one serialisation (a few tens of milliseconds
+    for a 50k-token vocabulary; parsing it as JSON would cost several times that).
+
+    Raises:
+        Exception: Whatever an exotic backend raises.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not hasattr(backend, "to_str"):
+        return None
+    state: str = backend.to_str()
+    if _UNSET not in state[: 8 * len(_UNSET)]:  # set by a call: read without them
+        from tokenizers import Tokenizer
+
+        plain = Tokenizer.from_str(state)
+        plain.no_truncation()
+        plain.no_padding()
+        state = plain.to_str()
+    return state
+
+
+_UNSET = '"truncation":null,"padding":null'
 
 
 def _plain(value: dict[str, Any]) -> dict[str, Any] | None:

@@ -30,7 +30,7 @@ import torch
 from lensdiv.core.analyzer import Batch
 from lensdiv.core.errors import DataError
 from lensdiv.data.corpus import RELATIONS, KnowledgeBase, Query
-from lensdiv.data.sources import read_task_jsonl
+from lensdiv.data.tasks import read_task_jsonl
 from lensdiv.data.tokenizer import SPECIALS, VOCAB_SIZE
 
 ANSWER_RULE = (

@@ -33,7 +33,8 @@ from lensdiv.core.files import cache_root, folder_problem
 from lensdiv.core.progress import progress_bar
 from lensdiv.core.results import agg_figure
 from lensdiv.data.corpus import CORPUS_VERSION, QUERY_HOPS, KnowledgeBase, mixed_documents
-from lensdiv.data.sources import DataSpec, pack, token_batches
+from lensdiv.data.packing import pack
+from lensdiv.data.sources import DataSpec, token_batches
 from lensdiv.data.tokenizer import VOCAB_SIZE, byte_tokenizer
 
 TOY_VERSION = 1

@@ -29,7 +29,7 @@ from lensdiv.core.registry import make_analyzers
 from lensdiv.core.results import Rendered, Result
 from lensdiv.core.settings import RunSettings, settings_keywords
 from lensdiv.data.prefetch import ready_batches
-from lensdiv.data.sources import DataSpec, check_source
+from lensdiv.data.sources import DataSpec, check_source, most_tokens
 from lensdiv.models.load import load_model
 from lensdiv.ops.readout import readout_dtype
 from lensdiv.ops.translators import LOGIT, Translator, parse_lens
@@ -364,19 +364,21 @@ def _run(
                 run.problems.append(problem)
 
     # One fused stream over the corpus per numerics kind, then one stream per task analyzer.
-    groups: list[tuple[list[Analyzer], Callable[[], Iterable[Batch]], int]] = []
-    # A training (passes that read the data onward: Analyzer.pass_tokens) streams on its own.
+    # Each with the most tokens it can read (a progress bar's total until the data's end is
+    # known: the data tells it, see _stream). A training (passes that read the data onward:
+    # Analyzer.pass_tokens) streams on its own.
+    groups: list[tuple[list[Analyzer], Reader, int]] = []
     for kind in ("raw", "folded"):
         shared = [a for a in analyzers if a.numerics == kind and tasks[a.name] is None]
         corpus = partial(_checked, partial(ready_batches, spec, bridge.tokenizer), info)
         together = [a for a in shared if a.pass_tokens(info) is None]
         for group in ([together] if together else []) + [[a] for a in shared if a not in together]:
-            groups.append((group, corpus, spec.max_tokens))
+            groups.append((group, corpus, most_tokens(spec)))
         for a in analyzers:
             own = tasks[a.name]
             if a.numerics == kind and own is not None:
                 size = sum(b.n_tokens for b in own)
-                groups.append(([a], partial(iter, own), size))
+                groups.append(([a], partial(_own, own), size))
     stopped: BaseException | None = None
     try:
         feed.start()  # every process has its model: the run starts (and its manifest says so)
@@ -430,11 +432,14 @@ def _report(run: Run, model: Any) -> None:
 
 
 def _checked(
-    batches: Callable[[], Generator[Batch, None, None]], info: ModelInfo
+    batches: Callable[..., Generator[Batch, None, None]],
+    info: ModelInfo,
+    on_end: Callable[[int], None],
 ) -> Iterator[Batch]:
     """The corpus' batches (made ahead on a thread: :mod:`lensdiv.data.prefetch`), each checked
-    against the model before it is fed; closing this stream stops the thread."""
-    stream = batches()
+    against the model before it is fed; closing this stream stops the thread. ``on_end`` is
+    told the data's real tokens as soon as the reader reaches their end."""
+    stream = batches(on_end=on_end)
     try:
         yield from checked(stream, info)
     finally:
@@ -455,9 +460,18 @@ def _finish(
         save_manifest()
 
 
+# The batches of a group, told whom to call with their real tokens once the data is known to end.
+Reader = Callable[[Callable[[int], None]], Iterable[Batch]]
+
+
+def _own(batches: list[Batch], on_end: Callable[[int], None]) -> Iterator[Batch]:
+    """An analyzer's own examples (their tokens are known: ``on_end`` has nothing to add)."""
+    return iter(batches)
+
+
 def _stream(
     engine: Engine,
-    batches: Callable[[], Iterable[Batch]],
+    batches: Reader,
     total: int,
     run: Run,
     out_dir: Path | None,
@@ -499,28 +513,27 @@ def _stream(
                     break
                 if onward:
                     if shared is None:
-                        shared, bar = (
-                            batches(),
-                            stack.enter_context(
-                                _progress(progress, ", ".join(a.name for a in members))
-                            ),
+                        bar = stack.enter_context(
+                            _progress(progress, ", ".join(a.name for a in members))
                         )
-                        task = bar.add_task("training", total=total)
+                        steps = _Tally(bar, bar.add_task("training", total=total), feed)
+                        shared = batches(steps.ended)
                     assert engine.pass_tokens is not None
                     part = take_step(shared, engine.pass_tokens)
-                    feed.run_pass(engine, index, part, states, partial(_advance, bar, task))
+                    feed.run_pass(engine, index, part, states, steps.advance)
                     continue
                 label = ", ".join(a.name for a in members)
                 if n_passes > 1:
                     label += f" (pass {index + 1}/{n_passes})"
                 with _progress(progress, label) as bar:
-                    task = bar.add_task("analyzing", total=total)
-                    stream = batches()
+                    tally = _Tally(bar, bar.add_task("analyzing", total=total), feed)
+                    stream = batches(tally.ended)
                     try:
-                        feed.run_pass(engine, index, stream, states, partial(_advance, bar, task))
+                        feed.run_pass(engine, index, stream, states, tally.advance)
                     finally:  # a pass stopped early: the data's reader thread stops too
                         if isinstance(stream, Generator):
                             stream.close()
+                    tally.done()
     except (KeyboardInterrupt, LensdivError) as err:
         stopped = err
     except (MemoryError, torch.cuda.OutOfMemoryError) as err:
@@ -533,9 +546,30 @@ def _stream(
     return stopped
 
 
-def _advance(bar: Any, task: Any, batch: Batch) -> None:
-    """Progress: ``batch``'s tokens are done."""
-    bar.update(task, advance=batch.n_tokens)
+class _Tally:
+    """A pass's progress bar over tokens. Its total is the most tokens the data can hold until
+    the data's reader reaches their end and says how many there are (:meth:`ended`, on the
+    reader's thread); the bar takes them at the next batch. Only a :class:`LocalFeed` feeds
+    every batch in this process: a shard or a rank counts its share, its total set at the end."""
+
+    def __init__(self, bar: Any, task: Any, feed: Feed) -> None:
+        self.bar, self.task = bar, task
+        self.every = isinstance(feed, LocalFeed)
+        self.counted = 0
+        self.total: int | None = None
+
+    def ended(self, tokens: int) -> None:
+        self.total = tokens
+
+    def advance(self, batch: Batch) -> None:
+        self.counted += batch.n_tokens
+        known = {"total": self.total} if self.total is not None and self.every else {}
+        self.bar.update(self.task, advance=batch.n_tokens, **known)
+
+    def done(self) -> None:
+        """The pass ended without an error: this process read all its data."""
+        if self.total is not None or not self.every:
+            self.bar.update(self.task, total=self.counted)
 
 
 def _wrap_up(

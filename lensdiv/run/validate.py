@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import warnings
+import weakref
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -252,12 +253,19 @@ def check_runs(model: Any, info: ModelInfo) -> None:
     """The model runs: one forward pass over a few tokens, reading every residual state and the
     logits as a run does. TransformerLens boots some architectures it cannot run (a component
     adapter that does not match the installed ``transformers``): that is said once, here, not
-    by every analyzer after the data was read.
+    by every analyzer after the data was read. Once per model: a later run on the same model
+    (same dtype, device, weights and compatibility mode) does not probe it again.
 
     Raises:
         ModelLoadError: The forward pass fails, naming the architecture and the error.
         OptionError: It runs out of memory.
     """
+    key: tuple[Any, ...] | None = _probe_key(model)
+    try:
+        if _PROBED.get(model) == key:
+            return
+    except TypeError:  # a model that cannot be weakly referenced: probed every time
+        key = None
     tokens = torch.arange(min(8, info.d_vocab, info.n_ctx or 8))[None].to(input_device(model))
     names = [info.resid(layer) for layer in range(info.n_layers + 1)]
     try:
@@ -280,6 +288,25 @@ def check_runs(model: Any, info: ModelInfo) -> None:
             f"{_version('transformer-lens')} / transformers {_version('transformers')}; try "
             "other versions of them, or another model",
         ) from None
+    if key is not None:
+        _PROBED[model] = key
+
+
+# The models that passed the probe, with what it ran on: a later run on the same model skips it
+# (a forward pass, a run's largest fixed cost on a loaded machine) unless the model was moved to
+# another dtype or device, its weights replaced (folding) or its compatibility mode switched.
+_PROBED: weakref.WeakKeyDictionary[Any, tuple[Any, ...]] = weakref.WeakKeyDictionary()
+
+
+def _probe_key(model: Any) -> tuple[Any, ...]:
+    """What the probe's success depends on, beyond the model object: its first weight's dtype,
+    device and storage, and the compatibility mode."""
+    weight = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
+    where: tuple[Any, ...] = ()
+    if weight is not None:
+        ptr = weight.data_ptr() if weight.device.type != "meta" else id(weight)
+        where = (weight.dtype, str(weight.device), ptr)
+    return (bool(getattr(model, "compatibility_mode", False)), *where)
 
 
 def _version(package: str) -> str:

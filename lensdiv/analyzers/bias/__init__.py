@@ -62,7 +62,7 @@ from lensdiv.core.analyzer import Analyzer, Batch, ModelInfo, Step
 from lensdiv.core.errors import DataError
 from lensdiv.core.results import Result
 from lensdiv.core.stats import Stats
-from lensdiv.data.sources import read_task_jsonl
+from lensdiv.data.tasks import read_task_jsonl
 from lensdiv.ops.members import keep_chunks, member_hooks, member_inputs, member_readout
 from lensdiv.ops.readout import final_readout, lens_of
 
