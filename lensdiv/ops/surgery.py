@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,10 +128,8 @@ def apply_block(
         seen["h"] = tensor
         raise _Done
 
-    try:
+    with suppress(_Done):
         resumer.run(tokens, block, x, [(f"blocks.{block}.hook_resid_post", stop)], logits=False)
-    except _Done:
-        pass
     return seen["h"].to(x.device)
 
 
@@ -219,9 +218,7 @@ def mean_sem(total: Tensor, squares: Tensor, count: Tensor | float) -> tuple[Ten
 
 
 # -- the cheap signals -----------------------------------------------------------------------------
-def cosines(
-    a: Float[Tensor, "... d"], b: Float[Tensor, "... d"]
-) -> Float[Tensor, "..."]:
+def cosines(a: Float[Tensor, "... d"], b: Float[Tensor, "... d"]) -> Float[Tensor, ...]:
     """``cos(a, b)`` per vector, in float64 (clamped to [−1, 1]; 1 for two zero vectors)."""
     a, b = a.double(), b.double()
     norms = a.norm(dim=-1) * b.norm(dim=-1)

@@ -11,9 +11,9 @@ import torch
 from torch import Tensor
 
 from lensdiv.analyzers.linmap import spearman
+from lensdiv.analyzers.surgery.prune import Prune, greedy_chosen
 from lensdiv.core.analyzer import ModelInfo
 from lensdiv.core.stats import Stats
-from lensdiv.analyzers.surgery.prune import Prune, greedy_chosen
 from lensdiv.ops.surgery import SUMS, linearity, mean_sem
 
 # The true effects (name: (sum key, square key, count key)).
@@ -80,7 +80,9 @@ class PruneNumbers:
         bi = state["bi"].cpu() / max(float(state["n_all"]), 1.0)
         lin = None
         if "lin_n" in state:
-            lin = linearity(float(state["lin_n"]), state["lin_sx"], state["lin_sxx"], state["lin_sxy"])
+            lin = linearity(
+                float(state["lin_n"]), state["lin_sx"], state["lin_sxx"], state["lin_sxy"]
+            )
         signals = signal_grids(state, bi, lin, L, N, valid)
         curves, greedy = _curves(state, effects["kl"][0], L, N, options.curves)
         if options.curves:
@@ -140,6 +142,7 @@ def signal_grids(
     """Predicted cost of removing ``(ℓ, n)`` by each signal: the sum of block influence over the
     range, the angular distance ``d(h_ℓ, h_{ℓ+n})`` (last token; all tokens), the sum of
     ``1 − linearity`` over the range."""
+
     def range_sum(per_block: Tensor) -> Tensor:
         grid = torch.full((L, N), math.nan, dtype=torch.float64)
         for s in range(L):
@@ -163,7 +166,9 @@ def _curves(
     state: Stats, kl: Tensor, L: int, N: int, measured: bool
 ) -> tuple[dict[str, list[float]], list[int]]:
     """The contiguous-best curve (from the grid), and the greedy one (from passes 1..N)."""
-    best = [0.0] + [float(torch.nan_to_num(kl[:, n - 1], nan=math.inf).min()) for n in range(1, N + 1)]
+    best = [0.0] + [
+        float(torch.nan_to_num(kl[:, n - 1], nan=math.inf).min()) for n in range(1, N + 1)
+    ]
     curves = {"contiguous_best": best}
     if not measured:
         return curves, []

@@ -69,7 +69,8 @@ def present(numbers: PruneNumbers, options: Prune) -> Result:
             "block_runs_floor_per_row": sum(L - s - n for s, n in cells),
             "resume": numbers.resume,
             "spearman_overall": numbers.overall_spearman("kl"),
-            "bos": "intervened on; " + ("left out of" if options.exclude_bos else "in")
+            "bos": "intervened on; "
+            + ("left out of" if options.exclude_bos else "in")
             + " every statistic",
         },
     )

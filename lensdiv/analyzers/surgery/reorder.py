@@ -18,6 +18,7 @@ intervened range are not run again (each block is applied by resuming at it).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -133,17 +134,21 @@ def _present(
         columns[metric] = mean.tolist()
         columns[f"{metric}_sem"] = sem.tolist()
     kl = stats["kl"][0]
-    swaps = {
-        "block": list(range(L - 1)),
-        "kl_swap": [float(kl[at[f"swap{s}"]]) for s in range(L - 1)],
-        "kl_remove": [float(kl[at[f"remove{s}"]]) for s in range(L - 1)],
-        "dce_swap": [float(stats["dce"][0][at[f"swap{s}"]]) for s in range(L - 1)],
-        "dce_remove": [float(stats["dce"][0][at[f"remove{s}"]]) for s in range(L - 1)],
+    dce = stats["dce"][0]
+    nan = float("nan")  # the last block has no block after it to swap with
+    swaps: dict[str, list[Any]] = {
+        "block": list(range(L)),
+        "kl_swap": [float(kl[at[f"swap{s}"]]) if s < L - 1 else nan for s in range(L)],
+        "kl_remove": [float(kl[at[f"remove{s}"]]) for s in range(L)],
+        "dce_swap": [float(dce[at[f"swap{s}"]]) if s < L - 1 else nan for s in range(L)],
+        "dce_remove": [float(dce[at[f"remove{s}"]]) for s in range(L)],
     }
     middle = [n for n in names if not n.startswith(("swap", "remove"))]
     worst = max(middle, key=lambda n: float(kl[at[n]]))
     gentlest = min(middle, key=lambda n: float(kl[at[n]]))
-    cheaper = sum(s < r for s, r in zip(swaps["kl_swap"], swaps["kl_remove"], strict=True))
+    cheaper = sum(
+        s < r for s, r in zip(swaps["kl_swap"][:-1], swaps["kl_remove"][:-1], strict=True)
+    )
     summary = (
         f"On the middle range of blocks {a}..{b - 1}, {gentlest} moves the output least "
         f"(KL {float(kl[at[gentlest]]):.3g} nats) and {worst} most "
@@ -177,7 +182,8 @@ def _present(
             "middle": [a, b],
             "clean_ce": float(clean["ce"][0][0]),
             "resume": resume,
-            "bos": "intervened on; " + ("left out of" if options.exclude_bos else "in")
+            "bos": "intervened on; "
+            + ("left out of" if options.exclude_bos else "in")
             + " every statistic",
         },
     )
