@@ -1,4 +1,4 @@
-"""Depth surgery (docs/science.md A7, A8): ``prune`` and ``reorder`` against the identities their
+"""Depth surgery (docs/science.md E1, E2): ``prune`` and ``reorder`` against the identities their
 sections state — removing nothing or the identity order is the full model bit for bit, removing
 the last ``n`` blocks is the logit lens of ``h_{L−n}``, one block is ``skip``'s whole-block skip,
 a set is ``submod``'s removal value, the signals are plain float64 arithmetic — and the analyzer

@@ -1,4 +1,4 @@
-"""Depth surgery (docs/science.md A7, A8): remove a range of blocks, or run a range of blocks in
+"""Depth surgery (docs/science.md E1, E2): remove a range of blocks, or run a range of blocks in
 another order, and read what the model then outputs; and the cheap signals that are meant to
 predict the effect from the clean pass alone.
 

@@ -1,4 +1,4 @@
-"""Depth surgery (docs/science.md A7, A8): ``prune`` removes ranges of blocks, ``reorder`` swaps,
+"""Depth surgery (docs/science.md E1, E2): ``prune`` removes ranges of blocks, ``reorder`` swaps,
 reverses, shuffles, repeats, loops or parallelises them; both read what the model then outputs.
 
 The interventions are :mod:`lensdiv.ops.surgery`; ``prune`` is in :mod:`.prune` (the numbers of

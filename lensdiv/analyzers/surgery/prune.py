@@ -1,4 +1,4 @@
-"""``prune`` — remove a range of blocks (docs/science.md A7).
+"""``prune`` — remove a range of blocks (docs/science.md E1).
 
 For every start ``ℓ`` and length ``n ≤ max_n``: the true effect of removing blocks
 ``ℓ..ℓ+n−1`` (``h_{ℓ+n} := h_ℓ`` at every position, BOS included) on the output — KL to the full

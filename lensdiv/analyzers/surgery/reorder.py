@@ -1,4 +1,4 @@
-"""``reorder`` — run blocks in another order (docs/science.md A8).
+"""``reorder`` — run blocks in another order (docs/science.md E2).
 
 Variants, each measured by the same output metrics as ``prune`` (KL to the full output in the
 ``lens`` direction, next-token CE and its change, top-1 agreement and accuracy):
