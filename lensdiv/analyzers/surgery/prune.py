@@ -48,6 +48,8 @@ class Prune(Analyzer):
             removal (one more pass over the data per block removed).
         linearity: Compute the linearity score of each block (``d_model²`` moments per state).
         chunk: Interventions stacked in one forward pass (``0``: all that resume at one block).
+        resume: Resume each removal from the cached clean residual (``False``: run every block
+            of every intervened pass, the full-forward-pass reference of ``bench/``).
     """
 
     name = "prune"
@@ -61,6 +63,7 @@ class Prune(Analyzer):
     curves: bool = True
     linearity: bool = True
     chunk: int = 0
+    resume: bool = True
 
     def __post_init__(self) -> None:
         if self.max_n < 0:
@@ -91,7 +94,7 @@ class Prune(Analyzer):
     def _grid(self, state: Stats, step: Step, keep: torch.Tensor) -> None:
         info = step.info
         L, N = info.n_layers, self.longest(info)
-        resumer = resumer_for(step)
+        resumer = resumer_for(step, fast=self.resume)
         cells = grid_cells(L, N)
         masks = [range_mask(L, s, n) for s, n in cells]
         grid = torch.zeros(len(SUMS), L, N, dtype=torch.float64, device=keep.device)
@@ -122,7 +125,7 @@ class Prune(Analyzer):
     def _curve_step(self, state: Stats, step: Step, keep: torch.Tensor, k: int) -> None:
         """Pass ``k``: the ``k`` blocks of least block influence, and greedy step ``k``."""
         L = step.info.n_layers
-        resumer = resumer_for(step)
+        resumer = resumer_for(step, fast=self.resume)
         order = influence_order(state["bi"])
         chosen = greedy_chosen(state, k - 1)
         candidates = [b for b in range(L) if b not in chosen]
