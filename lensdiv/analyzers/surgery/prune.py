@@ -143,6 +143,8 @@ class Prune(Analyzer):
     def finalize(self, state: Stats, info: ModelInfo) -> Result:
         # Imported here to keep the start-up of the CLI (which lists every analyzer) fast.
         from lensdiv.analyzers.surgery.numbers import PruneNumbers
+
+        # (start-up, as above; and numbers imports this module at its top)
         from lensdiv.analyzers.surgery.present import present
 
         if "grid" not in state:
