@@ -1,0 +1,159 @@
+"""The result of a ``prune`` run: tables, arrays, figures (with what each source claimed) and the
+summary, from :class:`~lensdiv.analyzers.surgery.numbers.PruneNumbers`."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from lensdiv.analyzers.surgery.numbers import METRICS, PruneNumbers
+from lensdiv.analyzers.surgery.prune import Prune
+from lensdiv.core.results import Plot, Result, Table
+
+_SIGNAL_LABELS = {
+    "block_influence": "Σ block influence 1 − cos(h_j, h_{j+1}) over the range (ShortGPT)",
+    "angular_last": "angular distance arccos(cos(h_ℓ, h_{ℓ+n}))/π, last token (Gromov et al.)",
+    "angular_all": "angular distance arccos(cos(h_ℓ, h_{ℓ+n}))/π, all tokens",
+    "linearity": "Σ (1 − linearity score) over the range (Razzhigaev et al.)",
+}
+
+
+def present(numbers: PruneNumbers, options: Prune) -> Result:
+    """Tables, arrays, plots and summary of a prune run."""
+    L, N = numbers.n_layers, numbers.longest
+    grid: dict[str, list[Any]] = {"start": [], "n": []}
+    for s in range(L):
+        for n in range(1, min(N, L - s) + 1):
+            grid["start"].append(s)
+            grid["n"].append(n)
+    cells = list(zip(grid["start"], grid["n"], strict=True))
+    for name, (mean, sem) in numbers.effects.items():
+        grid[name] = [float(mean[s, n - 1]) for s, n in cells]
+        grid[f"{name}_sem"] = [float(sem[s, n - 1]) for s, n in cells]
+    for name, values in numbers.signals.items():
+        grid[name] = [float(values[s, n - 1]) for s, n in cells]
+    picks = numbers.picks("kl")
+    pick_cols = {key: [row.get(key, math.nan) for row in picks] for key in picks[0]}
+    curve_cols = {"removed": list(range(N + 1)), **numbers.curves}
+    kl, dce = numbers.effects["kl"][0], numbers.effects["dce"][0]
+    blocks: dict[str, list[Any]] = {
+        "block": list(range(L)),
+        "kl_remove": kl[:, 0].tolist(),
+        "dce_remove": dce[:, 0].tolist(),
+        "agree_remove": numbers.effects["agree"][0][:, 0].tolist(),
+        "block_influence": numbers.block_influence.tolist(),
+    }
+    if numbers.linearity is not None:
+        blocks["linearity"] = numbers.linearity.tolist()
+    tables = {
+        "grid": Table("grid", grid, "True effect of removing blocks ℓ..ℓ+n−1, and each signal"),
+        "picks": Table("picks", pick_cols, "Per length n: best start vs each signal's pick (KL)"),
+        "curves": Table("curves", curve_cols, "KL to the full output after removing k blocks"),
+        "blocks": Table("blocks", blocks, "Removing one block at a time, and its signals"),
+    }
+    arrays = {f"true_{name}": numbers.effects[name][0].numpy() for name in METRICS}
+    arrays.update({f"signal_{name}": grid_.numpy() for name, grid_ in numbers.signals.items()})
+    return Result(
+        analyzer=options.name,
+        summary=_summary(numbers),
+        tables=tables,
+        arrays=arrays,
+        plots=_plots(numbers),
+        meta={
+            "positions": numbers.positions,
+            "longest": N,
+            "clean_ce": numbers.clean["ce"],
+            "clean_top1": numbers.clean["top1"],
+            "greedy_order": numbers.greedy_order,
+            "block_runs_per_row": numbers.block_runs_per_row,
+            "block_runs_floor_per_row": sum(L - s - n for s, n in cells),
+            "resume": numbers.resume,
+            "spearman_overall": numbers.overall_spearman("kl"),
+            "bos": "intervened on; "
+            + ("left out of" if options.exclude_bos else "in")
+            + " every statistic",
+        },
+    )
+
+
+def _summary(numbers: PruneNumbers) -> str:
+    L = numbers.n_layers
+    kl = numbers.effects["kl"][0][:, 0]
+    easiest = int(kl.argmin())
+    hardest = int(kl.argmax())
+    picks = numbers.picks("kl")
+    regrets = {
+        name: sum(row.get(f"{name}_regret", 0.0) for row in picks) / len(picks)
+        for name in numbers.signals
+    }
+    best_signal = min(regrets, key=lambda k: regrets[k])
+    rho = numbers.overall_spearman("kl")
+    return (
+        f"Removing one of the {L} blocks moves the output least for block {easiest} "
+        f"(KL {float(kl[easiest]):.3g} nats) and most for block {hardest} "
+        f"(KL {float(kl[hardest]):.3g}). Of the cheap signals, {best_signal} picks the "
+        f"cheapest range best (mean regret {regrets[best_signal]:.3g} nats over n = "
+        f"1..{numbers.longest}); rank correlations with the true KL over the grid: "
+        + ", ".join(f"{k} {v:.2f}" for k, v in rho.items())
+        + f". Full model: CE {numbers.clean['ce']:.3g} nats over {numbers.positions} positions."
+    )
+
+
+def _plots(numbers: PruneNumbers) -> tuple[Plot, ...]:
+    heat = [
+        Plot(
+            "heatmap",
+            "prune_true_kl",
+            "True effect of removing n blocks from ℓ",
+            "true_kl",
+            xlabel="blocks removed n − 1",
+            ylabel="first removed block ℓ",
+            clabel="KL(p_removed ‖ p_out) (nats)",
+            caption="Blank cells: ℓ + n > L. Gromov et al. report that ranges ending at the "
+            "last blocks (but not the very last) are the cheapest to remove.",
+        )
+    ]
+    for name in numbers.signals:
+        heat.append(
+            Plot(
+                "heatmap",
+                f"prune_signal_{name}",
+                f"Cheap signal: {name}",
+                f"signal_{name}",
+                xlabel="blocks removed n − 1",
+                ylabel="first removed block ℓ",
+                clabel=_SIGNAL_LABELS[name],
+                caption="Lower = predicted more removable; compare with the true KL heatmap. "
+                "Gromov et al. remove the range of least angular distance, ShortGPT the blocks "
+                "of least block influence.",
+            )
+        )
+    curves = tuple(k for k in numbers.curves)
+    return (
+        *heat,
+        Plot(
+            "line",
+            "prune_curves",
+            "Pruning curves",
+            "curves",
+            x="removed",
+            y=curves,
+            xlabel="blocks removed k",
+            ylabel="KL to the full output (nats)",
+            caption="contiguous_best: the best range of k blocks; block_influence_order: the "
+            "k blocks of least influence (ShortGPT's claim: close to the best); greedy: one "
+            "block at a time, each the truly cheapest. No healing (fine-tuning) afterwards.",
+        ),
+        Plot(
+            "line",
+            "prune_blocks",
+            "Removing one block",
+            "blocks",
+            x="block",
+            y=("kl_remove", "block_influence"),
+            xlabel="removed block ℓ",
+            ylabel="KL (nats); 1 − cos",
+            caption="The sources claim deeper blocks are more removable than early ones, and "
+            "the first and the last block are the most critical.",
+        ),
+    )

@@ -1,0 +1,171 @@
+"""``prune`` — remove a range of blocks (docs/science.md E1).
+
+For every start ``ℓ`` and length ``n ≤ max_n``: the true effect of removing blocks
+``ℓ..ℓ+n−1`` (``h_{ℓ+n} := h_ℓ`` at every position, BOS included) on the output — KL to the full
+model's output (``KL(p_removed ‖ p_out)``, the ``lens`` direction), next-token cross-entropy and
+its change, top-1 agreement with the full model and top-1 accuracy — at every real position
+(``exclude_bos`` leaves the first out of every statistic). Beside it, the cheap signals of the
+clean pass: block influence (ShortGPT), angular distance (Gromov et al.; last token and all
+tokens), linearity (Razzhigaev et al.); which start each signal picks per ``n``, and its regret.
+
+Passes: the grid and the signals in pass 0; with ``curves``, pass ``k ≥ 1`` removes the ``k``
+blocks of least block influence and runs greedy step ``k`` (every remaining block tried on top of
+the blocks greedy removed so far). Every statistic is a sum over positions: shards merge.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lensdiv.core.analyzer import Analyzer, ModelInfo, Step
+from lensdiv.core.results import Result
+from lensdiv.core.stats import Stats
+from lensdiv.ops.resume import resumer_for
+from lensdiv.ops.surgery import (
+    SUMS,
+    grid_cells,
+    last_positions,
+    moment_update,
+    output_sums,
+    range_mask,
+    removed_finals,
+    set_mask,
+    signal_sums,
+)
+
+
+@dataclass(frozen=True)
+class Prune(Analyzer):
+    """True effect of removing every range of blocks, and the cheap signals that should predict it.
+
+    Args:
+        max_n: Longest range removed (``0``: half the depth, at least 1).
+        exclude_bos: Leave the first (BOS) position out of every statistic (it is intervened
+            on all the same).
+        curves: Also draw the pruning curves of block-influence order and of greedy true
+            removal (one more pass over the data per block removed).
+        linearity: Compute the linearity score of each block (``d_model²`` moments per state).
+        chunk: Interventions stacked in one forward pass (``0``: all that resume at one block).
+        resume: Resume each removal from the cached clean residual (``False``: run every block
+            of every intervened pass, the full-forward-pass reference of ``bench/``).
+    """
+
+    name = "prune"
+    aliases = ("prune-blocks", "shortgpt")
+    description = "Depth surgery: true effect of removing each range of blocks vs cheap signals"
+    depth_profiles = ("blocks.kl_remove", "blocks.block_influence")
+    extra_forwards = True
+
+    max_n: int = 0
+    exclude_bos: bool = False
+    curves: bool = True
+    linearity: bool = True
+    chunk: int = 0
+    resume: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_n < 0:
+            raise ValueError(f"max_n must be 0 (half the depth) or positive, got {self.max_n}")
+        if self.chunk < 0:
+            raise ValueError(f"chunk must be 0 (auto) or positive, got {self.chunk}")
+
+    def longest(self, info: ModelInfo) -> int:
+        """``N``: the longest range removed on this model."""
+        return min(self.max_n or max(1, info.n_layers // 2), info.n_layers)
+
+    def n_passes(self, info: ModelInfo) -> int:
+        """The grid, then one pass per point of the block-influence and greedy curves."""
+        return 1 + (self.longest(info) if self.curves else 0)
+
+    def hooks(self, info: ModelInfo) -> list[str]:
+        return [info.resid(layer) for layer in range(info.n_layers + 1)]
+
+    def update(self, state: Stats, step: Step) -> None:
+        keep = step.batch.positions(exclude_bos=self.exclude_bos)
+        if not keep.any():
+            return
+        if step.pass_index == 0:
+            self._grid(state, step, keep)
+        else:
+            self._curve_step(state, step, keep, step.pass_index)
+
+    def _grid(self, state: Stats, step: Step, keep: torch.Tensor) -> None:
+        info = step.info
+        L, N = info.n_layers, self.longest(info)
+        resumer = resumer_for(step, fast=self.resume)
+        cells = grid_cells(L, N)
+        masks = [range_mask(L, s, n) for s, n in cells]
+        grid = torch.zeros(len(SUMS), L, N, dtype=torch.float64, device=keep.device)
+        runs_before = resumer.blocks_run
+        for indices, finals in removed_finals(step, masks, resumer, chunk=self.chunk):
+            sums = output_sums(step, list(finals), keep)
+            for j, index in enumerate(indices):
+                s, n = cells[index]
+                for i, key in enumerate(SUMS):
+                    grid[i, s, n - 1] = sums[key][j]
+        state.add("block_runs", resumer.blocks_run - runs_before)
+        state.add("rows", step.batch.tokens.shape[0])
+        state.add("grid", grid)
+        if resumer.mode is not None:
+            state.include("resume", resumer.mode)
+        clean = output_sums(step, [step.resid(L)], keep)
+        state.add("clean", torch.stack([clean[key][0] for key in SUMS]))
+        h = [step.resid(layer) for layer in range(L + 1)]
+        last = last_positions(step.batch.mask)
+        signals = signal_sums(h, keep, last & keep, N)
+        state.add("n_all", keep.sum())
+        state.add("n_last", (last & keep).sum())
+        for key, value in signals.items():
+            state.add(key, value)
+        if self.linearity:
+            moment_update(state.add, h, keep)
+
+    def _curve_step(self, state: Stats, step: Step, keep: torch.Tensor, k: int) -> None:
+        """Pass ``k``: the ``k`` blocks of least block influence, and greedy step ``k``."""
+        L = step.info.n_layers
+        resumer = resumer_for(step, fast=self.resume)
+        order = influence_order(state["bi"])
+        chosen = greedy_chosen(state, k - 1)
+        candidates = [b for b in range(L) if b not in chosen]
+        masks = [set_mask(L, order[:k])] + [set_mask(L, [*chosen, b]) for b in candidates]
+        sums = torch.zeros(len(masks), len(SUMS), dtype=torch.float64, device=keep.device)
+        for indices, finals in removed_finals(step, masks, resumer, chunk=self.chunk):
+            out = output_sums(step, list(finals), keep)
+            for i, key in enumerate(SUMS):
+                sums[indices, i] = out[key]
+        greedy = torch.zeros(L, len(SUMS), dtype=torch.float64, device=keep.device)
+        greedy[candidates] = sums[1:]
+        state.add(f"bi_curve{k}", sums[0])
+        state.add(f"greedy{k}", greedy)
+
+    def finalize(self, state: Stats, info: ModelInfo) -> Result:
+        # Imported here to keep the start-up of the CLI (which lists every analyzer) fast.
+        from lensdiv.analyzers.surgery.numbers import PruneNumbers
+
+        # (start-up, as above; and numbers imports this module at its top)
+        from lensdiv.analyzers.surgery.present import present
+
+        if "grid" not in state:
+            raise ValueError("no position was measured; use longer sequences or more data")
+        return present(PruneNumbers.from_state(state, info, self), self)
+
+
+def influence_order(bi: torch.Tensor) -> list[int]:
+    """Blocks in the order ShortGPT removes them: least block influence first (ties: earlier)."""
+    values = bi.tolist()
+    return sorted(range(len(values)), key=lambda b: (values[b], b))
+
+
+def greedy_chosen(state: Stats, steps: int) -> list[int]:
+    """The blocks greedy removal chose in its first ``steps`` steps (least mean KL each step)."""
+    chosen: list[int] = []
+    for k in range(1, steps + 1):
+        sums = state.get(f"greedy{k}")
+        if sums is None:
+            break
+        kl = sums[:, SUMS.index("kl")] / sums[:, SUMS.index("n")].clamp_min(1.0)
+        free = [b for b in range(kl.shape[0]) if b not in chosen]
+        chosen.append(min(free, key=lambda b: (float(kl[b]), b)))
+    return chosen

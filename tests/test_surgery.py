@@ -1,0 +1,278 @@
+"""Depth surgery (docs/science.md E1, E2): ``prune`` and ``reorder`` against the identities their
+sections state — removing nothing or the identity order is the full model bit for bit, removing
+the last ``n`` blocks is the logit lens of ``h_{L−n}``, one block is ``skip``'s whole-block skip,
+a set is ``submod``'s removal value, the signals are plain float64 arithmetic — and the analyzer
+contract (shards merge)."""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import os
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from lensdiv.analyzers.lens import LogitLens
+from lensdiv.analyzers.surgery import Prune, Reorder
+from lensdiv.analyzers.surgery.numbers import PruneNumbers
+from lensdiv.core.analyzer import ModelInfo, Step
+from lensdiv.core.stats import Stats
+from lensdiv.data.sources import DataSpec
+from lensdiv.ops.readout import final_readout
+from lensdiv.ops.resume import Resumer
+from lensdiv.ops.skipping import Intervals, skip_effects
+from lensdiv.ops.subsets import removal_scores
+from lensdiv.ops.surgery import (
+    Program,
+    cosines,
+    last_positions,
+    linearity,
+    moment_update,
+    output_sums,
+    program_final,
+    range_mask,
+    removed_finals,
+    set_mask,
+    signal_sums,
+)
+from lensdiv.run.runner import analyze, load_run
+from lensdiv.testing import check_analyzer
+from lensdiv.testing.contract import assert_results_close
+from lensdiv.testing.models import save_tiny_model
+from tests.helpers import random_step
+
+ARCHS = ["gpt2", "llama", "neox", "native"]
+
+
+def make_step(model: Any, seed: int = 0, width: int = 24) -> Step:
+    info = ModelInfo.from_model(model)
+    names = [info.resid(layer) for layer in range(info.n_layers + 1)]
+    return random_step(model, names, rows=3, width=width, pad=7, seed=seed)
+
+
+def finals_of(step: Step, masks: list[int]) -> list[torch.Tensor]:
+    """Final residuals of each mask, in the order of ``masks``."""
+    out: list[Any] = [None] * len(masks)
+    for indices, finals in removed_finals(step, masks, Resumer(step.model)):
+        for j, i in enumerate(indices):
+            out[i] = finals[j]
+    return out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_removing_nothing_and_the_identity_order_are_the_full_model(model: Any) -> None:
+    step = make_step(model)
+    L = step.info.n_layers
+    clean = step.resid(L)
+    (nothing,) = finals_of(step, [range_mask(L, 0, 0)])
+    assert torch.equal(nothing, clean)
+    resumer = Resumer(model)
+    for a, b in [(0, L), (L // 4, L - L // 4), (1, 2)]:
+        same = program_final(step, Program(a, b, tuple(range(a, b))), resumer)
+        assert torch.equal(same, clean), (a, b)
+    sums = output_sums(step, [nothing], step.batch.mask)
+    assert float(sums["kl"][0]) == 0.0 and float(sums["dce"][0]) == 0.0
+    assert float(sums["agree"][0]) == float(sums["n"][0])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_removing_the_last_blocks_is_the_lens_readout(model: Any) -> None:
+    step = make_step(model, seed=1)
+    L = step.info.n_layers
+    lens = Stats()
+    LogitLens().update(lens, step)
+    lens_kl = lens["kl"] / float(lens["n"])  # KL(p_l ‖ p_out) per state h_l
+    lens_ce = lens["ce"] / float(lens["n_target"])
+    for n in range(1, L + 1):
+        (final,) = finals_of(step, [range_mask(L, L - n, n)])
+        assert torch.equal(final, step.resid(L - n))
+        sums = output_sums(step, [final], step.batch.mask)
+        assert float(sums["kl"][0] / sums["n"][0]) == pytest.approx(
+            float(lens_kl[L - n]), rel=1e-6, abs=1e-9
+        )
+        assert float(sums["ce"][0] / sums["n_target"][0]) == pytest.approx(
+            float(lens_ce[L - n]), rel=1e-6
+        )
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_removing_one_block_is_skip_current_at_the_same_positions(model: Any) -> None:
+    step = make_step(model, seed=2)
+    L = step.info.n_layers
+    mask = step.batch.mask
+    rows = torch.arange(mask.shape[0])
+    intervals = Intervals(rows=rows, skip=mask.clone(), measure=mask.clone())
+    _, output = skip_effects(step, intervals)  # max over positions of ‖p − p̃‖₂
+    readout = final_readout(model)
+    clean = readout.probabilities(step.resid(L)[mask])
+    for s in range(L):
+        (final,) = finals_of(step, [range_mask(L, s, 1)])
+        dist = (readout.probabilities(final[mask]) - clean).norm(dim=-1).double()
+        per_pos = torch.zeros(mask.shape, dtype=torch.float64)
+        per_pos[mask] = dist
+        torch.testing.assert_close(per_pos.amax(1), output[:, s], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_removing_a_set_is_submod_removal(model: Any) -> None:
+    step = make_step(model, seed=3)
+    L = step.info.n_layers
+    targets, has_target = step.batch.next_tokens()
+    keep = step.batch.mask & has_target
+    removed = [0, L - 1] if L > 2 else [1]
+    mask = set_mask(L, removed)
+    (final,) = finals_of(step, [mask])
+    ours = output_sums(step, [final], keep)
+    F = removal_scores(step, [mask], keep, targets, Resumer(model), metric="neg_ce")
+    assert float(-F[0]) == pytest.approx(float(ours["ce"][0]), rel=1e-6)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_signals_are_plain_float64_arithmetic(model: Any) -> None:
+    step = make_step(model, seed=4)
+    L = step.info.n_layers
+    mask = step.batch.mask
+    h = [step.resid(layer) for layer in range(L + 1)]
+    last = last_positions(mask)
+    sums = signal_sums(h, mask, last, L)
+    H = [x.detach().double().numpy() for x in h]
+    where = list(zip(*np.nonzero(mask.numpy()), strict=True))
+    ends = [(r, int(mask[r].sum()) - 1) for r in range(mask.shape[0])]
+    for s in range(L):
+        for n in range(1, L - s + 1):
+            def cos(r: int, t: int, s: int = s, n: int = n) -> float:
+                a, b = H[s][r, t], H[s + n][r, t]
+                return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+            if n == 1:
+                bi = sum(1 - cos(r, t) for r, t in where)
+                assert float(sums["bi"][s]) == pytest.approx(bi, rel=1e-9, abs=1e-12)
+            angle = sum(math.acos(max(-1.0, min(1.0, cos(r, t)))) / math.pi for r, t in where)
+            assert float(sums["ang_all"][s, n - 1]) == pytest.approx(angle, rel=1e-9, abs=1e-9)
+            at_end = sum(math.acos(max(-1.0, min(1.0, cos(r, t)))) / math.pi for r, t in ends)
+            assert float(sums["ang_last"][s, n - 1]) == pytest.approx(at_end, rel=1e-9, abs=1e-9)
+    assert float(cosines(torch.zeros(3), torch.zeros(3))) == 1.0
+
+
+def test_linearity_is_the_r2_of_a_least_squares_map() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(400, 6, generator=g, dtype=torch.float64)
+    y_lin = x @ torch.randn(6, 6, generator=g, dtype=torch.float64) + 3.0
+    y = y_lin + 0.5 * torch.randn(400, 6, generator=g, dtype=torch.float64) ** 2
+    state = Stats()
+    keep = torch.ones(1, 400, dtype=torch.bool)
+    moment_update(state.add, [x[None], y[None], y_lin[None]], keep)
+    score = linearity(float(state["lin_n"]), state["lin_sx"], state["lin_sxx"], state["lin_sxy"])
+    xc = np.c_[x.numpy(), np.ones(400)]
+    for i, target in enumerate([y.numpy()]):
+        coef, *_ = np.linalg.lstsq(xc, target, rcond=None)
+        resid = ((xc @ coef - target) ** 2).sum()
+        total = ((target - target.mean(0)) ** 2).sum()
+        assert float(score[i]) == pytest.approx(1 - resid / total, rel=1e-6)
+    assert 0.0 < float(score[0]) < 1.0
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_prune_numbers_pick_the_true_best_and_greedy_starts_at_it(model: Any) -> None:
+    """The analyzer's state through all its passes: the best start per n is the grid's
+    minimum, regrets are never negative, greedy's first step is the best single block."""
+    info = ModelInfo.from_model(model)
+    analyzer = Prune()
+    state = analyzer.init(info)
+    steps = [make_step(model, seed=s) for s in (5, 6)]
+    for index in range(analyzer.n_passes(info)):
+        for step in steps:
+            step.context.pass_index = index
+            analyzer.update(state, step)
+        state.freeze()
+    numbers = PruneNumbers.from_state(state, info, analyzer)
+    kl = numbers.effects["kl"][0]
+    for row in numbers.picks():
+        n = row["n"]
+        column = kl[: info.n_layers - n + 1, n - 1]
+        assert row["best"] == pytest.approx(float(column.min()))
+        assert all(row[k] >= 0 for k in row if k.endswith("_regret"))
+    assert numbers.curves["greedy"][1] == pytest.approx(numbers.curves["contiguous_best"][1])
+    assert numbers.greedy_order[0] == int(kl[:, 0].argmin())
+    assert numbers.block_runs_per_row == sum(
+        info.n_layers - s - n
+        for n in range(1, numbers.longest + 1)
+        for s in range(info.n_layers - n + 1)
+    )
+    result = analyzer.finalize(state, info)
+    assert set(result.tables) == {"grid", "picks", "curves", "blocks"}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_reorder_variants_are_their_definitions(model: Any) -> None:
+    step = make_step(model, seed=7)
+    L = step.info.n_layers
+    resumer = Resumer(model)
+    clean = step.resid(L)
+    # A loop of one is the block itself; parallel of one block is that block.
+    assert torch.equal(program_final(step, Program(1, 2, (1,)), resumer), clean)
+    one = program_final(step, Program(0, 1, (0,), mode="parallel"), resumer)
+    torch.testing.assert_close(one, clean, atol=1e-5, rtol=1e-5)
+    # An empty program is prune's removal.
+    for s in range(L):
+        (removed,) = finals_of(step, [range_mask(L, s, 1)])
+        torch.testing.assert_close(
+            program_final(step, Program(s, s + 1, ()), resumer), removed, atol=1e-6, rtol=1e-6
+        )
+    # A swap is not the full model (the blocks do not commute).
+    swapped = program_final(step, Program(0, 2, (1, 0)), resumer)
+    assert not torch.allclose(swapped, clean)
+
+
+@pytest.mark.parametrize("analyzer", [Prune(), Reorder(shuffles=2)], ids=["prune", "reorder"])
+def test_contract(analyzer: Any) -> None:
+    report = check_analyzer(analyzer, architectures=("gpt2", "llama"))
+    assert report.checked == ["gpt2", "llama"], report.skipped
+
+
+# -- two gloo processes give the results of one ----------------------------------------------------
+# 3 batches of 2 rows (the last short and padded): an odd count for 2 ranks.
+DIST_SPEC = DataSpec(seq_len=24, max_tokens=24 * 5 + 9, batch_size=2)
+DIST_OPTIONS = {"reorder": {"shuffles": "1"}}
+
+
+def _rank_main(rank: int, store: str, model: str, out: str) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=300))
+    try:
+        analyze(model, data=DIST_SPEC, plugins="prune,reorder", options=DIST_OPTIONS,
+                out=f"{out}/run", progress=False)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_ranks_give_the_results_of_one_process(tmp_path: Path) -> None:
+    llama = save_tiny_model("llama", tmp_path / "llama")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["tests.test_surgery"])
+    procs = [
+        ctx.Process(target=_rank_main, args=(rank, str(tmp_path / "store"), str(llama),
+                                             str(tmp_path)))
+        for rank in range(2)
+    ]
+    for p in procs:
+        p.start()
+    one = analyze(str(llama), data=DIST_SPEC, plugins="prune,reorder", options=DIST_OPTIONS,
+                  progress=False)
+    for p in procs:
+        p.join(300)
+    assert [p.exitcode for p in procs] == [0, 0]
+    two = load_run(tmp_path / "run")
+    assert two.manifest["distributed"]["world_size"] == 2
+    assert not one.errors and not two.errors, (one.errors, two.errors)
+    for name in ("prune", "reorder"):
+        assert_results_close(two[name], one[name], rtol=1e-6, what=name)
