@@ -91,7 +91,10 @@ class Guard:
                     scope, receive, send
                 )
                 return
-            set_cookie = request.cookies.get(COOKIE) != self.token
+            # The URL's token becomes a cookie (the page's later requests carry it).
+            set_cookie = request.query_params.get("token") == self.token and (
+                request.cookies.get(COOKIE) != self.token
+            )
         length = request.headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > MAX_BODY):
             await error(413, f"the request is over {MAX_BODY // 1024} KiB")(scope, receive, send)
