@@ -123,7 +123,8 @@
       box.append(panel);
     });
     if (state.pinned) {
-      const td = document.querySelector(`td[data-view="${state.pinned[0]}"][data-row="${state.pinned[1]}"][data-pos="${state.pinned[2]}"]`);
+      const [view, row, pos] = state.pinned.split(",");
+      const td = document.querySelector(`td[data-view="${view}"][data-row="${row}"][data-pos="${pos}"]`);
       if (td) { td.classList.add("pinned"); detail(td); } else state.pinned = null;
     }
   }
@@ -180,7 +181,7 @@
       const layer = Number(td.dataset.layer), position = Number(td.dataset.pos);
       const out = await patchCall({ layer, position });
       if (!out) return;
-      fill(td, out.patched_prob);
+      fill(td, out.patched_prob, Math.max(out.clean_prob, out.corrupt_prob, out.patched_prob));
       document.querySelectorAll("#patch-table td.pinned").forEach((c) => c.classList.remove("pinned"));
       td.classList.add("pinned");
       const moved = out.recovered === null ? "" : ` (${(100 * out.recovered).toFixed(0)}% of the way to clean)`;
@@ -191,10 +192,11 @@
     $("#patch-grid").replaceChildren(el("div", { class: "panel" }, table));
   }
 
-  function fill(td, p) {
+  function fill(td, p, scale) {  // colour: p relative to the largest of clean, corrupt, patched
+    const s = p / (scale || 1);
     td.replaceChildren(pct(p));
-    td.style.background = colour(p);
-    td.style.color = ink(p);
+    td.style.background = colour(s);
+    td.style.color = ink(s);
   }
 
   async function patchSetup() {  // the corrupt prompt's tokens as columns, h_L … h0 as rows
@@ -209,10 +211,11 @@
     const out = await patchCall({ map: true });
     if (!out) return;
     drawPatchGrid(out.corrupt_tokens, out.map.length);
+    const scale = Math.max(out.clean_prob, out.corrupt_prob, ...out.map.flat());
     out.map.forEach((row, r) => row.forEach((p, t) =>
-      fill(document.querySelector(`#patch-table td[data-layer="${r}"][data-pos="${t}"]`), p)));
+      fill(document.querySelector(`#patch-table td[data-layer="${r}"][data-pos="${t}"]`), p, scale)));
     $("#patch-result").textContent =
-      `full map: p(${shown(out.target)}) with the clean h_l copied in at each (layer, position); clean ${pct(out.clean_prob)}, corrupt ${pct(out.corrupt_prob)}`;
+      `full map: p(${shown(out.target)}) at the last position with the clean h_l copied in at each (layer, position); clean ${pct(out.clean_prob)}, corrupt ${pct(out.corrupt_prob)} (colour: relative to the largest)`;
   }
 
   // -- the runs tab ----------------------------------------------------------------------------
