@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -48,7 +47,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, native_model: Any) -> Path:
     study = root / "studies" / "family"
     study.mkdir(parents=True)
     (study / "study.json").write_text(json.dumps(
-        {"settings": {}, "models": [{"model": "toy", "status": "complete"},
+        {"settings": {"plugins": "lens,skip"}, "models": [{"model": "toy", "status": "complete"},
                                     {"model": "toy:d8", "status": "failed"}]}))
     (study / "study.html").write_text("<html><title>study</title></html>")
     (root / "secret.txt").write_text("not served")
@@ -228,7 +227,7 @@ def test_runs_are_listed_and_served(client: TestClient, runs: Path) -> None:
         ("study", "studies/family", "studies/family/study.html"),
     ]
     assert listed[0]["status"] == "complete" and listed[0]["what"] == "lens"
-    assert listed[1]["status"] == "1/2 complete"
+    assert listed[1]["status"] == "1/2 complete" and listed[1]["what"] == "lens,skip"
     page = client.get("/runs/lens-run/report.html")
     assert page.status_code == 200 and page.text == (runs / "lens-run" / "report.html").read_text()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Annotated
 
@@ -66,10 +67,9 @@ def explore(
     if browser:
         import webbrowser
 
-        try:
+        # No browser here (a server, a container): the URL is printed above.
+        with contextlib.suppress(Exception):
             webbrowser.open(url)
-        except Exception:  # no browser here (a server, a container): the URL is printed above
-            pass
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:

@@ -121,8 +121,9 @@ def prepare(
     sock = bind(host, port)  # before the model loads: a taken port fails at once
     try:
         if isinstance(model, str):
-            model = load_model(model, device=device, dtype=dtype,
-                               trust_remote_code=trust_remote_code)
+            model = load_model(
+                model, device=device, dtype=dtype, trust_remote_code=trust_remote_code
+            )
         session = Session(model, lenses, folder)
     except BaseException:
         sock.close()
@@ -165,8 +166,9 @@ def explore(
         >>> app.stop()
     """
     server, sock, url = prepare(model, lenses, runs, host=host, port=port, **load)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True,
-                              name="lensdiv-explore")
+    thread = threading.Thread(
+        target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="lensdiv-explore"
+    )
     thread.start()
     deadline = time.time() + 30
     while not server.started and thread.is_alive() and time.time() < deadline:

@@ -107,8 +107,7 @@ class Guard:
         async def send_with_cookie(message: Any) -> None:
             if message["type"] == "http.response.start":
                 cookie = f"{COOKIE}={token}; Path=/; HttpOnly; SameSite=Strict"
-                message["headers"] = [*message.get("headers", []),
-                                      (b"set-cookie", cookie.encode())]
+                message["headers"] = [*message.get("headers", []), (b"set-cookie", cookie.encode())]
             await send(message)
 
         await self.app(scope, receive, send_with_cookie)
@@ -175,9 +174,12 @@ def make_app(session: Session, *, token: str | None = None) -> Starlette:
 
     async def static(request: Request) -> Response:
         name, media = _STATIC[request.url.path]
-        text = files("lensdiv.web").joinpath("static", name).read_text(encoding="utf-8")
-        return Response(text, media_type=media, headers={"Content-Security-Policy": _CSP,
-                                                         "Cache-Control": "no-store"})
+        text = files("lensdiv.web").joinpath("static").joinpath(name).read_text(encoding="utf-8")
+        return Response(
+            text,
+            media_type=media,
+            headers={"Content-Security-Policy": _CSP, "Cache-Control": "no-store"},
+        )
 
     async def not_found(request: Request, exc: Exception) -> Response:
         return error(404, f"no such page: {request.url.path}")
@@ -202,4 +204,3 @@ def make_app(session: Session, *, token: str | None = None) -> Starlette:
         middleware=[Middleware(Guard, token=token)],
         exception_handlers={404: not_found, 405: not_allowed, Exception: crashed},
     )
-

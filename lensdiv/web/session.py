@@ -8,7 +8,9 @@ benchmarks and tests call it directly):
   run;
 - :meth:`Session.patch`: a corrupt prompt run with the clean prompt's residual ``h_l`` copied in
   at one position (or at every (layer, position), the full map), read as the target token's
-  probability at the last position (:func:`lensdiv.ops.patching.run_variants`);
+  probability at the last position (resumed from block ``l`` by
+  :class:`~lensdiv.ops.resume.Resumer`, only the last position unembedded:
+  :func:`lensdiv.ops.patching.last_position`);
 - :meth:`Session.runs`: the saved runs and studies under the ``--runs`` folder, and the path of
   one's page, never a path outside it.
 
@@ -32,16 +34,19 @@ import torch
 from lensdiv.core.analyzer import ModelInfo
 from lensdiv.core.errors import DataError, LensdivError, OptionError
 from lensdiv.ops.capture import capture
-from lensdiv.ops.patching import run_variants
+from lensdiv.ops.patching import last_position, rows_per_pass
 from lensdiv.ops.prompt import LENSES, PARTS, float32_readout, prompt_view
 from lensdiv.ops.resume import Resumer
-from lensdiv.ops.translators import Translator, parse_lens
+from lensdiv.ops.translators import parse_lens
+from lensdiv.run.outcome import MANIFEST
+from lensdiv.run.report import REPORT
+from lensdiv.studies.crossmodel.folder import HTML, STUDY
 
 TOP_K = 5
 MAX_TOP_K = 20
 MAX_CHARS = 20_000  # a prompt's characters, checked before tokenising
-RUN_PAGE = "report.html"
-STUDY_PAGE = "study.html"
+RUN_PAGE = REPORT  # the saved layouts: a run folder, a study folder
+STUDY_PAGE = HTML
 _DEPTH = 3  # folders below --runs searched for runs and studies
 
 
@@ -130,19 +135,26 @@ class Session:
             if not 0 <= skip < L:
                 raise RequestError(f"cannot skip block {skip}: the model has blocks 0-{L - 1}")
             if lens != "logit":
-                raise RequestError("a skipped block is shown with the logit lens", hint="lens=logit")
+                raise RequestError(
+                    "a skipped block is shown with the logit lens", hint="lens=logit"
+                )
         start = time.perf_counter()
         with self.lock:
             self._tokens(text)  # the context, checked without truncation
-            view = prompt_view(self.model, text, top_k=top_k, lens=self.lenses[lens], skip=skip,
-                               part=part)
+            view = prompt_view(
+                self.model, text, top_k=top_k, lens=self.lenses[lens], skip=skip, part=part
+            )
         out = view.to_dict()
         out["lens"] = lens
         if skip is not None:  # the top row's KL: the skipped output against the unskipped one
             output_kl = list(view.kl[-1])
             later = output_kl[1:] or output_kl
-            out["skip"] = {"block": skip, "part": part, "output_kl": output_kl,
-                           "mean_output_kl": sum(later) / len(later)}
+            out["skip"] = {
+                "block": skip,
+                "part": part,
+                "output_kl": output_kl,
+                "mean_output_kl": sum(later) / len(later),
+            }
         out["ms"] = round(1000 * (time.perf_counter() - start), 1)
         return finite(out)
 
@@ -195,20 +207,12 @@ class Session:
             clean_p = read(clean_h[names[-1]][0, -1:]).softmax(-1)[0]
             corrupt_p = read(corrupt_h[names[-1]][0, -1:]).softmax(-1)[0]
             target = self._target(target_text, clean_p)
-            if self._resumer is None:
-                self._resumer = Resumer(self.model)
             layers = range(L + 1) if full_map else [int(layer or 0)]
-            masks = (
-                torch.eye(n_pos, dtype=torch.bool)
-                if full_map
-                else (torch.arange(n_pos) == position)[None]
-            )
-            rows = []
-            for i in layers:
-                logits = run_variants(
-                    self._resumer, corrupt, i, corrupt_h[names[i]], masks, clean_h[names[i]]
-                )
-                rows.append(logits[:, 0].float().softmax(-1)[:, target].tolist())
+            positions = list(range(n_pos)) if full_map else [int(position or 0)]
+            rows = [
+                self._patched(corrupt, corrupt_h[names[i]], clean_h[names[i]], i, positions, target)
+                for i in layers
+            ]
         p_clean, p_corrupt = float(clean_p[target]), float(corrupt_p[target])
         decode = self.model.tokenizer.decode
         out: dict[str, Any] = {
@@ -225,8 +229,40 @@ class Session:
         else:
             patched = rows[0][0]
             gap = p_clean - p_corrupt
-            out.update(layer=layer, position=position, patched_prob=patched,
-                       recovered=(patched - p_corrupt) / gap if abs(gap) > 1e-9 else None)
+            out.update(
+                layer=layer,
+                position=position,
+                patched_prob=patched,
+                recovered=(patched - p_corrupt) / gap if abs(gap) > 1e-9 else None,
+            )
+        return out
+
+    def _patched(
+        self,
+        tokens: torch.Tensor,
+        corrupt: torch.Tensor,
+        clean: torch.Tensor,
+        layer: int,
+        positions: Sequence[int],
+        target: int,
+    ) -> list[float]:
+        """The target's probability at the last position with ``h_layer`` of ``corrupt`` replaced
+        by ``clean``'s at each of ``positions`` (one row each; resumed from block ``layer``, only
+        the last position read out), batched within the patching memory budget."""
+        if self._resumer is None:
+            self._resumer = Resumer(self.model)
+        n_pos = tokens.shape[1]
+        per = rows_per_pass(self.model, n_pos, grad=False)
+        out: list[float] = []
+        for lo in range(0, len(positions), per):
+            chunk = torch.tensor(positions[lo : lo + per], device=corrupt.device)
+            mixed = corrupt.repeat(len(chunk), 1, 1)
+            mixed[torch.arange(len(chunk), device=corrupt.device), chunk] = clean[0, chunk]
+            logits = self._resumer.run(
+                tokens.repeat(len(chunk), 1), layer, mixed, last_position(self.model)
+            )
+            assert logits is not None  # asked for logits
+            out += logits[:, -1].float().softmax(-1)[:, target].tolist()
         return out
 
     def _target(self, text: str, clean_probs: torch.Tensor) -> int:
@@ -283,19 +319,22 @@ class Session:
 def _walk(root: Path, folder: Path, depth: int, found: list[SavedPage]) -> None:
     rel = folder.relative_to(root).as_posix()
     rel = "" if rel == "." else rel
-    manifest, study = _json(folder / "manifest.json"), _json(folder / "study.json")
+    manifest, study = _json(folder / MANIFEST), _json(folder / STUDY)
     if study is not None and (folder / STUDY_PAGE).is_file():
-        models = study.get("models") if isinstance(study.get("models"), list) else []
-        names = [str(m.get("model")) for m in models if isinstance(m, dict)]
-        status = sum(1 for m in models if isinstance(m, dict) and m.get("status") == "complete")
-        found.append(SavedPage("study", rel, ", ".join(names[:4]) + (" …" if len(names) > 4
-                                                                    else ""),
-                               f"{status}/{len(models)} complete", "study"))
+        models = [m for m in _of(study, "models", list) if isinstance(m, dict)]
+        names = [str(m.get("model")) for m in models]
+        done = sum(1 for m in models if m.get("status") == "complete")
+        plugins = _of(study, "settings", dict).get("plugins", "")
+        shown = ", ".join(names[:4]) + (" …" if len(names) > 4 else "")
+        what = plugins if isinstance(plugins, str) else ", ".join(map(str, plugins))
+        found.append(SavedPage("study", rel, shown, f"{done}/{len(models)} complete", what))
     elif manifest is not None and (folder / RUN_PAGE).is_file():
-        model = manifest.get("model") if isinstance(manifest.get("model"), dict) else {}
-        analyzers = manifest.get("analyzers") if isinstance(manifest.get("analyzers"), dict) else {}
-        found.append(SavedPage("run", rel, str(model.get("spec") or model.get("name") or "?"),
-                               str(manifest.get("status", "?")), ", ".join(analyzers)))
+        model = _of(manifest, "model", dict)
+        name = str(model.get("spec") or model.get("name") or "?")
+        status = str(manifest.get("status", "?"))
+        found.append(
+            SavedPage("run", rel, name, status, ", ".join(_of(manifest, "analyzers", dict)))
+        )
     if depth >= _DEPTH:
         return
     try:
@@ -304,6 +343,12 @@ def _walk(root: Path, folder: Path, depth: int, found: list[SavedPage]) -> None:
         return
     for child in children:
         _walk(root, child, depth + 1, found)
+
+
+def _of(data: Mapping[str, Any], key: str, kind: type) -> Any:
+    """``data[key]`` when it is a ``kind`` (a damaged file lists as empty, never fails)."""
+    value = data.get(key)
+    return value if isinstance(value, kind) else kind()
 
 
 def _json(path: Path) -> dict[str, Any] | None:
@@ -331,8 +376,9 @@ def _text(request: Mapping[str, Any], name: str) -> str:
     if text is None:
         raise RequestError(f"the request has no {name!r}")
     if len(text) > MAX_CHARS:
-        raise DataError(f"the {name} prompt has {len(text)} characters (at most {MAX_CHARS})",
-                        hint="shorten it")
+        raise DataError(
+            f"the {name} prompt has {len(text)} characters (at most {MAX_CHARS})", hint="shorten it"
+        )
     if not text.strip():
         raise DataError(f"the {name} prompt is empty", hint="type some text")
     return text

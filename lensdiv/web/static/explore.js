@@ -181,7 +181,7 @@
       const layer = Number(td.dataset.layer), position = Number(td.dataset.pos);
       const out = await patchCall({ layer, position });
       if (!out) return;
-      fill(td, out.patched_prob, Math.max(out.clean_prob, out.corrupt_prob, out.patched_prob));
+      fill(td, out.patched_prob, out);
       document.querySelectorAll("#patch-table td.pinned").forEach((c) => c.classList.remove("pinned"));
       td.classList.add("pinned");
       const moved = out.recovered === null ? "" : ` (${(100 * out.recovered).toFixed(0)}% of the way to clean)`;
@@ -192,8 +192,9 @@
     $("#patch-grid").replaceChildren(el("div", { class: "panel" }, table));
   }
 
-  function fill(td, p, scale) {  // colour: p relative to the largest of clean, corrupt, patched
-    const s = p / (scale || 1);
+  function fill(td, p, out) {  // colour: the share of the corrupt → clean gap the patch recovers
+    const gap = out.clean_prob - out.corrupt_prob;
+    const s = Math.abs(gap) > 1e-9 ? (p - out.corrupt_prob) / gap : 0;
     td.replaceChildren(pct(p));
     td.style.background = colour(s);
     td.style.color = ink(s);
@@ -211,11 +212,10 @@
     const out = await patchCall({ map: true });
     if (!out) return;
     drawPatchGrid(out.corrupt_tokens, out.map.length);
-    const scale = Math.max(out.clean_prob, out.corrupt_prob, ...out.map.flat());
     out.map.forEach((row, r) => row.forEach((p, t) =>
-      fill(document.querySelector(`#patch-table td[data-layer="${r}"][data-pos="${t}"]`), p, scale)));
+      fill(document.querySelector(`#patch-table td[data-layer="${r}"][data-pos="${t}"]`), p, out)));
     $("#patch-result").textContent =
-      `full map: p(${shown(out.target)}) at the last position with the clean h_l copied in at each (layer, position); clean ${pct(out.clean_prob)}, corrupt ${pct(out.corrupt_prob)} (colour: relative to the largest)`;
+      `full map: p(${shown(out.target)}) at the last position with the clean h_l copied in at each (layer, position); clean ${pct(out.clean_prob)}, corrupt ${pct(out.corrupt_prob)} (colour: the share of the gap recovered)`;
   }
 
   // -- the runs tab ----------------------------------------------------------------------------
