@@ -107,12 +107,13 @@ def prepare(
 ) -> tuple[Any, socket.socket, str]:
     """Load the model and lenses, bind the socket: the uvicorn server, its socket and URL."""
     require()
-    # start-up: starlette, uvicorn and torch load only when a server starts.
     import uvicorn
 
-    from lensdiv.models.load import load_model
-    from lensdiv.web.server import make_app
-    from lensdiv.web.session import Session
+    # start-up: starlette, uvicorn and torch load only when a server starts (lensdiv.explore
+    # is a public name of `import lensdiv`, which must stay cheap).
+    from lensdiv.models.load import load_model  # start-up: torch
+    from lensdiv.web.server import make_app  # start-up: starlette
+    from lensdiv.web.session import Session  # start-up: torch
 
     lenses = [lenses] if isinstance(lenses, str) else list(lenses)
     folder = Path(runs) if runs is not None else None
