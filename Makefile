@@ -43,6 +43,7 @@ bench: setup
 	$(BIN)/python bench/bench_lenses.py --json bench/lenses_cpu.json
 	$(BIN)/python bench/bench_data.py --overlap-tokens 32768 --json bench/data_cpu.json
 	$(BIN)/python bench/bench_fixed.py --json bench/fixed_cpu.json
+	$(BIN)/python bench/bench_explore.py --json bench/explore_cpu.json
 
 # docs/findings.md and its figures, measured from scratch (trains the toy models it needs that are not
 # cached and runs every analysis; the teacher-student row reads the cpu preset's run recorded in

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from lensdiv.studies.crossmodel import load_study as load_study
     from lensdiv.studies.crossmodel import run_study as run_study
     from lensdiv.view.prompt import PromptView as PromptView
+    from lensdiv.web.serve import explore as explore
 
 _EXPORTS = {
     "Analyzer": "lensdiv.core.analyzer",
@@ -72,6 +73,7 @@ _EXPORTS = {
     "evaluate_lens": "lensdiv.lenses.fit",
     "LensFit": "lensdiv.lenses.fit",
     "PromptView": "lensdiv.view.prompt",
+    "explore": "lensdiv.web.serve",
 }
 __all__ = sorted(_EXPORTS) + ["__version__"]
 

@@ -153,13 +153,14 @@ class Browser:
         raise TimeoutError(f"no {method} within {timeout} s")
 
     # -- what tests use ------------------------------------------------------------------------
-    def open(self, path: Path) -> None:
-        """Load a local file and wait until it (and everything it loads) is there; errors and
-        requests are counted afresh."""
+    def open(self, path: Path | str) -> None:
+        """Load a local file (or a URL, given as a string) and wait until it (and everything it
+        loads) is there; errors and requests are counted afresh."""
         self._events.clear()
         self.errors.clear()
         self.requests.clear()
-        self.call("Page.navigate", url=path.resolve().as_uri())
+        url = path if isinstance(path, str) else path.resolve().as_uri()
+        self.call("Page.navigate", url=url)
         self._wait_for("Page.loadEventFired")
         self.evaluate("new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))")
 

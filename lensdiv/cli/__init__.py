@@ -13,6 +13,7 @@ import typer
 
 from lensdiv import __version__
 from lensdiv.cli import analyze as _analyze
+from lensdiv.cli import explore as _explore
 from lensdiv.cli import lens as _lens
 from lensdiv.cli import lenses as _lenses
 from lensdiv.cli import merge as _merge
@@ -37,6 +38,7 @@ app.command()(_analyze.analyze)
 app.command()(_analyze.compare)
 app.command()(_analyze.report)
 app.command()(_lens.lens)
+app.command()(_explore.explore)
 app.command()(_merge.merge)
 app.add_typer(_plugins.app, name="plugins")
 app.add_typer(_lenses.app, name="lenses")

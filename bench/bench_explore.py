@@ -1,0 +1,123 @@
+"""Benchmark: server-side time of `lensdiv explore` for a 64-token prompt, against its floor.
+
+On the toy model (``toy``) and on a random 12-layer, d_model 768 GPT-2-shaped model (vocabulary
+50257, ``common.build``), times each request through the app (Starlette's test client: routing,
+JSON in and out, the model lock; no network) and the floor, the forward pass with the residual
+states captured and every row read out through the final norm and unembedding (float32
+log-softmax: what any layer × position grid costs at least):
+
+- ``grid``: the logit-lens grid (``POST /api/grid``);
+- ``grid_skip``: the same with block 1 skipped (a second forward pass);
+- ``patch``: one clean → corrupt patch at (layer L/2, position 32) (two captured passes and one
+  resumed pass);
+- ``patch_map``: the full patching map (every layer × position; not in the issue's targets; on
+  the 12-layer model only with ``--big-map``).
+
+Acceptance (issue 31): toy grid < 100 ms, skip or one patch < 300 ms; the 12-layer model < 1 s.
+
+    python bench/bench_explore.py [--repeats 5] [--json bench/explore_cpu.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from common import build, report
+from starlette.testclient import TestClient
+
+from lensdiv.core.analyzer import ModelInfo
+from lensdiv.models.load import load_model
+from lensdiv.ops.capture import capture
+from lensdiv.ops.prompt import float32_readout
+from lensdiv.web.server import make_app
+from lensdiv.web.session import Session
+
+CLEAN = "The happy dog runs to the park and the cat sleeps on the warm m"  # 63 bytes + BOS
+CORRUPT = "The angry cat runs to the park and the dog sleeps on the warm m"
+
+
+def floor(model: Any, text: str) -> Callable[[], None]:
+    """Capture every residual state and read every row out (float32 log-softmax)."""
+    info = ModelInfo.from_model(model)
+    names = [info.resid(layer) for layer in range(info.n_layers + 1)]
+    tokens = model.to_tokens(text)
+    read, _ = float32_readout(model)
+
+    def run() -> None:
+        with torch.no_grad():
+            _, states = capture(model, tokens, names, need_logits=False)
+            torch.stack([read(states[n][0]) for n in names]).log_softmax(-1)
+
+    return run
+
+
+def time_model(model: Any, repeats: int, with_map: bool = True) -> dict[str, Any]:
+    client = TestClient(make_app(Session(model)))
+    L = int(model.cfg.n_layers)
+    n_tokens = int(model.to_tokens(CLEAN).shape[1])
+    assert n_tokens == 64 == model.to_tokens(CORRUPT).shape[1], n_tokens
+
+    def post(path: str, body: dict[str, Any]) -> Callable[[], None]:
+        def run() -> None:
+            got = client.post(path, json=body)
+            assert got.status_code == 200, got.text
+
+        return run
+
+    cases = {
+        "floor": floor(model, CLEAN),
+        "grid": post("/api/grid", {"text": CLEAN}),
+        "grid_skip": post("/api/grid", {"text": CLEAN, "skip": 1}),
+        "patch": post("/api/patch", {"clean": CLEAN, "corrupt": CORRUPT, "layer": L // 2,
+                                     "position": 32}),
+    }
+    if with_map:
+        cases["patch_map"] = post("/api/patch", {"clean": CLEAN, "corrupt": CORRUPT, "map": True})
+    for fn in cases.values():  # warm-up: readouts built, the resumer's mode decided
+        fn()
+    best = {name: float("inf") for name in cases}
+    for _ in range(repeats):  # interleaved rounds, best of each
+        for name, fn in cases.items():
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return {
+        "tokens": n_tokens,
+        "ms": {k: round(1000 * v, 1) for k, v in best.items()},
+        "over_floor": {k: round(v / best["floor"], 2) for k, v in best.items() if k != "floor"},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", help="also write the figures to this file")
+    parser.add_argument("--big-map", action="store_true",
+                        help="also time the full patching map on the 12-layer model (slow)")
+    args = parser.parse_args()
+    torch.set_grad_enabled(False)
+    toy = time_model(load_model("toy"), args.repeats)
+    gpt2 = time_model(build(12, 768, 50257), args.repeats, with_map=args.big_map)
+    report(
+        {
+            "threads": torch.get_num_threads(),
+            "load_average": [round(x, 2) for x in os.getloadavg()],
+            "toy": {"model": "toy (4 layers, d_model 64, vocab 260)", **toy},
+            "gpt2_shaped": {"model": "12 layers, d_model 768, vocab 50257 (random)", **gpt2},
+            "acceptance": "toy: grid < 100 ms, grid_skip and patch < 300 ms; "
+            "12 layers d_model 768: each < 1000 ms",
+            "met": toy["ms"]["grid"] < 100
+            and max(toy["ms"]["grid_skip"], toy["ms"]["patch"]) < 300
+            and max(gpt2["ms"][k] for k in ("grid", "grid_skip", "patch")) < 1000,
+        },
+        args.json,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+"""The ``lensdiv explore`` web app: a Starlette app over one :class:`~lensdiv.web.session.Session`.
+
+Routes (JSON in, JSON out; every error is a 4xx with ``{"error": "one line"}``):
+
+==========================  ===============================================================
+``GET /``                   the page (``static/explore.html``, its CSS and JS beside it)
+``GET /api/info``           the model, its lenses, whether a runs folder is served
+``POST /api/grid``          ``{text, lens, skip, part, top_k}`` → the prompt view
+``POST /api/patch``         ``{clean, corrupt, target, layer, position}`` or ``{..., map: true}``
+``GET /api/runs``           the runs and studies under ``--runs``
+``GET /runs/{path}``        a run's ``report.html`` or a study's ``study.html`` under ``--runs``
+==========================  ===============================================================
+
+Requests to the model wait on one lock, first come first served; a request whose client went
+away while it waited (the page aborts a superseded one) is dropped before it reaches the model,
+and past :data:`MAX_WAITING` waiting requests a new one is answered 503 at once. Bound to a
+loopback address the server checks the ``Host`` header (no DNS rebinding); bound elsewhere it
+requires its token on every request (``?token=`` once, then a cookie, or the
+``X-Lensdiv-Token`` header), as Jupyter does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from importlib.resources import files
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from lensdiv.core.errors import LensdivError
+from lensdiv.web.session import Session
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+MAX_BODY = 256 * 1024  # bytes of one request
+MAX_WAITING = 64  # requests waiting for the model before new ones get 503
+COOKIE = "lensdiv_token"
+HEADER = "x-lensdiv-token"
+_STATIC = {
+    "/": ("explore.html", "text/html; charset=utf-8"),
+    "/explore.css": ("explore.css", "text/css; charset=utf-8"),
+    "/explore.js": ("explore.js", "text/javascript; charset=utf-8"),
+}
+# The page loads nothing from anywhere else (no CDN); the runs' pages are self-contained.
+_CSP = (
+    "default-src 'self'; img-src 'self' data:; style-src 'self' 'unsafe-inline'; "
+    "script-src 'self' 'unsafe-inline'; frame-ancestors *"
+)
+log = logging.getLogger("lensdiv.explore")
+
+
+def error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+class Guard:
+    """ASGI middleware: the token (when there is one) or a loopback ``Host``; a size limit."""
+
+    def __init__(self, app: ASGIApp, token: str | None) -> None:
+        self.app, self.token = app, token
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope)
+        set_cookie = False
+        if self.token is None:
+            host = (request.headers.get("host") or "").rsplit(":", 1)[0].strip("[]")
+            if host not in LOOPBACK and host != "testserver":
+                await error(403, f"Host {host!r} refused: this server answers 127.0.0.1 only")(
+                    scope, receive, send
+                )
+                return
+        else:
+            given = (
+                request.headers.get(HEADER)
+                or request.cookies.get(COOKIE)
+                or request.query_params.get("token")
+            )
+            if not given or not hmac.compare_digest(given, self.token):
+                await error(403, "missing or wrong token: open the URL lensdiv explore printed")(
+                    scope, receive, send
+                )
+                return
+            # The URL's token becomes a cookie (the page's later requests carry it).
+            set_cookie = request.query_params.get("token") == self.token and (
+                request.cookies.get(COOKIE) != self.token
+            )
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > MAX_BODY):
+            await error(413, f"the request is over {MAX_BODY // 1024} KiB")(scope, receive, send)
+            return
+        if not set_cookie:
+            await self.app(scope, receive, send)
+            return
+        token = self.token
+
+        async def send_with_cookie(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                cookie = f"{COOKIE}={token}; Path=/; HttpOnly; SameSite=Strict"
+                message["headers"] = [*message.get("headers", []), (b"set-cookie", cookie.encode())]
+            await send(message)
+
+        await self.app(scope, receive, send_with_cookie)
+
+
+def make_app(session: Session, *, token: str | None = None) -> Starlette:
+    """The app serving ``session`` (``token``: required on every request; ``None`` on loopback)."""
+    lock = asyncio.Lock()
+    waiting = 0
+
+    async def body(request: Request) -> dict[str, Any]:
+        if "application/json" not in request.headers.get("content-type", ""):
+            raise LensdivError("send JSON (Content-Type: application/json)")
+        raw = await request.body()
+        if len(raw) > MAX_BODY:
+            raise LensdivError(f"the request is over {MAX_BODY // 1024} KiB")
+        try:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise LensdivError(f"malformed JSON: {err}") from None
+        if not isinstance(data, dict):
+            raise LensdivError("the request must be a JSON object")
+        return data
+
+    async def model_call(request: Request, method: Any) -> Response:
+        nonlocal waiting
+        try:
+            data = await body(request)
+        except LensdivError as err:
+            return error(400, str(err))
+        if waiting >= MAX_WAITING:
+            return error(503, "the server is busy: try again")
+        waiting += 1
+        try:
+            async with lock:
+                if await request.is_disconnected():  # superseded: the page aborted it
+                    return Response(status_code=204)
+                try:
+                    result = await run_in_threadpool(method, data)
+                except LensdivError as err:
+                    return error(400, str(err))
+        finally:
+            waiting -= 1
+        return JSONResponse(result)
+
+    async def grid(request: Request) -> Response:
+        return await model_call(request, session.grid)
+
+    async def patch(request: Request) -> Response:
+        return await model_call(request, session.patch)
+
+    async def info(request: Request) -> Response:
+        return JSONResponse(session.describe())
+
+    async def runs(request: Request) -> Response:
+        return JSONResponse({"runs": await run_in_threadpool(session.runs)})
+
+    async def saved(request: Request) -> Response:
+        try:
+            path = session.page(request.path_params["path"])
+        except LensdivError as err:
+            return error(404, str(err))
+        return FileResponse(path, media_type="text/html; charset=utf-8")
+
+    async def static(request: Request) -> Response:
+        name, media = _STATIC[request.url.path]
+        text = files("lensdiv.web").joinpath("static").joinpath(name).read_text(encoding="utf-8")
+        return Response(
+            text,
+            media_type=media,
+            headers={"Content-Security-Policy": _CSP, "Cache-Control": "no-store"},
+        )
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        return error(404, f"no such page: {request.url.path}")
+
+    async def not_allowed(request: Request, exc: Exception) -> Response:
+        return error(405, f"{request.method} is not allowed on {request.url.path}")
+
+    async def crashed(request: Request, exc: Exception) -> Response:  # a bug: logged, said
+        log.exception("explore: %s %s failed", request.method, request.url.path)
+        return error(500, f"internal error: {type(exc).__name__}: {exc}")
+
+    routes = [
+        *(Route(path, static, methods=["GET"]) for path in _STATIC),
+        Route("/api/info", info, methods=["GET"]),
+        Route("/api/grid", grid, methods=["POST"]),
+        Route("/api/patch", patch, methods=["POST"]),
+        Route("/api/runs", runs, methods=["GET"]),
+        Route("/runs/{path:path}", saved, methods=["GET"]),
+    ]
+    return Starlette(
+        routes=routes,
+        middleware=[Middleware(Guard, token=token)],
+        exception_handlers={404: not_found, 405: not_allowed, Exception: crashed},
+    )

@@ -1,0 +1,272 @@
+// lensdiv explore: the page. Plain JavaScript, no library, nothing loaded from elsewhere.
+"use strict";
+(() => {
+  const $ = (sel) => document.querySelector(sel);
+  const token = new URLSearchParams(location.search).get("token");
+  const headers = { "Content-Type": "application/json" };
+  if (token) headers["X-Lensdiv-Token"] = token;
+  const state = { info: null, grids: null, patchAbort: null, gridAbort: null, timer: 0, pinned: null };
+
+  function el(tag, attrs, ...children) {
+    const node = document.createElement(tag);
+    for (const [k, v] of Object.entries(attrs || {})) {
+      if (k === "class") node.className = v;
+      else if (k.startsWith("on")) node.addEventListener(k.slice(2), v);
+      else node.setAttribute(k, v);
+    }
+    for (const c of children) node.append(c instanceof Node ? c : document.createTextNode(String(c)));
+    return node;
+  }
+  const shown = (t) => t.replace(/ /g, "\u2423").replace(/\n/g, "\u21b5").replace(/\t/g, "\u21e5");
+  const pct = (p) => (p === null || p === undefined ? "–" : (100 * p).toFixed(p < 0.1 ? 1 : 0) + "%");
+  const colour = (p) => {  // white → blue, as the prompt view's probability scale
+    const t = Math.max(0, Math.min(1, p || 0));
+    const r = Math.round(255 - 200 * t), g = Math.round(255 - 150 * t), b = Math.round(255 - 40 * t);
+    return `rgb(${r},${g},${b})`;
+  };
+  const ink = (p) => ((p || 0) > 0.6 ? "#fff" : "#1d2330");
+
+  function showError(message) {
+    const box = $("#error");
+    box.textContent = message || "";
+    box.hidden = !message;
+  }
+
+  async function api(path, body, signal) {
+    const response = await fetch(path, body === undefined ? { headers, signal } :
+      { method: "POST", headers, body: JSON.stringify(body), signal });
+    if (response.status === 204) return null;
+    const data = await response.json();
+    if (!response.ok) throw new Error(data.error || `${response.status}`);
+    return data;
+  }
+
+  // -- the lens tab ----------------------------------------------------------------------------
+  function chosenLenses() {
+    return [...document.querySelectorAll("#lenses input:checked")].map((i) => i.value);
+  }
+
+  function schedule() {
+    clearTimeout(state.timer);
+    state.timer = setTimeout(refresh, 250);  // debounced: one request set per pause in typing
+  }
+
+  async function refresh() {
+    if (state.gridAbort) state.gridAbort.abort();  // a superseded request is dropped
+    const abort = new AbortController();
+    state.gridAbort = abort;
+    const text = $("#prompt").value;
+    const topK = Number($("#top-k").value);
+    const skip = $("#skip-block").value;
+    const asks = chosenLenses().map((lens) => ({ text, lens, top_k: topK }));
+    if (skip !== "") asks.push({ text, lens: "logit", top_k: topK, skip: Number(skip), part: $("#skip-part").value });
+    $("#status").textContent = "…";
+    try {
+      const views = [];
+      for (const ask of asks) views.push(await api("api/grid", ask, abort.signal));
+      if (abort.signal.aborted || views.some((v) => v === null)) return;
+      showError("");
+      state.grids = views;
+      drawGrids(views);
+      const ms = views.reduce((s, v) => s + v.ms, 0);
+      $("#status").textContent = `${views[0] ? views[0].tokens.length : 0} tokens · ${ms.toFixed(0)} ms`;
+    } catch (err) {
+      if (err.name === "AbortError") return;
+      showError(err.message);
+      $("#status").textContent = "";
+    }
+  }
+
+  function drawGrids(views) {
+    const box = $("#grids");
+    box.replaceChildren();
+    $("#skip-kl").textContent = "";
+    views.forEach((view, v) => {
+      const skip = view.skip;
+      const title = skip ? `${view.title}` : `${view.title}`;
+      const panel = el("div", { class: "panel" + (skip ? " skip" : ""), "data-lens": skip ? "skip" : view.lens },
+        el("h2", {}, title));
+      if (skip) {
+        const kl = `output KL to the unskipped run: ${skip.mean_output_kl.toFixed(3)} nats (mean over positions ≥ 1)`;
+        panel.append(el("div", { class: "muted skip-kl" }, kl));
+        $("#skip-kl").textContent = `KL ${skip.mean_output_kl.toFixed(3)} nats`;
+      }
+      const table = el("table", { class: "grid" });
+      const head = el("tr", {}, el("th", {}, ""));
+      view.tokens.forEach((t) => head.append(el("th", {}, shown(t))));
+      table.append(el("thead", {}, head));
+      const body = el("tbody");
+      for (let r = view.rows.length - 1; r >= 0; r--) {  // the output on top
+        const tr = el("tr", {}, el("th", {}, view.rows[r]));
+        view.tokens.forEach((_, t) => {
+          const p = view.top_probs[r][t][0];
+          const td = el("td", { "data-view": v, "data-row": r, "data-pos": t },
+            shown(view.top_tokens[r][t][0]), el("small", {}, pct(p)));
+          td.style.background = colour(p);
+          td.style.color = ink(p);
+          tr.append(td);
+        });
+        body.append(tr);
+      }
+      table.append(body);
+      table.addEventListener("mouseover", (e) => { const td = e.target.closest("td"); if (td && !state.pinned) detail(td); });
+      table.addEventListener("click", (e) => {
+        const td = e.target.closest("td");
+        if (!td) return;
+        document.querySelectorAll("td.pinned").forEach((c) => c.classList.remove("pinned"));
+        if (state.pinned === key(td)) { state.pinned = null; return; }
+        state.pinned = key(td);
+        td.classList.add("pinned");
+        detail(td);
+      });
+      panel.append(table);
+      box.append(panel);
+    });
+    if (state.pinned) {
+      const [view, row, pos] = state.pinned.split(",");
+      const td = document.querySelector(`td[data-view="${view}"][data-row="${row}"][data-pos="${pos}"]`);
+      if (td) { td.classList.add("pinned"); detail(td); } else state.pinned = null;
+    }
+  }
+  const key = (td) => [td.dataset.view, td.dataset.row, td.dataset.pos].join();
+
+  function detail(td) {
+    const view = state.grids[Number(td.dataset.view)];
+    const r = Number(td.dataset.row), t = Number(td.dataset.pos);
+    const rows = view.top_tokens[r][t].map((tok, i) => el("tr", {}, el("td", {}, shown(tok)), el("td", {}, pct(view.top_probs[r][t][i]))));
+    $("#detail").replaceChildren(
+      el("h3", {}, `${view.rows[r]} · position ${t} (${shown(view.tokens[t])})`),
+      el("div", { class: "muted" }, view.title),
+      el("table", { class: "topk" }, ...rows),
+      el("p", {}, `KL to the output: ${view.kl[r][t] === null ? "–" : view.kl[r][t].toFixed(3)} nats`),
+      el("p", {}, `entropy: ${view.entropy[r][t].toFixed(3)} nats`),
+    );
+  }
+
+  // -- the patch tab ---------------------------------------------------------------------------
+  function patchAsk(extra) {
+    return { clean: $("#clean").value, corrupt: $("#corrupt").value, target: $("#target").value, ...extra };
+  }
+
+  async function patchCall(extra) {
+    if (state.patchAbort) state.patchAbort.abort();
+    const abort = new AbortController();
+    state.patchAbort = abort;
+    try {
+      const out = await api("api/patch", patchAsk(extra), abort.signal);
+      if (out === null) return null;
+      showError("");
+      return out;
+    } catch (err) {
+      if (err.name !== "AbortError") showError(err.message);
+      return null;
+    }
+  }
+
+  function drawPatchGrid(tokens, rows) {
+    const table = el("table", { class: "grid", id: "patch-table" });
+    const head = el("tr", {}, el("th", {}, ""));
+    tokens.forEach((t) => head.append(el("th", {}, shown(t))));
+    table.append(el("thead", {}, head));
+    const body = el("tbody");
+    for (let r = rows - 1; r >= 0; r--) {
+      const tr = el("tr", {}, el("th", {}, `h${r}`));
+      tokens.forEach((_, t) => tr.append(el("td", { "data-layer": r, "data-pos": t }, "·")));
+      body.append(tr);
+    }
+    table.append(body);
+    table.addEventListener("click", async (e) => {
+      const td = e.target.closest("td");
+      if (!td) return;
+      const layer = Number(td.dataset.layer), position = Number(td.dataset.pos);
+      const out = await patchCall({ layer, position });
+      if (!out) return;
+      fill(td, out.patched_prob, out);
+      document.querySelectorAll("#patch-table td.pinned").forEach((c) => c.classList.remove("pinned"));
+      td.classList.add("pinned");
+      const moved = out.recovered === null ? "" : ` (${(100 * out.recovered).toFixed(0)}% of the way to clean)`;
+      $("#patch-result").textContent =
+        `patch h${layer} at position ${position} (${shown(out.corrupt_tokens[position])}): ` +
+        `p(${shown(out.target)}) ${pct(out.corrupt_prob)} → ${pct(out.patched_prob)}${moved}; clean ${pct(out.clean_prob)}`;
+    });
+    $("#patch-grid").replaceChildren(el("div", { class: "panel" }, table));
+  }
+
+  function fill(td, p, out) {  // colour: the share of the corrupt → clean gap the patch recovers
+    const gap = out.clean_prob - out.corrupt_prob;
+    const s = Math.abs(gap) > 1e-9 ? (p - out.corrupt_prob) / gap : 0;
+    td.replaceChildren(pct(p));
+    td.style.background = colour(s);
+    td.style.color = ink(s);
+  }
+
+  async function patchSetup() {  // the corrupt prompt's tokens as columns, h_L … h0 as rows
+    const out = await patchCall({ layer: 0, position: 0 });
+    if (!out) return;
+    drawPatchGrid(out.corrupt_tokens, state.info.n_layers + 1);
+    $("#patch-result").textContent =
+      `target ${shown(out.target)}: p = ${pct(out.clean_prob)} clean, ${pct(out.corrupt_prob)} corrupt. Click a cell to patch it.`;
+  }
+
+  async function patchMap() {
+    const out = await patchCall({ map: true });
+    if (!out) return;
+    drawPatchGrid(out.corrupt_tokens, out.map.length);
+    out.map.forEach((row, r) => row.forEach((p, t) =>
+      fill(document.querySelector(`#patch-table td[data-layer="${r}"][data-pos="${t}"]`), p, out)));
+    $("#patch-result").textContent =
+      `full map: p(${shown(out.target)}) at the last position with the clean h_l copied in at each (layer, position); clean ${pct(out.clean_prob)}, corrupt ${pct(out.corrupt_prob)} (colour: the share of the gap recovered)`;
+  }
+
+  // -- the runs tab ----------------------------------------------------------------------------
+  async function loadRuns() {
+    const body = $("#runs tbody");
+    try {
+      const out = await api("api/runs");
+      body.replaceChildren();
+      for (const run of out.runs) {
+        const link = el("a", { href: `runs/${run.page}${token ? "?token=" + encodeURIComponent(token) : ""}`, class: "open-run" }, run.path || "(the runs folder)");
+        link.addEventListener("click", (e) => {
+          e.preventDefault();
+          const frame = $("#run-frame");
+          frame.hidden = false;
+          frame.src = link.getAttribute("href");
+        });
+        body.append(el("tr", {}, el("td", {}, run.kind), el("td", {}, link), el("td", {}, run.model), el("td", {}, run.status), el("td", {}, run.what)));
+      }
+      const empty = $("#runs-empty");
+      empty.hidden = out.runs.length > 0;
+      empty.textContent = state.info.runs ? "No run or study with a page under the runs folder." : "Start lensdiv explore with --runs DIR to list saved runs and studies here.";
+    } catch (err) { showError(err.message); }
+  }
+
+  function tab(name) {
+    document.querySelectorAll(".tab").forEach((b) => b.classList.toggle("active", b.dataset.tab === name));
+    document.querySelectorAll(".pane").forEach((p) => { p.hidden = p.id !== `pane-${name}`; });
+    if (name === "runs") loadRuns();
+    if (name === "patch" && !$("#patch-table")) patchSetup();
+  }
+
+  async function start() {
+    try {
+      state.info = await api("api/info");
+    } catch (err) { showError(err.message); return; }
+    const info = state.info;
+    $("#model").textContent = `${info.model} · ${info.n_layers} blocks · d_model ${info.d_model} · context ${info.n_ctx}`;
+    info.lenses.forEach((name, i) => {
+      const box = el("input", { type: "checkbox", value: name });
+      box.checked = i === 0;
+      box.addEventListener("change", refresh);
+      $("#lenses").append(el("label", {}, box, ` ${name}`));
+    });
+    for (let b = 0; b < info.n_layers; b++) $("#skip-block").append(el("option", { value: b }, `block ${b}`));
+    info.parts.forEach((p) => $("#skip-part").append(el("option", { value: p }, p)));
+    $("#prompt").addEventListener("input", schedule);
+    ["#skip-block", "#skip-part", "#top-k"].forEach((s) => $(s).addEventListener("change", refresh));
+    document.querySelectorAll(".tab").forEach((b) => b.addEventListener("click", () => tab(b.dataset.tab)));
+    $("#patch-map").addEventListener("click", patchMap);
+    ["#clean", "#corrupt", "#target"].forEach((s) => $(s).addEventListener("change", patchSetup));
+    refresh();
+  }
+  start();
+})();

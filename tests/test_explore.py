@@ -1,0 +1,395 @@
+"""`lensdiv explore`: the JSON API through Starlette's test client (values against the prompt view
+and hand-made hooked passes, every 4xx case, the token), the notebook server, and the command in a
+subprocess under a bounded loopback load test (every request answered, no error logged, memory
+flat, Ctrl-C stops it cleanly)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("starlette", reason="the explore extra is a dev dependency")
+pytest.importorskip("uvicorn", reason="the explore extra is a dev dependency")
+from starlette.testclient import TestClient  # noqa: E402
+
+from lensdiv.core.analyzer import ModelInfo  # noqa: E402
+from lensdiv.core.errors import LensdivError  # noqa: E402
+from lensdiv.ops.prompt import prompt_view  # noqa: E402
+from lensdiv.ops.translators import save_tuned  # noqa: E402
+from lensdiv.web.server import make_app  # noqa: E402
+from lensdiv.web.session import Session  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXT = "The happy dog runs"
+CLEAN, CORRUPT = "The happy dog", "The angry cat"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory, native_model: Any) -> Path:
+    """A runs folder: one real run (with its report.html) and a study's minimal layout."""
+    from lensdiv.run.runner import analyze
+
+    root = tmp_path_factory.mktemp("runs")
+    analyze(native_model, plugins="lens", out=root / "lens-run", max_tokens=256, seq_len=32,
+            batch_size=4, progress=False)
+    study = root / "studies" / "family"
+    study.mkdir(parents=True)
+    (study / "study.json").write_text(json.dumps(
+        {"settings": {"plugins": "lens,skip"}, "models": [{"model": "toy", "status": "complete"},
+                                    {"model": "toy:d8", "status": "failed"}]}))
+    (study / "study.html").write_text("<html><title>study</title></html>")
+    (root / "secret.txt").write_text("not served")
+    return root
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory: pytest.TempPathFactory, native_model: Any) -> str:
+    info = ModelInfo.from_model(native_model)
+    gen = torch.Generator().manual_seed(0)
+    d = info.d_model
+    folder = tmp_path_factory.mktemp("tuned")
+    save_tuned(folder, {i: 0.1 * torch.randn(d, d, generator=gen) for i in range(info.n_layers)},
+               {i: 0.1 * torch.randn(d, generator=gen) for i in range(info.n_layers)},
+               d_model=d, n_layers=info.n_layers, model_name="tiny")
+    return f"tuned:{folder}"
+
+
+@pytest.fixture(scope="module")
+def session(native_model: Any, tuned: str, runs: Path) -> Session:
+    return Session(native_model, [tuned], runs)
+
+
+@pytest.fixture(scope="module")
+def client(session: Session) -> TestClient:
+    return TestClient(make_app(session))
+
+
+def same_view(got: dict[str, Any], view: Any) -> None:
+    want = view.to_dict()
+    assert got["tokens"] == want["tokens"] and got["rows"] == want["rows"]
+    assert got["top_tokens"] == want["top_tokens"]
+    for key in ("top_probs", "kl", "entropy"):
+        assert torch.allclose(torch.tensor(got[key]), torch.tensor(want[key]), atol=1e-6), key
+
+
+def test_info(client: TestClient, session: Session, tuned: str) -> None:
+    info = client.get("/api/info").json()
+    assert info["lenses"] == ["logit", "last-block", tuned]
+    assert info["n_layers"] == session.info.n_layers and info["runs"] is True
+
+
+@pytest.mark.parametrize("lens", ["logit", "last-block", "tuned"])
+def test_grid_is_the_prompt_view(client: TestClient, native_model: Any, tuned: str,
+                                 lens: str) -> None:
+    name = tuned if lens == "tuned" else lens
+    got = client.post("/api/grid", json={"text": TEXT, "lens": name, "top_k": 4})
+    assert got.status_code == 200
+    same_view(got.json(), prompt_view(native_model, TEXT, top_k=4, lens=name))
+    assert got.json()["lens"] == name and got.json()["ms"] > 0
+
+
+@pytest.mark.parametrize("part", ["block", "attn", "mlp"])
+def test_skip_shows_the_output_kl(client: TestClient, native_model: Any, part: str) -> None:
+    got = client.post("/api/grid", json={"text": TEXT, "skip": 1, "part": part}).json()
+    view = prompt_view(native_model, TEXT, top_k=5, skip=1, part=part)
+    same_view(got, view)
+    kl = got["skip"]["output_kl"]
+    assert got["skip"]["block"] == 1 and got["skip"]["part"] == part
+    assert kl[0] == pytest.approx(0.0, abs=1e-6)  # position 0 is never skipped
+    assert min(kl[1:]) > 0  # skipping changes every later position's output
+    assert got["skip"]["mean_output_kl"] == pytest.approx(sum(kl[1:]) / len(kl[1:]))
+
+
+def hooked_patch(model: Any, layer: int, position: int, target: int) -> float:
+    """The target's probability at the last position of the corrupt prompt with the clean
+    ``h_layer`` at ``position``: TransformerLens hooks on a full pass (not the resumer)."""
+    info = ModelInfo.from_model(model)
+    name = info.resid(layer)
+    _, cache = model.run_with_cache(model.to_tokens(CLEAN), names_filter=[name])
+
+    def put(tensor: torch.Tensor, *, hook: Any) -> torch.Tensor:
+        tensor = tensor.clone()
+        tensor[:, position] = cache[name][:, position]
+        return tensor
+
+    with torch.no_grad():
+        logits = model.run_with_hooks(model.to_tokens(CORRUPT), fwd_hooks=[(name, put)])
+    return float(logits[0, -1].float().softmax(-1)[target])
+
+
+def test_patch_matches_a_hooked_pass(client: TestClient, native_model: Any) -> None:
+    base = client.post("/api/patch", json={"clean": CLEAN, "corrupt": CORRUPT, "layer": 0,
+                                           "position": 0}).json()
+    target = base["target_id"]
+    with torch.no_grad():
+        clean_out = native_model(native_model.to_tokens(CLEAN))[0, -1].float().softmax(-1)
+    assert target == int(clean_out.argmax())  # the default target: the clean top-1
+    assert base["clean_prob"] == pytest.approx(float(clean_out[target]), rel=1e-4)
+    L = ModelInfo.from_model(native_model).n_layers
+    for layer, position in ((0, 5), (1, 6), (L, 13)):
+        got = client.post("/api/patch", json={"clean": CLEAN, "corrupt": CORRUPT, "layer": layer,
+                                              "position": position}).json()
+        want = hooked_patch(native_model, layer, position, target)
+        assert got["patched_prob"] == pytest.approx(want, rel=1e-4, abs=1e-7)
+        assert got["recovered"] == pytest.approx(
+            (want - base["corrupt_prob"]) / (base["clean_prob"] - base["corrupt_prob"]), rel=1e-3)
+
+
+def test_patching_map(client: TestClient, native_model: Any) -> None:
+    got = client.post("/api/patch", json={"clean": CLEAN, "corrupt": CORRUPT, "target": "g",
+                                          "map": True}).json()
+    target = got["target_id"]
+    assert got["target"] == "g"
+    rows = got["map"]
+    L, n_pos = ModelInfo.from_model(native_model).n_layers, len(got["corrupt_tokens"])
+    assert len(rows) == L + 1 and all(len(r) == n_pos for r in rows)
+    same = [t for t in range(n_pos) if got["clean_tokens"][t] == got["corrupt_tokens"][t]]
+    for t in same:  # h0 is the embedding: the same token patches nothing
+        assert rows[0][t] == pytest.approx(got["corrupt_prob"], rel=1e-4)
+    assert rows[L][-1] == pytest.approx(got["clean_prob"], rel=1e-4)  # the clean output itself
+    assert rows[2][6] == pytest.approx(hooked_patch(native_model, 2, 6, target), rel=1e-4)
+
+
+LONG = "x" * 200  # the tiny model reads 128 tokens
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "says"),
+    [
+        ("/api/grid", {"text": LONG}, 400, "at most 128"),
+        ("/api/grid", {"text": TEXT, "lens": "tuned:/etc"}, 400, "unknown lens 'tuned:/etc'"),
+        ("/api/grid", {"text": TEXT, "skip": 3}, 400, "cannot skip block 3"),
+        ("/api/grid", {"text": TEXT, "skip": -1}, 400, "cannot skip block -1"),
+        ("/api/grid", {"text": TEXT, "skip": 1, "part": "ffn"}, 400, "unknown part"),
+        ("/api/grid", {"text": TEXT, "skip": 1, "lens": "last-block"}, 400, "logit lens"),
+        ("/api/grid", {"text": TEXT, "skip": True}, 400, "skip must be an integer"),
+        ("/api/grid", {"text": TEXT, "top_k": 0}, 400, "top_k"),
+        ("/api/grid", {"text": 3}, 400, "text must be a string"),
+        ("/api/grid", {"text": "   "}, 400, "empty"),
+        ("/api/grid", {}, 400, "no 'text'"),
+        ("/api/grid", "{not json", 400, "malformed JSON"),
+        ("/api/grid", "[1, 2]", 400, "JSON object"),
+        ("/api/grid", b"\xff\xfe", 400, "malformed JSON"),
+        ("/api/grid", "x" * 300_000, 413, "over 256 KiB"),
+        ("/api/patch", {"clean": CLEAN, "corrupt": "The cat"}, 400, "same length"),
+        ("/api/patch", {"clean": CLEAN, "corrupt": CORRUPT, "target": "dog", "map": True}, 400,
+         "not one"),
+        ("/api/patch", {"clean": CLEAN, "corrupt": CORRUPT, "layer": 9, "position": 0}, 400,
+         "layer 9 is outside"),
+        ("/api/patch", {"clean": CLEAN, "corrupt": CORRUPT, "layer": 0, "position": 99}, 400,
+         "position 99 is outside"),
+        ("/api/patch", {"clean": CLEAN, "corrupt": CORRUPT}, 400, "give layer and position"),
+        ("/api/patch", {"clean": LONG, "corrupt": LONG, "map": True}, 400, "at most 128"),
+    ],
+)
+def test_bad_requests_get_one_clear_line(client: TestClient, path: str, body: Any, status: int,
+                                         says: str) -> None:
+    if isinstance(body, (str, bytes)):
+        got = client.post(path, content=body, headers={"content-type": "application/json"})
+    else:
+        got = client.post(path, json=body)
+    assert got.status_code == status, got.text
+    assert list(got.json()) == ["error"] and says in got.json()["error"]
+    assert "\n" not in got.json()["error"]
+
+
+def test_other_4xx(client: TestClient) -> None:
+    cases = [
+        (client.post("/api/grid", content=json.dumps({"text": TEXT})), 400, "Content-Type"),
+        (client.get("/api/grid"), 405, "not allowed"),
+        (client.get("/nothing"), 404, "no such page"),
+        (client.get("/runs/secret.txt"), 404, "not a run's or a study's page"),
+        (client.get("/runs/../../etc/passwd"), 404, "no such page"),
+        (client.get("/runs/lens-run/..%2F..%2Freport.html"), 404, ""),
+        (client.get("/runs/missing/report.html"), 404, "no page"),
+    ]
+    for got, status, says in cases:
+        assert got.status_code == status, got.text
+        assert says in got.json()["error"]
+
+
+def test_runs_are_listed_and_served(client: TestClient, runs: Path) -> None:
+    listed = client.get("/api/runs").json()["runs"]
+    assert [(r["kind"], r["path"], r["page"]) for r in listed] == [
+        ("run", "lens-run", "lens-run/report.html"),
+        ("study", "studies/family", "studies/family/study.html"),
+    ]
+    assert listed[0]["status"] == "complete" and listed[0]["what"] == "lens"
+    assert listed[1]["status"] == "1/2 complete" and listed[1]["what"] == "lens,skip"
+    page = client.get("/runs/lens-run/report.html")
+    assert page.status_code == 200 and page.text == (runs / "lens-run" / "report.html").read_text()
+
+
+def test_page_and_its_files(client: TestClient) -> None:
+    page = client.get("/")
+    assert page.status_code == 200 and "explore.js" in page.text
+    assert "default-src 'self'" in page.headers["content-security-policy"]
+    for name in ("/explore.js", "/explore.css"):
+        assert client.get(name).status_code == 200
+    assert not re.search(r"(src|href)=\"(https?:)?//", page.text)  # nothing from elsewhere
+
+
+def test_token_and_host(session: Session) -> None:
+    guarded = TestClient(make_app(session, token="s3cret"))
+    assert guarded.get("/api/info").status_code == 403
+    assert guarded.get("/api/info?token=wrong").status_code == 403
+    assert guarded.get("/api/info", headers={"X-Lensdiv-Token": "s3cret"}).status_code == 200
+    first = guarded.get("/?token=s3cret")
+    assert first.status_code == 200 and "lensdiv_token" in first.headers["set-cookie"]
+    assert guarded.get("/api/runs").status_code == 200  # the cookie from now on
+    loopback = TestClient(make_app(session), base_url="http://evil.example")
+    refused = loopback.get("/api/info")  # DNS rebinding: a loopback server answers loopback
+    assert refused.status_code == 403 and "Host" in refused.json()["error"]
+    assert TestClient(make_app(session), base_url="http://127.0.0.1:8765").get(
+        "/api/info").status_code == 200
+
+
+def test_missing_extra_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lensdiv.web.serve import require
+
+    monkeypatch.setitem(sys.modules, "uvicorn", None)
+    with pytest.raises(LensdivError) as err:
+        require()
+    assert "lensdiv[explore]" in str(err.value) and "uvicorn" in str(err.value)
+
+
+def test_notebook_server(native_model: Any) -> None:
+    import lensdiv
+
+    app = lensdiv.explore(native_model)
+    try:
+        assert app.url.startswith("http://127.0.0.1:") and app.running
+        with urllib.request.urlopen(app.url + "api/info", timeout=30) as r:
+            assert json.load(r)["n_layers"] == ModelInfo.from_model(native_model).n_layers
+        assert f'<iframe src="{app.url}"' in app._repr_html_()
+    finally:
+        app.stop()
+    assert not app.running
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(app.url + "api/info", timeout=5)
+
+
+# -- the command, under load ------------------------------------------------------------------
+
+
+def rss_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def ask(base: str, i: int) -> tuple[int, bool]:
+    """One request of a mix: (status, whether it was meant to be bad)."""
+    kinds = [
+        ("api/grid", {"text": f"The dog {i}"}, False),
+        ("api/grid", {"text": f"The cat {i}", "skip": i % 2, "part": "mlp"}, False),
+        ("api/grid", {"text": TEXT, "lens": "nope"}, True),
+        ("api/grid", {"text": TEXT, "skip": 99}, True),
+        ("api/grid", "{broken", True),
+        ("api/grid", {"text": LONG}, True),
+        ("api/patch", {"clean": CLEAN, "corrupt": CORRUPT, "layer": 1, "position": i % 13},
+         False),
+        ("api/runs", None, False),
+    ]
+    path, body, bad = kinds[i % len(kinds)]
+    data = None if body is None else (body if isinstance(body, str) else json.dumps(body))
+    request = urllib.request.Request(base + path, data=None if data is None else data.encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as r:
+            json.load(r)
+            return r.status, bad
+    except urllib.error.HTTPError as err:
+        json.load(err)  # a JSON body with the error
+        return err.code, bad
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads memory from /proc")
+def test_command_under_load_then_ctrl_c(tiny_dirs: dict[str, Path], runs: Path) -> None:
+    model = tiny_dirs[sorted(tiny_dirs)[0]]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1",
+           "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lensdiv", "explore", str(model), "--port", "0", "--no-browser",
+         "--runs", str(runs)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        found = re.search(r"http://127\.0\.0\.1:\d+/", line)
+        assert found, line + (proc.stderr.read() if proc.stderr and proc.poll() else "")
+        base = found.group(0)
+        clients, per_client = 20, 20
+
+        def round_of_load() -> list[tuple[int, bool]]:
+            answers: list[tuple[int, bool]] = []
+            lock = threading.Lock()
+
+            def client(c: int) -> None:
+                for r in range(per_client):
+                    got = ask(base, c * per_client + r)
+                    with lock:
+                        answers.append(got)
+
+            threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(300)
+            return answers
+
+        for i in range(16):  # warm: every kind of request once, buffers allocated
+            ask(base, i)
+        before = rss_kb(proc.pid)
+        answers = round_of_load()
+        middle = rss_kb(proc.pid)
+        answers += round_of_load()
+        after = rss_kb(proc.pid)
+        counts = {s: sum(a == s for a, _ in answers) for s in sorted({a for a, _ in answers})}
+        print(f"explore load: statuses {counts}, RSS kB {before} → {middle} → {after}")
+        assert len(answers) == 2 * clients * per_client  # every request answered
+        for status, bad in answers:
+            assert (400 <= status < 500) if bad else status in (200, 503), (status, bad)
+        assert sum(status == 200 for status, _ in answers) > len(answers) // 3
+        # Memory flat: the second round adds nothing beyond noise to the first.
+        assert after - middle < 20_000, (before, middle, after)
+        assert middle - before < 60_000, (before, middle, after)
+    finally:
+        proc.send_signal(signal.SIGINT)  # Ctrl-C
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "stopped" in out
+    assert "Traceback" not in err and "ERROR" not in err, err
+
+
+def test_command_help_and_taken_port() -> None:
+    from typer.testing import CliRunner
+
+    from lensdiv.cli import app
+    from lensdiv.web.serve import bind
+
+    result = CliRunner().invoke(app, ["explore", "--help"])
+    assert result.exit_code == 0 and "Example: lensdiv explore" in result.output
+    taken = bind("127.0.0.1", 0)
+    try:
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(app, ["explore", "toy", "--port", str(port), "--no-browser"])
+        assert result.exit_code == 2
+        assert f"cannot listen on 127.0.0.1:{port}" in result.output
+    finally:
+        taken.close()
+    result = CliRunner().invoke(app, ["explore", "toy", "--runs", "/no/such/dir", "--no-browser"])
+    assert result.exit_code == 2 and "is not a folder" in result.output
