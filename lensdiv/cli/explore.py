@@ -8,9 +8,11 @@ from typing import Annotated
 
 import typer
 
-from lensdiv.cli.common import Device, Dtype, TrustRemoteCode, console, user_errors
+from lensdiv.cli.common import TrustRemoteCode, console, run_settings, user_errors
+from lensdiv.core.settings import DEFAULTS, RunSettings
 
 
+@run_settings("device", "dtype")
 def explore(
     model: Annotated[
         str, typer.Argument(help="Hub name (gpt2), local HF folder, or toy model (toy, toy:d8).")
@@ -36,8 +38,7 @@ def explore(
     browser: Annotated[
         bool, typer.Option("--browser/--no-browser", help="Open the page in a web browser.")
     ] = True,
-    device: Device = None,
-    dtype: Dtype = None,
+    settings: RunSettings = DEFAULTS,
     trust_remote_code: TrustRemoteCode = False,
 ) -> None:
     """Explore MODEL in a browser: type a prompt and watch every layer's guess, switch lenses,
@@ -46,7 +47,7 @@ def explore(
     Loads the model once and serves a page on 127.0.0.1 (offline: nothing is fetched from
     elsewhere). Needs the explore extra: pip install 'lensdiv[explore]'. Ctrl-C stops it.
 
-    Example: lensdiv explore toy --lens tuned:lenses/toy/tuned_lens --runs runs
+    Example: lensdiv explore toy --lens tuned:lenses/toy --runs runs
     """
     # start-up: the web stack and torch load only when the command runs.
     from lensdiv.web.serve import prepare
@@ -58,8 +59,8 @@ def explore(
             runs,
             host=host,
             port=port,
-            device=device,
-            dtype=dtype,
+            device=settings.device,
+            dtype=settings.dtype,
             trust_remote_code=trust_remote_code,
         )
     term = console()
