@@ -144,3 +144,15 @@ def test_command_prints_and_writes(tmp_path: Path) -> None:
         assert len(bad.output.strip().splitlines()) == 1 and needle in bad.output
     empty = runner.invoke(app, ["lens", "toy", "  "])
     assert empty.exit_code == 2 and "empty" in empty.output
+
+
+def test_a_prompt_longer_than_the_context_is_refused_not_cut(native_model: Any) -> None:
+    """TransformerBridge.to_tokens cuts a long prompt to n_ctx by default: the prompt view asks
+    for every token and refuses what the model cannot read, naming both lengths."""
+    from lensdiv.core.errors import DataError
+
+    n_ctx = int(native_model.cfg.n_ctx)
+    text = "a" * (n_ctx + 5)
+    with pytest.raises(DataError, match=f"at most {n_ctx}"):
+        prompt_view(native_model, text)
+    assert len(prompt_view(native_model, "a" * 3).tokens) <= n_ctx

@@ -332,7 +332,8 @@ def _tokens(model: Any, text: str, prepend_bos: bool) -> Int[Tensor, "1 pos"]:
         raise DataError(
             "the prompt is empty", hint='pass some text, e.g. "The capital of France is"'
         )
-    tokens = model.to_tokens(text, prepend_bos=prepend_bos)
+    # truncate=False: TransformerBridge.to_tokens would cut a long prompt to the context silently
+    tokens = model.to_tokens(text, prepend_bos=prepend_bos, truncate=False)
     n_ctx = int(getattr(model.cfg, "n_ctx", 0) or 0)
     if n_ctx and tokens.shape[1] > n_ctx:
         raise DataError(
