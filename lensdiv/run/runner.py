@@ -7,8 +7,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
-from contextlib import ExitStack
+from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -23,7 +22,7 @@ from lensdiv.core.errors import (
     ResultError,
     UnsupportedModelError,
 )
-from lensdiv.core.progress import progress_allowed, progress_bar
+from lensdiv.core.progress import progress_allowed
 from lensdiv.core.provenance import versions
 from lensdiv.core.registry import make_analyzers
 from lensdiv.core.results import Rendered, Result
@@ -35,7 +34,7 @@ from lensdiv.ops.readout import readout_dtype
 from lensdiv.ops.translators import LOGIT, Translator, parse_lens
 from lensdiv.run.distributed import DataParallelFeed, World, current_world, gather_objects
 from lensdiv.run.engine import Engine, describe, input_device
-from lensdiv.run.feed import Feed, LocalFeed, take_step
+from lensdiv.run.feed import Feed, LocalFeed
 from lensdiv.run.interrupts import handle_signals, interruption, shielded, signals_received
 from lensdiv.run.outcome import (
     MANIFEST,
@@ -46,6 +45,7 @@ from lensdiv.run.outcome import (
     write_manifest,
     written,
 )
+from lensdiv.run.passes import Reader, feed_passes, own_batches
 from lensdiv.run.report import REPORT, VIEWS, write_report
 from lensdiv.run.shards import ShardFeed, check_shardable, parse_shard
 from lensdiv.run.validate import (
@@ -378,7 +378,7 @@ def _run(
             own = tasks[a.name]
             if a.numerics == kind and own is not None:
                 size = sum(b.n_tokens for b in own)
-                groups.append(([a], partial(_own, own), size))
+                groups.append(([a], partial(own_batches, own), size))
     stopped: BaseException | None = None
     try:
         feed.start()  # every process has its model: the run starts (and its manifest says so)
@@ -460,15 +460,6 @@ def _finish(
         save_manifest()
 
 
-# The batches of a group, told whom to call with their real tokens once the data is known to end.
-Reader = Callable[[Callable[[int], None]], Iterable[Batch]]
-
-
-def _own(batches: list[Batch], on_end: Callable[[int], None]) -> Iterator[Batch]:
-    """An analyzer's own examples (their tokens are known: ``on_end`` has nothing to add)."""
-    return iter(batches)
-
-
 def _stream(
     engine: Engine,
     batches: Reader,
@@ -479,97 +470,19 @@ def _stream(
     save_manifest: Callable[[], None],
     feed: Feed,
 ) -> BaseException | None:
-    """Run a group through all its passes, then finalize and save each analyzer.
+    """Run a group through all its passes (:func:`~lensdiv.run.passes.feed_passes`), then
+    finalize and save each analyzer.
 
     Returns what stopped the stream early (Ctrl-C, SIGTERM, bad data met mid-way, memory), if
     anything: the analyzers are still finalized on the tokens seen so far and marked partial.
     """
-    import torch
-
     entries = run.manifest["analyzers"]
     for a in engine.analyzers:
         entries[a.name]["status"] = "running"
-    stopped: BaseException | None = None
-    n_passes = engine.n_passes
-    states: dict[str, Any] = {}
-    onward = engine.pass_tokens is not None  # a training: one stream, cut into steps
-    shared: Iterable[Batch] | None = None
-    try:
-        # Ctrl-C and SIGTERM take effect between batches (a second one at once), so every
-        # state holds whole batches: a signal is recorded, and the feed stops the pass at the
-        # next batch (a process group's ranks agree first, so a signal that reaches one rank
-        # while it prepares a pass and another while it feeds stops both at the same round).
-        with shielded(soft=True), ExitStack() as stack:
-            # A training's stream and its one progress bar outlive its passes (closed here).
-            def close_shared() -> None:
-                if isinstance(shared, Generator):
-                    shared.close()
-
-            stack.callback(close_shared)
-            states = engine.init()
-            for index in range(n_passes):
-                members = engine.begin_pass(index, states)
-                if not members:
-                    break
-                if onward:
-                    if shared is None:
-                        bar = stack.enter_context(
-                            _progress(progress, ", ".join(a.name for a in members))
-                        )
-                        steps = _Tally(bar, bar.add_task("training", total=total), feed)
-                        shared = batches(steps.ended)
-                    assert engine.pass_tokens is not None
-                    part = take_step(shared, engine.pass_tokens)
-                    feed.run_pass(engine, index, part, states, steps.advance)
-                    continue
-                label = ", ".join(a.name for a in members)
-                if n_passes > 1:
-                    label += f" (pass {index + 1}/{n_passes})"
-                with _progress(progress, label) as bar:
-                    tally = _Tally(bar, bar.add_task("analyzing", total=total), feed)
-                    stream = batches(tally.ended)
-                    try:
-                        feed.run_pass(engine, index, stream, states, tally.advance)
-                    finally:  # a pass stopped early: the data's reader thread stops too
-                        if isinstance(stream, Generator):
-                            stream.close()
-                    tally.done()
-    except (KeyboardInterrupt, LensdivError) as err:
-        stopped = err
-    except (MemoryError, torch.cuda.OutOfMemoryError) as err:
-        stopped = OptionError(
-            f"out of memory in the forward pass ({describe(err)[:120]})",
-            hint="lower --batch-size or --seq-len, or use a smaller --dtype",
-        )
+    states, stopped = feed_passes(engine, batches, total, progress, feed)
     with shielded():  # a second Ctrl-C waits until the results in hand are on disk
         _wrap_up(engine, states, stopped, run, out_dir, save_manifest, feed.finalizes)
     return stopped
-
-
-class _Tally:
-    """A pass's progress bar over tokens. Its total is the most tokens the data can hold until
-    the data's reader reaches their end and says how many there are (:meth:`ended`, on the
-    reader's thread); the bar takes them at the next batch. Only a :class:`LocalFeed` feeds
-    every batch in this process: a shard or a rank counts its share, its total set at the end."""
-
-    def __init__(self, bar: Any, task: Any, feed: Feed) -> None:
-        self.bar, self.task = bar, task
-        self.every = isinstance(feed, LocalFeed)
-        self.counted = 0
-        self.total: int | None = None
-
-    def ended(self, tokens: int) -> None:
-        self.total = tokens
-
-    def advance(self, batch: Batch) -> None:
-        self.counted += batch.n_tokens
-        known = {"total": self.total} if self.total is not None and self.every else {}
-        self.bar.update(self.task, advance=batch.n_tokens, **known)
-
-    def done(self) -> None:
-        """The pass ended without an error: this process read all its data."""
-        if self.total is not None or not self.every:
-            self.bar.update(self.task, total=self.counted)
 
 
 def _wrap_up(
@@ -696,19 +609,6 @@ def _feed(
     )
     manifest.update(feed.describe())
     return feed
-
-
-def _progress(enabled: bool, label: str) -> Any:
-    """A progress bar over tokens, with tokens/s."""
-    from rich.progress import ProgressColumn
-    from rich.text import Text
-
-    class SpeedColumn(ProgressColumn):
-        def render(self, task: Any) -> Text:
-            speed = task.finished_speed or task.speed
-            return Text(f"{speed:,.0f} tok/s" if speed else "… tok/s", style="cyan")
-
-    return progress_bar(f"[bold]{label}[/bold]", "tokens", SpeedColumn(), enabled=enabled)
 
 
 def load_run(out: str | Path) -> Run:
