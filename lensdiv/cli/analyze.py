@@ -147,6 +147,7 @@ def analyze(
     from lensdiv.run.runner import analyze as run_analyze
 
     if not token_cache:  # the environment reaches every reader: threads, shards, subprocesses
+        # start-up: the token cache imports numpy; it loads only when the command runs.
         from lensdiv.data.cache import ENV
 
         os.environ[ENV] = "off"

@@ -162,6 +162,7 @@ def evaluate(
 
     Example: lensdiv lenses evaluate toy --lens lenses/toy-tuned --skip-tokens 32768
     """
+    # start-up: the evaluation imports torch and TransformerLens; they load only when it runs.
     from lensdiv.lenses.fit import evaluate_lens
 
     with user_errors():

@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from lensdiv.analyzers.linmap import spearman
-from lensdiv.analyzers.surgery.prune import Prune, greedy_chosen
 from lensdiv.core.analyzer import ModelInfo
 from lensdiv.core.stats import Stats
 from lensdiv.ops.surgery import SUMS, linearity, mean_sem
+
+if TYPE_CHECKING:  # the analyzer imports this module; its type is only an annotation here
+    from lensdiv.analyzers.surgery import Prune
 
 # The true effects (name: (sum key, square key, count key)).
 METRICS = {
@@ -195,3 +197,16 @@ def _argmin(values: Tensor) -> int:
     """Index of the smallest value (NaN never; ties: the earliest)."""
     v = torch.nan_to_num(values.double(), nan=math.inf).tolist()
     return min(range(len(v)), key=lambda i: (v[i], i))
+
+
+def greedy_chosen(state: Stats, steps: int) -> list[int]:
+    """The blocks greedy removal chose in its first ``steps`` steps (least mean KL each step)."""
+    chosen: list[int] = []
+    for k in range(1, steps + 1):
+        sums = state.get(f"greedy{k}")
+        if sums is None:
+            break
+        kl = sums[:, SUMS.index("kl")] / sums[:, SUMS.index("n")].clamp_min(1.0)
+        free = [b for b in range(kl.shape[0]) if b not in chosen]
+        chosen.append(min(free, key=lambda b: (float(kl[b]), b)))
+    return chosen

@@ -4,11 +4,13 @@ summary, from :class:`~lensdiv.analyzers.surgery.numbers.PruneNumbers`."""
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lensdiv.analyzers.surgery.numbers import METRICS, PruneNumbers
-from lensdiv.analyzers.surgery.prune import Prune
 from lensdiv.core.results import Plot, Result, Table
+
+if TYPE_CHECKING:  # the analyzer imports this module; its type is only an annotation here
+    from lensdiv.analyzers.surgery import Prune
 
 _SIGNAL_LABELS = {
     "block_influence": "Σ block influence 1 − cos(h_j, h_{j+1}) over the range (ShortGPT)",

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lensdiv.analyzers.surgery.numbers import PruneNumbers, greedy_chosen
+from lensdiv.analyzers.surgery.present import present
 from lensdiv.core.analyzer import Analyzer, ModelInfo, Step
 from lensdiv.core.results import Result
 from lensdiv.core.stats import Stats
@@ -141,12 +143,6 @@ class Prune(Analyzer):
         state.add(f"greedy{k}", greedy)
 
     def finalize(self, state: Stats, info: ModelInfo) -> Result:
-        # Imported here to keep the start-up of the CLI (which lists every analyzer) fast.
-        from lensdiv.analyzers.surgery.numbers import PruneNumbers
-
-        # (start-up, as above; and numbers imports this module at its top)
-        from lensdiv.analyzers.surgery.present import present
-
         if "grid" not in state:
             raise ValueError("no position was measured; use longer sequences or more data")
         return present(PruneNumbers.from_state(state, info, self), self)
@@ -156,16 +152,3 @@ def influence_order(bi: torch.Tensor) -> list[int]:
     """Blocks in the order ShortGPT removes them: least block influence first (ties: earlier)."""
     values = bi.tolist()
     return sorted(range(len(values)), key=lambda b: (values[b], b))
-
-
-def greedy_chosen(state: Stats, steps: int) -> list[int]:
-    """The blocks greedy removal chose in its first ``steps`` steps (least mean KL each step)."""
-    chosen: list[int] = []
-    for k in range(1, steps + 1):
-        sums = state.get(f"greedy{k}")
-        if sums is None:
-            break
-        kl = sums[:, SUMS.index("kl")] / sums[:, SUMS.index("n")].clamp_min(1.0)
-        free = [b for b in range(kl.shape[0]) if b not in chosen]
-        chosen.append(min(free, key=lambda b: (float(kl[b]), b)))
-    return chosen

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from lensdiv.analyzers.surgery.numbers import summarize
 from lensdiv.core.analyzer import Analyzer, ModelInfo, Step
 from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
@@ -106,9 +107,6 @@ class Reorder(Analyzer):
             state.include("resume", resumer.mode)
 
     def finalize(self, state: Stats, info: ModelInfo) -> Result:
-        # Imported here to keep the start-up of the CLI (which lists every analyzer) fast.
-        from lensdiv.analyzers.surgery.numbers import summarize
-
         if "sums" not in state:
             raise ValueError("no position was measured; use longer sequences or more data")
         names = [name for name, _ in self.variants(info)]
