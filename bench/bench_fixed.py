@@ -167,7 +167,9 @@ def worker(args: argparse.Namespace) -> None:
     for n, spec in specs.items():
         parts[f"data cached, {n}"] = lambda spec=spec: list(token_batches(spec, tokenizer))
         parts[f"data read ahead, {n}"] = (
-            None if ready_batches is None else lambda spec=spec: list(ready_batches(spec, tokenizer))
+            None
+            if ready_batches is None
+            else lambda spec=spec: list(ready_batches(spec, tokenizer))
         )
     splits: dict[str, dict[str, float]] = {}
 
@@ -206,6 +208,26 @@ def worker(args: argparse.Namespace) -> None:
 # -- the parent: workers for each tree, rounds interleaved -------------------------------------
 
 
+def _commit(tree: Path) -> str:
+    """The commit a tree holds (``+changes`` if its files differ from it), not its path."""
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(tree), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(tree), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+    return head + ("+changes" if dirty else "")
+
+
 def _start(tree: Path, args: argparse.Namespace, cache: str) -> subprocess.Popen[str]:
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker", str(tree)]
     for flag in ("layers", "d_model", "vocab", "seq_len", "batch_size", "threads", "tokenizer"):
@@ -236,7 +258,8 @@ def _merge(rounds: list[dict[str, Any]]) -> dict[str, Any]:
             for name in rounds[0][key]
         }
     best_round = {
-        name: min(rounds, key=lambda r, name=name: r["wall_s"][name]) for name in rounds[0]["splits"]
+        name: min(rounds, key=lambda r, name=name: r["wall_s"][name])
+        for name in rounds[0]["splits"]
     }
     out["splits"] = {name: r["splits"][name] for name, r in best_round.items()}
     out["load_average"] = [r["load_average"] for r in rounds]
@@ -292,7 +315,7 @@ def main() -> None:
         "tokenizer": args.tokenizer,
         "repeats": args.repeats,
         "torch": torch.__version__,
-        "trees": {name: str(tree) for name, tree in trees.items()},
+        "trees": {name: _commit(tree) for name, tree in trees.items()},
     }
     for name in procs:
         merged = _merge(rounds[name])

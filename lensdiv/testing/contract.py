@@ -359,8 +359,8 @@ def assert_results_close(
     a: Result, b: Result, *, rtol: float, what: str, atol: float | None = None
 ) -> None:
     """Same tables, arrays and plots; numbers within ``rtol`` (or ``atol``, by default
-    ``rtol / 1000``; strings and integers exact)."""
-    atol = rtol * 1e-3 if atol is None else atol
+    ``rtol / 1000`` — of the largest value, for an array; strings and integers exact)."""
+    given, atol = atol, rtol * 1e-3 if atol is None else atol
     assert a.analyzer == b.analyzer, what
     assert list(a.tables) == list(b.tables), f"{what}: tables {list(a.tables)} vs {list(b.tables)}"
     for key, table in a.tables.items():
@@ -372,7 +372,7 @@ def assert_results_close(
             )
     assert list(a.arrays) == list(b.arrays), f"{what}: arrays"
     for key, array in a.arrays.items():
-        _close(array, b.arrays[key], rtol, f"{what}: array {key!r}")
+        _close(array, b.arrays[key], rtol, f"{what}: array {key!r}", given)
     assert a.plots == b.plots, f"{what}: plots differ"
     assert set(a.meta) == set(b.meta), f"{what}: meta keys {set(a.meta) ^ set(b.meta)}"
     for key in a.meta:
@@ -400,10 +400,10 @@ def _close_values(x: Any, y: Any, rtol: float, what: str, atol: float | None = N
         assert x == y, f"{what}: {x!r} vs {y!r}"
 
 
-def _close(x: Any, y: Any, rtol: float, what: str) -> None:
+def _close(x: Any, y: Any, rtol: float, what: str, atol: float | None = None) -> None:
+    """Arrays within ``rtol``, or ``atol`` (by default ``rtol / 1000`` of the largest value)."""
     x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
     assert x.shape == y.shape, f"{what}: shapes {x.shape} and {y.shape}"
-    scale = max(float(np.nanmax(np.abs(y), initial=0.0)), 1e-30)
-    np.testing.assert_allclose(
-        x, y, rtol=rtol, atol=rtol * scale * 1e-3, equal_nan=True, err_msg=what
-    )
+    if atol is None:
+        atol = rtol * max(float(np.nanmax(np.abs(y), initial=0.0)), 1e-30) * 1e-3
+    np.testing.assert_allclose(x, y, rtol=rtol, atol=atol, equal_nan=True, err_msg=what)
