@@ -116,11 +116,16 @@ class TunedRecipe:
         return self.steps - self.affine_passes
 
 
-#: The reference recipe, and smaller ones (fewer, smaller steps) for a CPU and the toy zoo.
+#: The reference recipe, and smaller ones (fewer, smaller steps) for a CPU and the toy zoo; each
+#: small one also as the fast path (``-fast``): one closed-form pass (the affine lens) and 15 SGD
+#: steps, which reach the recipe's held-out KL at every layer in a quarter of its time or less
+#: (bench/README.md, "Tuned lens: time to quality").
 PRESETS = {
     "paper": TunedRecipe(),
     "cpu": TunedRecipe(steps=120, tokens_per_step=2**14),
     "toy": TunedRecipe(steps=60, tokens_per_step=2**11),
+    "cpu-fast": TunedRecipe(steps=16, tokens_per_step=2**14, affine_passes=1),
+    "toy-fast": TunedRecipe(steps=16, tokens_per_step=2**11, affine_passes=1),
 }
 
 
