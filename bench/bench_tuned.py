@@ -48,7 +48,8 @@ def main() -> None:
     parser.add_argument("--model", default="toy")
     parser.add_argument("--preset", default="toy", choices=sorted(PRESETS))
     parser.add_argument("--fast-steps", default="4,8,16",
-                        help="passes of the fast path (1 closed-form + the rest SGD), comma-separated")
+                        help="passes of the fast path (1 closed-form + the rest SGD at the -fast "
+                        "preset's lr), comma-separated")
     parser.add_argument("--baseline-steps", default="",
                         help="extra (shorter) baseline runs for the curve, comma-separated")
     parser.add_argument("--eval-tokens", type=int, default=8192)
@@ -64,12 +65,13 @@ def main() -> None:
         plot(json.loads(args.json.read_text()), args.plot)
         return
     recipe = PRESETS[args.preset]
+    fast = PRESETS.get(f"{args.preset}-fast", PRESETS["cpu-fast"])  # its step size
     model = load_model(args.model, device=args.device, progress=False)
     runs: dict[str, dict[str, Any]] = {"baseline": {"steps": recipe.steps, "affine_passes": 0}}
     for steps in filter(None, args.baseline_steps.split(",")):
         runs[f"baseline-{steps}"] = {"steps": int(steps), "affine_passes": 0}
     for steps in filter(None, args.fast_steps.split(",")):
-        runs[f"fast-{steps}"] = {"steps": int(steps), "affine_passes": 1}
+        runs[f"fast-{steps}"] = {"steps": int(steps), "affine_passes": 1, "lr": fast.lr}
     step_tokens = -(-recipe.tokens_per_step // (8 * 128)) * 8 * 128  # whole batches (8 × 128)
     skip = recipe.steps * step_tokens
     times: dict[str, list[float]] = {name: [] for name in runs}

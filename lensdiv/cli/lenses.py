@@ -65,7 +65,7 @@ def fit(
         str,
         typer.Option(
             help="Tuned lens: paper (250 × 2^18 tokens), cpu, toy (the published "
-            "recipe), or cpu-fast, toy-fast (a closed-form start, then 15 steps).",
+            "recipe), or cpu-fast, toy-fast (a closed-form start, then 15 steps at lr 4).",
         ),
     ] = "cpu",
     option: Annotated[

@@ -118,14 +118,14 @@ class TunedRecipe:
 
 #: The reference recipe, and smaller ones (fewer, smaller steps) for a CPU and the toy zoo; each
 #: small one also as the fast path (``-fast``): one closed-form pass (the affine lens) and 15 SGD
-#: steps, which reach the recipe's held-out KL at every layer in a quarter of its time or less
+#: steps of 4× the step size (from a good start the clipped steps can be longer), which reach the recipe's held-out KL at every layer in a quarter of its time or less
 #: (bench/README.md, "Tuned lens: time to quality").
 PRESETS = {
     "paper": TunedRecipe(),
     "cpu": TunedRecipe(steps=120, tokens_per_step=2**14),
     "toy": TunedRecipe(steps=60, tokens_per_step=2**11),
-    "cpu-fast": TunedRecipe(steps=16, tokens_per_step=2**14, affine_passes=1),
-    "toy-fast": TunedRecipe(steps=16, tokens_per_step=2**11, affine_passes=1),
+    "cpu-fast": TunedRecipe(steps=16, tokens_per_step=2**14, lr=4.0, affine_passes=1),
+    "toy-fast": TunedRecipe(steps=16, tokens_per_step=2**11, lr=4.0, affine_passes=1),
 }
 
 
@@ -198,6 +198,36 @@ class NesterovSGD:
                 g = g + r.momentum * buf  # Nesterov
             new[name] = (p64 - lr * g).to(p.dtype)
         return new, moved
+
+
+def kl_gradients(
+    readout: Any, states: list[Tensor], weight: Tensor, bias: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The gradients of ``Σ_positions KL(p_L ‖ p_l)`` with respect to every layer's ``A_l``
+    and ``b_l``, and the summed KL per layer: a step's work on one batch.
+
+    Args:
+        readout: The model's :class:`~lensdiv.ops.readout.FinalReadout`.
+        states: ``h_0 .. h_L`` of the positions, ``[n, d]`` each, in the readout's dtype.
+        weight, bias: ``A`` ``[L, d, d]`` and ``b`` ``[L, d]``.
+
+    Returns:
+        ``(∂A, ∂b, KL)``: ``[L, d, d]``, ``[L, d]``, ``[L]``.
+    """
+    with torch.no_grad():
+        target = readout.logits(states[-1]).log_softmax(-1)  # log p_L
+        p_target = target.exp()
+    grads: list[tuple[Tensor, Tensor, Tensor]] = []
+    for layer in range(len(states) - 1):  # one layer's logits at a time
+        w = weight[layer].detach().requires_grad_(True)
+        b = bias[layer].detach().requires_grad_(True)
+        with torch.enable_grad():
+            h = states[layer]
+            logq = readout.logits(h + h @ w.T + b).log_softmax(-1)
+            kl = (p_target * (target - logq)).sum()
+            gw, gb = torch.autograd.grad(kl, (w, b))
+        grads.append((gw, gb, kl.detach()))
+    return tuple(torch.stack([g[i] for g in grads]) for i in range(3))  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -305,25 +335,11 @@ class TunedFit(Analyzer):
         state.add("positions", step.batch.n_tokens)  # the step's loss: mean over real tokens
         if not keep.any():
             return
-        with torch.no_grad():
-            states = [
-                step.resid(layer)[keep].to(device, dtype) for layer in range(info.n_layers + 1)
-            ]
-            target = readout.logits(states[-1]).log_softmax(-1)  # log p_L
-            p_target = target.exp()
-        grads: list[tuple[Tensor, Tensor, Tensor]] = []
-        for layer in range(info.n_layers):  # one layer's logits at a time
-            w = weight[layer].detach().requires_grad_(True)
-            b = bias[layer].detach().requires_grad_(True)
-            with torch.enable_grad():
-                h = states[layer]
-                logq = readout.logits(h + h @ w.T + b).log_softmax(-1)
-                kl = (p_target * (target - logq)).sum()
-                gw, gb = torch.autograd.grad(kl, (w, b))
-            grads.append((gw, gb, kl.detach()))
-        grad_w.add_(torch.stack([g[0] for g in grads]))
-        grad_b.add_(torch.stack([g[1] for g in grads]))
-        kl_sums.add_(torch.stack([g[2] for g in grads]))
+        states = [step.resid(layer)[keep].to(device, dtype) for layer in range(info.n_layers + 1)]
+        gw, gb, kl = kl_gradients(readout, states, weight, bias)
+        grad_w.add_(gw)
+        grad_b.add_(gb)
+        kl_sums.add_(kl)
 
     def _moments(self, state: Stats, step: Step) -> None:
         """A closed-form pass: ``Σ [h_l, 1][h_l, 1]ᵀ`` and ``Σ [h_l, 1] h_Lᵀ`` in float64 (as
