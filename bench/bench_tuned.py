@@ -134,8 +134,9 @@ def plot(reports: dict[str, Any], path: Path) -> None:
 
     panels = [(key, name, states) for key, report in reports.items()
               for name, states in groups(len(report["runs"]["baseline"]["kl"])).items()]
-    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.2), squeeze=False)
-    for ax, (key, name, states) in zip(axes[0], panels, strict=True):
+    rows = len(reports)
+    fig, axes = plt.subplots(rows, 2, figsize=(7.6, 2.9 * rows), squeeze=False)
+    for ax, (key, name, states) in zip(axes.flat, panels, strict=True):
         runs = reports[key]["runs"]
         for kind, style in (("baseline", "o-"), ("fast", "s-")):
             chosen = sorted((r["seconds"], sum(r["kl"][i] for i in states))
@@ -145,12 +146,12 @@ def plot(reports: dict[str, Any], path: Path) -> None:
         full = runs["baseline"]
         ax.axhline(sum(full["kl"][i] for i in states) * 1.02, color="grey", lw=0.8, ls=":")
         ax.axvline(full["seconds"] / 4, color="grey", lw=0.8, ls="--")
-        ax.set_title(f"{key}: {name}", fontsize=9)
-        ax.set_xlabel("fit wall time (s)")
-        ax.set_ylabel("held-out Σ KL(p_L ‖ p_l) (nats)")
+        ax.set_title(f"{key} preset: {name}", fontsize=9)
+        ax.set_xlabel("fit wall time (s)", fontsize=8)
+        ax.set_ylabel("held-out Σ KL (nats)", fontsize=8)
     axes[0][0].legend(fontsize=7)
-    fig.suptitle("Tuned lens: held-out KL against wall time (dotted: recipe's KL + 2 %; dashed: "
-                 "¼ of its time)", fontsize=9)
+    fig.suptitle("Tuned lens: held-out KL(p_L ‖ p_l) against fit wall time\n(dotted: the "
+                 "recipe's KL + 2 %; dashed: ¼ of its time)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
