@@ -260,6 +260,15 @@ def test_the_fast_path_starts_at_the_affine_lens_of_its_first_pass(llama_dir: Pa
         torch.testing.assert_close(a.maps[layer].weight, b.maps[layer].weight, rtol=1e-4,
                                    atol=1e-5)
         torch.testing.assert_close(a.maps[layer].bias, b.maps[layer].bias, rtol=1e-4, atol=1e-5)
+    # tuned-lens's layout, loaded as TunedLens.from_unembed_and_pretrained does (strict)
+    config = json.loads((fast.lens / "config.json").read_text())
+    assert config["lens_type"] == "linear_tuned_lens" and config["recipe"]["affine_passes"] == 1
+    translators = torch.nn.ModuleList(
+        [torch.nn.Linear(config["d_model"], config["d_model"], bias=config["bias"])
+         for _ in range(config["num_hidden_layers"])])
+    translators.load_state_dict(torch.load(fast.lens / "params.pt", weights_only=True),
+                                strict=True)
+    torch.testing.assert_close(translators[0].weight.detach(), a.maps[0].weight)
 
 
 @pytest.mark.parametrize("options, message", [
