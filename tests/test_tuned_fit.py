@@ -9,6 +9,7 @@ import dataclasses
 import json
 import multiprocessing
 import os
+import re
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -39,7 +40,12 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_model("llama", tmp_path_factory.mktemp("tuned") / "llama")
 
 
-def _rank_main(rank: int, store: str, model: str, out: str) -> None:
+def _with_affine(affine_passes: int) -> dict[str, Any]:
+    """FIT, its first ``affine_passes`` passes the closed-form start (the fast path)."""
+    return {**FIT, "options": {**FIT["options"], "affine_passes": affine_passes}}
+
+
+def _rank_main(rank: int, store: str, model: str, out: str, affine_passes: int = 0) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -48,7 +54,7 @@ def _rank_main(rank: int, store: str, model: str, out: str) -> None:
                             timeout=timedelta(seconds=300))
     code = 0
     try:
-        fit_lens(model, "tuned", out=out, **FIT)
+        fit_lens(model, "tuned", out=out, **_with_affine(affine_passes))
     except LensdivError as err:
         Path(out).mkdir(parents=True, exist_ok=True)
         Path(out, f"rank{rank}.txt").write_text(str(err))
@@ -58,17 +64,22 @@ def _rank_main(rank: int, store: str, model: str, out: str) -> None:
     sys.exit(code)
 
 
-def test_two_ranks_train_the_tuned_lens_of_one_process(llama_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("affine_passes", [0, 1])
+def test_two_ranks_train_the_tuned_lens_of_one_process(llama_dir: Path, tmp_path: Path,
+                                                       affine_passes: int) -> None:
     """The lens, its training loss and its evaluation of 2 gloo processes (the gradient of a
-    step all-reduced by the run's data-parallel feed) equal one process's."""
+    step all-reduced by the run's data-parallel feed) equal one process's; from the identity
+    and on the fast path (a closed-form pass, its moments all-reduced, then SGD)."""
+    sgd_steps = 3 - affine_passes
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["tests.test_tuned_fit"])
     procs = [ctx.Process(target=_rank_main,
-                         args=(rank, str(tmp_path / "store"), str(llama_dir), str(tmp_path / "two")))
+                         args=(rank, str(tmp_path / "store"), str(llama_dir), str(tmp_path / "two"),
+                               affine_passes))
              for rank in range(2)]
     for p in procs:
         p.start()
-    one = fit_lens(str(llama_dir), "tuned", out=tmp_path / "one", **FIT)
+    one = fit_lens(str(llama_dir), "tuned", out=tmp_path / "one", **_with_affine(affine_passes))
     for p in procs:
         p.join(300)
     assert [p.exitcode for p in procs] == [0, 0], [p.exitcode for p in procs]
@@ -80,7 +91,7 @@ def test_two_ranks_train_the_tuned_lens_of_one_process(llama_dir: Path, tmp_path
     assert manifest["timings"]["tokens"] == one.manifest["timings"]["tokens"] == 3 * STEP_TOKENS
     a = read_tuned(tmp_path / "one" / "fit-tuned" / TUNED_FOLDER)
     b = read_tuned(tmp_path / "two" / "fit-tuned" / TUNED_FOLDER)
-    assert a.meta["steps_done"] == b.meta["steps_done"] == 3 and a.meta["complete"]
+    assert a.meta["steps_done"] == b.meta["steps_done"] == sgd_steps and a.meta["complete"]
     assert sorted(a.maps) == sorted(b.maps)
     moved = 0.0
     for layer in a.maps:
@@ -91,7 +102,7 @@ def test_two_ranks_train_the_tuned_lens_of_one_process(llama_dir: Path, tmp_path
         moved = max(moved, float(wa.weight.abs().max()))
     assert moved > 1e-3  # the lens trained: equal lenses are not two zero lenses
     losses = [run["fit-tuned"].tables["training"]["kl"] for run in (one.run, two)]
-    assert losses[0] == pytest.approx(losses[1], rel=1e-5) and len(losses[0]) == 3
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5) and len(losses[0]) == sgd_steps
     evaluation = json.loads((tmp_path / "two" / "evaluation.json").read_text())["columns"]
     assert one.evaluation is not None
     assert evaluation["kl_tuned"] == pytest.approx(list(one.evaluation["kl_tuned"]), rel=1e-5)
@@ -229,3 +240,42 @@ def test_a_training_is_not_split_into_shards(llama_dir: Path, tmp_path: Path) ->
                 seq_len=24, batch_size=2, max_tokens=96, out=tmp_path / "s", progress=False)
     with pytest.raises(OptionError, match="cannot be split into shards"):
         fit_lens(str(llama_dir), "tuned", out=tmp_path / "f", shard="0/2", progress=False)
+
+
+def test_the_fast_path_starts_at_the_affine_lens_of_its_first_pass(llama_dir: Path,
+                                                                   tmp_path: Path) -> None:
+    """``affine_passes=1``: the first pass's moments solved in closed form are the start; with
+    a vanishing step size the lens after its SGD step is the affine lens of the same tokens."""
+    fast = fit_lens(str(llama_dir), "tuned", out=tmp_path / "fast",
+                    **{**FIT, "eval_tokens": 0,
+                       "options": {**FIT["options"], "affine_passes": 1, "lr": 1e-12}})
+    affine = fit_lens(str(llama_dir), "affine", out=tmp_path / "affine", max_tokens=STEP_TOKENS,
+                      seq_len=FIT["seq_len"], batch_size=FIT["batch_size"], eval_tokens=0,
+                      progress=False)
+    assert fast.lens is not None and affine.lens is not None
+    a, b = read_tuned(fast.lens), read_tuned(affine.lens)
+    assert a.meta["steps_done"] == 2 and a.meta["recipe"]["affine_passes"] == 1
+    for layer in b.maps:
+        assert float(b.maps[layer].weight.abs().max()) > 1e-3  # a lens, not the identity
+        torch.testing.assert_close(a.maps[layer].weight, b.maps[layer].weight, rtol=1e-4,
+                                   atol=1e-5)
+        torch.testing.assert_close(a.maps[layer].bias, b.maps[layer].bias, rtol=1e-4, atol=1e-5)
+    # tuned-lens's layout, loaded as TunedLens.from_unembed_and_pretrained does (strict)
+    config = json.loads((fast.lens / "config.json").read_text())
+    assert config["lens_type"] == "linear_tuned_lens" and config["recipe"]["affine_passes"] == 1
+    translators = torch.nn.ModuleList(
+        [torch.nn.Linear(config["d_model"], config["d_model"], bias=config["bias"])
+         for _ in range(config["num_hidden_layers"])])
+    translators.load_state_dict(torch.load(fast.lens / "params.pt", weights_only=True),
+                                strict=True)
+    torch.testing.assert_close(translators[0].weight.detach(), a.maps[0].weight)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"steps": 2, "affine_passes": 2}, "affine_passes must be in [0, steps)"),
+    ({"affine_passes": -1}, "affine_passes must be in [0, steps)"),
+])
+def test_bad_closed_form_passes_are_refused(options: dict[str, int], message: str) -> None:
+    with pytest.raises(LensdivError, match=re.escape(message)):
+        fit_lens("/nonexistent/model", "tuned", out="/nonexistent/out", preset="toy",
+                 options=options, progress=False)

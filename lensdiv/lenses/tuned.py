@@ -48,11 +48,13 @@ import torch
 from torch import Tensor, nn
 
 from lensdiv.core.analyzer import Analyzer, Batch, ModelInfo, Step
+from lensdiv.core.devices import masked_stack
 from lensdiv.core.errors import OptionError
 from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
 from lensdiv.lenses.affine import TunedLensFolder
 from lensdiv.ops.readout import final_readout
+from lensdiv.ops.ridge import augment, fit_affine
 from lensdiv.ops.translators import Translator, parse_lens
 from lensdiv.run.engine import Engine
 from lensdiv.run.feed import take_step
@@ -62,6 +64,10 @@ TUNED_FOLDER = "tuned_lens"
 #: (fixed, frozen between steps), and what a step sums (the gradient, the KL, the tokens).
 PARAMS = ("weight", "bias")
 GRAD, MOMENTUM = "grad/", "momentum/"
+#: The closed-form start's moments, and its ridge (the affine lens' default, relative to the
+#: mean eigenvalue of each state's covariance).
+XTX, XTY, SEEN = "moments/xtx", "moments/xty", "moments/batches"
+START_RIDGE = 1e-4
 
 
 @dataclass(frozen=True)
@@ -77,6 +83,11 @@ class TunedRecipe:
             zero (the logit lens).
         clip: Gradient-norm clip per step.
         exclude_bos: Leave the BOS position out of the loss.
+        affine_passes: The first passes (of ``steps``) gather the least-squares moments of
+            ``h_l → h_L`` instead of taking a step; the translators then start at their closed
+            form, the affine lens (:mod:`lensdiv.lenses.affine`), and the remaining
+            ``steps − affine_passes`` SGD steps decay to 0. 0: the published recipe (from the
+            identity, or from ``start``).
     """
 
     steps: int = 250
@@ -86,19 +97,35 @@ class TunedRecipe:
     weight_decay: float = 1e-3
     clip: float = 1.0
     exclude_bos: bool = True
+    affine_passes: int = 0
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.tokens_per_step < 1:
             raise OptionError("a tuned lens needs at least 1 step of at least 1 token")
+        if not 0 <= self.affine_passes < self.steps:
+            raise OptionError(
+                f"affine_passes must be in [0, steps) (got {self.affine_passes} of "
+                f"{self.steps} steps): at least one SGD step follows the closed-form start"
+            )
         if not (self.lr > 0 and 0 <= self.momentum < 1 and self.weight_decay >= 0):
             raise OptionError("lr must be > 0, momentum in [0, 1), weight_decay >= 0")
 
+    @property
+    def sgd_steps(self) -> int:
+        """The optimiser steps: the passes after the closed-form ones."""
+        return self.steps - self.affine_passes
 
-#: The reference recipe, and smaller ones (fewer, smaller steps) for a CPU and the toy zoo.
+
+#: The reference recipe, and smaller ones (fewer, smaller steps) for a CPU and the toy zoo; each
+#: small one also as the fast path (``-fast``): one closed-form pass (the affine lens) and 15 SGD
+#: steps of 4× the step size (from a good start the clipped steps can be longer), which reach the recipe's held-out KL at every layer in a quarter of its time or less
+#: (bench/README.md, "Tuned lens: time to quality").
 PRESETS = {
     "paper": TunedRecipe(),
     "cpu": TunedRecipe(steps=120, tokens_per_step=2**14),
     "toy": TunedRecipe(steps=60, tokens_per_step=2**11),
+    "cpu-fast": TunedRecipe(steps=16, tokens_per_step=2**14, lr=4.0, affine_passes=1),
+    "toy-fast": TunedRecipe(steps=16, tokens_per_step=2**11, lr=4.0, affine_passes=1),
 }
 
 
@@ -159,7 +186,7 @@ class NesterovSGD:
         r = self.recipe
         norm = math.sqrt(sum(float(g.square().sum()) for g in grads.values()))
         coef = min(1.0, r.clip / (norm + 1e-6))
-        lr = r.lr * (1 - r.momentum) * max(0.0, 1.0 - done / r.steps)
+        lr = r.lr * (1 - r.momentum) * max(0.0, 1.0 - done / r.sgd_steps)
         new, moved = {}, {}
         for name, p in params.items():
             g = grads[name].double()  # where the gradient was summed: the readout's device
@@ -171,6 +198,36 @@ class NesterovSGD:
                 g = g + r.momentum * buf  # Nesterov
             new[name] = (p64 - lr * g).to(p.dtype)
         return new, moved
+
+
+def kl_gradients(
+    readout: Any, states: list[Tensor], weight: Tensor, bias: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The gradients of ``Σ_positions KL(p_L ‖ p_l)`` with respect to every layer's ``A_l``
+    and ``b_l``, and the summed KL per layer: a step's work on one batch.
+
+    Args:
+        readout: The model's :class:`~lensdiv.ops.readout.FinalReadout`.
+        states: ``h_0 .. h_L`` of the positions, ``[n, d]`` each, in the readout's dtype.
+        weight, bias: ``A`` ``[L, d, d]`` and ``b`` ``[L, d]``.
+
+    Returns:
+        ``(∂A, ∂b, KL)``: ``[L, d, d]``, ``[L, d]``, ``[L]``.
+    """
+    with torch.no_grad():
+        target = readout.logits(states[-1]).log_softmax(-1)  # log p_L
+        p_target = target.exp()
+    grads: list[tuple[Tensor, Tensor, Tensor]] = []
+    for layer in range(len(states) - 1):  # one layer's logits at a time
+        w = weight[layer].detach().requires_grad_(True)
+        b = bias[layer].detach().requires_grad_(True)
+        with torch.enable_grad():
+            h = states[layer]
+            logq = readout.logits(h + h @ w.T + b).log_softmax(-1)
+            kl = (p_target * (target - logq)).sum()
+            gw, gb = torch.autograd.grad(kl, (w, b))
+        grads.append((gw, gb, kl.detach()))
+    return tuple(torch.stack([g[i] for g in grads]) for i in range(3))  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -185,6 +242,8 @@ class TunedFit(Analyzer):
         weight_decay: SGD's L2 penalty, pulling ``A_l`` and ``b_l`` to zero (the logit lens).
         clip: Gradient-norm clip per step.
         exclude_bos: Leave the BOS position out of the loss.
+        affine_passes: The first passes gather the affine lens' moments; the translators start
+            at its closed form (then ``start`` must be unset).
         start: A lens to start from (``affine:DIR``, say); the identity (logit lens) otherwise.
     """
 
@@ -199,10 +258,16 @@ class TunedFit(Analyzer):
     weight_decay: float = 1e-3
     clip: float = 1.0
     exclude_bos: bool = True
+    affine_passes: int = 0
     start: str | None = None
 
     def __post_init__(self) -> None:
         _ = self.recipe  # checks the values
+        if self.affine_passes and self.start is not None:
+            raise OptionError(
+                "a tuned lens starts either from a lens (--init) or from the closed form "
+                "(affine_passes), not both"
+            )
 
     @classmethod
     def from_recipe(cls, recipe: TunedRecipe, start: str | None = None) -> TunedFit:
@@ -249,6 +314,7 @@ class TunedFit(Analyzer):
         state.fix("tokens", 0)
         state.fix("history", [])
         state.fix("loss", [])
+        state.fix("moment_passes", self.affine_passes)
         state.freeze()
         return state
 
@@ -260,35 +326,74 @@ class TunedFit(Analyzer):
         weight, bias = (state[name].to(device, dtype) for name in PARAMS)
         # Every pass that saw a batch has a gradient (zero if no position counted), so every
         # such pass is a step.
+        if int(state["moment_passes"]) > 0:
+            self._moments(state, step)
+            return
         grad_w = state.zeros(GRAD + "weight", tuple(weight.shape), device)
         grad_b = state.zeros(GRAD + "bias", tuple(bias.shape), device)
         kl_sums = state.zeros("kl", (info.n_layers,), device)
         state.add("positions", step.batch.n_tokens)  # the step's loss: mean over real tokens
         if not keep.any():
             return
-        with torch.no_grad():
-            states = [
-                step.resid(layer)[keep].to(device, dtype) for layer in range(info.n_layers + 1)
-            ]
-            target = readout.logits(states[-1]).log_softmax(-1)  # log p_L
-            p_target = target.exp()
-        grads: list[tuple[Tensor, Tensor, Tensor]] = []
-        for layer in range(info.n_layers):  # one layer's logits at a time
-            w = weight[layer].detach().requires_grad_(True)
-            b = bias[layer].detach().requires_grad_(True)
-            with torch.enable_grad():
-                h = states[layer]
-                logq = readout.logits(h + h @ w.T + b).log_softmax(-1)
-                kl = (p_target * (target - logq)).sum()
-                gw, gb = torch.autograd.grad(kl, (w, b))
-            grads.append((gw, gb, kl.detach()))
-        grad_w.add_(torch.stack([g[0] for g in grads]))
-        grad_b.add_(torch.stack([g[1] for g in grads]))
-        kl_sums.add_(torch.stack([g[2] for g in grads]))
+        states = [step.resid(layer)[keep].to(device, dtype) for layer in range(info.n_layers + 1)]
+        gw, gb, kl = kl_gradients(readout, states, weight, bias)
+        grad_w.add_(gw)
+        grad_b.add_(gb)
+        kl_sums.add_(kl)
+
+    def _moments(self, state: Stats, step: Step) -> None:
+        """A closed-form pass: ``Σ [h_l, 1][h_l, 1]ᵀ`` and ``Σ [h_l, 1] h_Lᵀ`` in float64 (as
+        :class:`~lensdiv.lenses.affine.AffineFit`; summed over the ranks like a gradient)."""
+        info = step.info
+        state.add(SEEN, 1)
+        keep = step.batch.positions(exclude_bos=self.exclude_bos)
+        if not keep.any():
+            return
+        x = masked_stack([step.resid(layer) for layer in range(info.n_layers)], keep)
+        y = masked_stack([step.resid(info.n_layers)], keep)[0].double()
+        xa = augment(x)  # [L, n, d + 1]
+        d = xa.shape[2]
+        state.zeros(XTX, (info.n_layers, d, d), xa.device).baddbmm_(xa.transpose(1, 2), xa)
+        xty = state.zeros(XTY, (info.n_layers, d, y.shape[1]), xa.device)
+        for layer in range(info.n_layers):
+            xty[layer].addmm_(xa[layer].T, y)
+
+    def _closed_form(self, state: Stats) -> dict[str, Any] | None:
+        """The state's fixed entries after a closed-form pass (``None``: none pending): the
+        moments counted and, after the last such pass, the translators set to their solution."""
+        if int(state["moment_passes"]) <= 0 or SEEN not in state:
+            return None
+        left = int(state["moment_passes"]) - 1
+        if left > 0 or XTX not in state:  # the sums carry on into the next pass (or nothing
+            return {"moment_passes": left}  # was counted: the start stays as it is)
+        xtx, xty = state[XTX], state[XTY]
+        d = xtx.shape[-1] - 1
+        eye = torch.eye(d, dtype=torch.float64, device=xtx.device)
+        weights, biases = [], []
+        for layer in range(xtx.shape[0]):
+            maps, _, _ = fit_affine(xtx[layer], xty[layer], START_RIDGE)
+            weights.append(maps[:d].T - eye)  # tuned-lens's A = W − I
+            biases.append(maps[d])
+        like = state["weight"]
+        return {
+            "moment_passes": 0,
+            "weight": torch.stack(weights).to(like.device, like.dtype),
+            "bias": torch.stack(biases).to(like.device, like.dtype),
+        }
 
     def start_pass(self, state: Stats, info: ModelInfo, index: int) -> None:
         """Step ``index``: the optimiser step on the gradient pass ``index - 1`` summed (over
-        every rank), written into the state in place of it."""
+        every rank), written into the state in place of it (or the closed-form start, after a
+        pass of moments)."""
+        solved = self._closed_form(state)
+        if solved is not None:
+            if not solved["moment_passes"]:
+                for name in (XTX, XTY, SEEN):
+                    state.drop(name)
+            for name, value in solved.items():
+                state.drop(name)
+                state.fix(name, value)
+            return
         taken = self._advanced(state)
         if taken is None:  # the data ran out: nothing to step on
             return
@@ -328,12 +433,18 @@ class TunedFit(Analyzer):
             steps=steps,
             tokens=int(state["tokens"]) + (int(n) if "positions" in state else 0),
             loss=(state["kl"] / n).tolist() if pending else list(state["loss"]) or None,
-            complete=steps >= self.steps,
+            complete=steps >= self.recipe.sgd_steps,
         )
 
     def trained(self, state: Stats, info: ModelInfo) -> tuple[Translators, TunedProgress]:
         """The translators after every step (the pending one taken) and what training did."""
-        taken = self._advanced(state) or {name: state[name] for name in PARAMS}
+        taken = (
+            self._advanced(state)
+            or self._closed_form(state)
+            or {name: state[name] for name in PARAMS}
+        )
+        if "weight" not in taken:  # stopped between two passes of moments: the identity
+            taken = {name: state[name] for name in PARAMS}
         lens = Translators(info.n_layers, info.d_model)
         with torch.no_grad():
             for name in PARAMS:
@@ -361,9 +472,9 @@ class TunedFit(Analyzer):
             ),
         }
         warnings: tuple[str, ...] = ()
-        if done.steps < self.steps:
+        if done.steps < self.recipe.sgd_steps:
             warnings = (
-                f"trained {done.steps} of {self.steps} steps (the data ran out, or the run was "
+                f"trained {done.steps} of {self.recipe.sgd_steps} steps (the data ran out, or the run was "
                 "stopped): the learning rate had not decayed to 0",
             )
         meta = {"steps": done.steps, "tokens": done.tokens, "complete": done.complete}

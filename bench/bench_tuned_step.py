@@ -1,0 +1,141 @@
+"""Throughput of a tuned-lens training step (issue 32): lensdiv's (``kl_gradients`` + its
+``NesterovSGD``) against tuned-lens's own ``TunedLens`` module driven as its ``train_loop`` does
+(per layer: the lens' logits, ``Σ p_L (log p_L − log_softmax)`` mean, ``backward``; then
+``clip_grad_norm_``, ``SGD(nesterov)``, ``LambdaLR``), on the same hidden states of a random
+GPT-2-shaped model.
+
+tuned-lens is not a dependency: pass the folder of its unpacked wheel (``pip download --no-deps
+tuned-lens`` and unzip) as ``--tuned-lens-src``. Its ``TunedLens`` is used unchanged; the one stub
+is its ``Unembed`` (which wraps a Hugging Face model): a module with the same ``unembedding``,
+``unembedding_hash`` and ``forward`` (final LayerNorm, then the unembedding) holding this
+model's weights. lensdiv's step also reads ``log p_L`` out (tuned-lens gets it from the model's
+forward, outside its step): one readout more.
+
+    python bench/bench_tuned_step.py --tuned-lens-src /tmp/tl/src --json bench/tuned_step_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from bench.common import build
+from lensdiv.lenses.tuned import NesterovSGD, TunedRecipe, kl_gradients
+from lensdiv.ops.readout import final_readout
+
+
+class StubUnembed(nn.Module):
+    """tuned-lens's ``Unembed`` interface over this model's final LayerNorm and unembedding."""
+
+    def __init__(self, readout: Any) -> None:
+        super().__init__()
+        d, vocab = readout.W_U.shape
+        self.final_norm = nn.LayerNorm(d, eps=readout.eps)
+        self.unembedding = nn.Linear(d, vocab)
+        with torch.no_grad():
+            self.final_norm.weight.copy_(readout.weight)
+            self.final_norm.bias.copy_(readout.bias)
+            self.unembedding.weight.copy_(readout.W_U.T)
+            self.unembedding.bias.copy_(readout.b_U)
+        self.requires_grad_(False)
+
+    def unembedding_hash(self) -> str:
+        return "stub"
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.unembedding(self.final_norm(h))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tuned-lens-src", type=Path, required=True)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--tokens", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=3, help="steps per timed repeat")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    sys.path.insert(0, str(args.tuned_lens_src))
+    from tuned_lens.nn.lenses import TunedLens, TunedLensConfig  # the optional comparison
+
+    model = build(args.layers, args.d_model, args.vocab)
+    readout = final_readout(model)
+    gen = torch.Generator().manual_seed(0)
+    states = [torch.randn(args.tokens, args.d_model, generator=gen) for _ in range(args.layers + 1)]
+    recipe = TunedRecipe(steps=args.steps * (args.repeats + 1), tokens_per_step=args.tokens)
+
+    lens = TunedLens(StubUnembed(readout), TunedLensConfig("stub", args.d_model, args.layers))
+    opt = torch.optim.SGD(lens.parameters(), lr=recipe.lr * (1 - recipe.momentum),
+                          momentum=recipe.momentum, nesterov=True,
+                          weight_decay=recipe.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1 - t / recipe.steps)
+    with torch.no_grad():
+        labels = readout.logits(states[-1]).log_softmax(-1)
+
+    def tuned_lens_step(bf16: bool) -> None:
+        for i, h in enumerate(states[:-1]):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                logits = lens(h, idx=i)
+                loss = torch.sum(labels.exp() * (labels - logits.log_softmax(-1)), dim=-1).mean()
+            loss.backward()
+        nn.utils.clip_grad_norm_(lens.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        sched.step()
+
+    params = {"weight": torch.zeros(args.layers, args.d_model, args.d_model),
+              "bias": torch.zeros(args.layers, args.d_model)}
+    slots: dict[str, torch.Tensor] = {}
+    done = [0]
+    sgd = NesterovSGD(recipe)
+
+    def lensdiv_step() -> None:
+        nonlocal params, slots
+        gw, gb, _ = kl_gradients(readout, states, params["weight"], params["bias"])
+        grads = {"weight": gw / args.tokens, "bias": gb / args.tokens}
+        params, slots = sgd.step(params, grads, slots, done[0])
+        done[0] += 1
+
+    runs = {"lensdiv float32": lensdiv_step,
+            "tuned-lens float32": lambda: tuned_lens_step(False),
+            "tuned-lens bf16 autocast": lambda: tuned_lens_step(True)}
+    for run in runs.values():  # warm-up
+        run()
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(args.repeats):  # interleaved
+        for name, run in runs.items():
+            started = time.perf_counter()
+            for _ in range(args.steps):
+                run()
+            times[name].append((time.perf_counter() - started) / args.steps)
+    base = statistics.median(times["tuned-lens float32"])
+    report = {
+        "model": f"random GPT-2 shape, {args.layers} layers, d_model {args.d_model}, "
+                 f"vocab {args.vocab}",
+        "tokens_per_step": args.tokens,
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "runs": {name: {"step_s": statistics.median(t), "step_s_all": t,
+                        "tokens_per_s": args.tokens / statistics.median(t),
+                        "speed_vs_tuned_lens_float32": base / statistics.median(t)}
+                 for name, t in times.items()},
+    }
+    print(json.dumps(report, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
