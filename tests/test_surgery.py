@@ -276,3 +276,44 @@ def test_two_gloo_ranks_give_the_results_of_one_process(tmp_path: Path) -> None:
     assert not one.errors and not two.errors, (one.errors, two.errors)
     for name in ("prune", "reorder"):
         assert_results_close(two[name], one[name], rtol=1e-6, what=name)
+
+
+# -- the progress bar counts the interventions actually made --------------------------------------
+def test_progress_bar_counts_the_interventions_made(
+    tmp_path: Path, capsys: Any, monkeypatch: Any
+) -> None:
+    import lensdiv.analyzers.surgery.prune as prune_module
+    import lensdiv.analyzers.surgery.reorder as reorder_module
+
+    made = {"prune": 0, "reorder": 0}
+    real_removed, real_program = prune_module.removed_finals, reorder_module.program_final
+
+    def removed(step: Step, masks: Any, *args: Any, **kwargs: Any) -> Any:
+        made["prune"] += len(masks) * step.batch.tokens.shape[0]
+        return real_removed(step, masks, *args, **kwargs)
+
+    def program(step: Step, *args: Any, **kwargs: Any) -> Any:
+        made["reorder"] += step.batch.tokens.shape[0]
+        return real_program(step, *args, **kwargs)
+
+    monkeypatch.setattr(prune_module, "removed_finals", removed)
+    monkeypatch.setattr(reorder_module, "program_final", program)
+    spec = DataSpec(seq_len=24, max_tokens=24 * 5 + 9, batch_size=2)
+    run = analyze("toy", data=spec, plugins="prune,reorder", progress=True,
+                  options={"reorder": {"shuffles": "1"}})
+    assert not run.errors, run.errors
+    lines = [line for line in capsys.readouterr().err.splitlines() if "interventions" in line]
+    # The last line of each pass: its declared count per sequence and the total done.
+    last: dict[str, tuple[int, int]] = {}
+    for line in lines:
+        title = line.split(" interventions/sequence")[0]
+        label, per_row = title.rsplit(" ", 1)
+        done = int(line.split("sequence, ")[1].split(" done")[0].replace(",", ""))
+        last[label] = (int(per_row.replace(",", "")), done)
+    # Pass 0 (the grid, every variant), then one per point of the pruning curves.
+    assert len(last) == 1 + int(run["prune"].meta["longest"]), last
+    # Every pass reads the same 6 rows (3 batches of 2): done = declared per sequence × rows.
+    assert {done for _, done in last.values()} != {0}
+    assert all(done == per * 6 for per, done in last.values()), last
+    assert sum(done for _, done in last.values()) == made["prune"] + made["reorder"]
+    assert made["reorder"] == 6 * len(run["reorder"].table("variants")["variant"])

@@ -81,6 +81,13 @@ class Prune(Analyzer):
         """The grid, then one pass per point of the block-influence and greedy curves."""
         return 1 + (self.longest(info) if self.curves else 0)
 
+    def interventions(self, info: ModelInfo, index: int) -> int:
+        """Per sequence: every ``(ℓ, n)`` cell in pass 0; in pass ``k``, the ``k`` blocks of
+        least influence and greedy step ``k`` (each of the ``L − k + 1`` blocks left)."""
+        if index == 0:
+            return len(grid_cells(info.n_layers, self.longest(info)))
+        return 1 + info.n_layers - index + 1
+
     def hooks(self, info: ModelInfo) -> list[str]:
         return [info.resid(layer) for layer in range(info.n_layers + 1)]
 
