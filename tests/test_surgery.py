@@ -317,3 +317,59 @@ def test_progress_bar_counts_the_interventions_made(
     assert all(done == per * 6 for per, done in last.values()), last
     assert sum(done for _, done in last.values()) == made["prune"] + made["reorder"]
     assert made["reorder"] == 6 * len(run["reorder"].table("variants")["variant"])
+
+
+# -- accuracy on a task file -----------------------------------------------------------------------
+def test_task_accuracy_of_the_full_model_is_depth_scores(tmp_path: Path) -> None:
+    import json
+
+    from lensdiv.data.corpus import KnowledgeBase
+    from lensdiv.models.load import load_model
+
+    # The toy's own greedy next character after knowledge-base facts cut short: the full model
+    # answers every example, a removal fewer.
+    toy = load_model("toy")
+    facts = [p for _, p in KnowledgeBase(seed=0).asked_queries(4, seed=1)[1]][:4]
+    prompts = [f"{fact[: len(fact) - cut]}" for fact in facts for cut in (2, 4, 6)]
+    rows = []
+    for prompt in prompts:
+        ids = [toy.tokenizer.bos_token_id, *toy.tokenizer(prompt, add_special_tokens=False)["input_ids"]]
+        with torch.no_grad():
+            logits = toy(torch.tensor([ids]), return_type="logits")
+        rows.append((prompt, toy.tokenizer.decode([int(logits[0, -1].argmax())]), "g"))
+    task = tmp_path / "task.jsonl"
+    task.write_text("".join(json.dumps({"prompt": p, "answer": a, "grade": g}) + "\n"
+                            for p, a, g in rows))
+    run = analyze("toy", plugins="prune,depth-score", progress=False, options={
+        "prune": {"task": str(task), "curves": "False", "linearity": "False"},
+        "depth-score": {"tasks": str(task), "model": "self"},
+    })
+    assert not run.errors, run.errors
+    prune, score = run["prune"], run["depth-score"].table("depth_score")
+    assert prune.meta["examples"] == len(rows) == sum(score["examples"])
+    assert prune.meta["clean_accuracy"] == sum(score["correct"]) / len(rows)
+    accuracy = prune.table("grid")["accuracy"]
+    assert prune.meta["clean_accuracy"] == 1.0 and len(set(accuracy)) > 1, accuracy
+    assert all(0.0 <= a <= 1.0 for a in accuracy)
+    assert f"Task accuracy over {len(rows)} examples" in prune.summary
+
+
+def test_removing_nothing_answers_as_the_full_model(model: Any) -> None:
+    from lensdiv.ops.surgery import answered
+
+    step = make_step(model)
+    L = step.info.n_layers
+    resumer = Resumer(model)
+    mask = step.batch.mask
+    measure = mask & (torch.arange(mask.shape[1]) >= 3) & (torch.rand(mask.shape) < 0.3)
+    (nothing, last) = finals_of(step, [range_mask(L, 0, 0), range_mask(L, L - 1, 1)])
+    tokens = step.batch.tokens
+    clean = answered(resumer, tokens, step.resid(L), measure)
+    assert torch.equal(answered(resumer, tokens, nothing, measure), clean)
+    # Its definition: every answer position's greedy token is the next token.
+    before = torch.zeros_like(measure)
+    before[:, :-1] = measure[:, 1:]
+    for h, got in [(step.resid(L), clean), (last, answered(resumer, tokens, last, measure))]:
+        greedy = resumer.readout(h[before]).argmax(-1) == tokens[measure]
+        per_row = [bool(greedy[(before.nonzero()[:, 0] == r)].all()) for r in range(len(got))]
+        assert got.tolist() == per_row
