@@ -70,6 +70,9 @@ class Sizes:
         study_width: The width family they are set against.
         study_plugins: The analyzers of those studies.
         study_tokens: Tokens each model of those studies reads.
+        surgery_models: The toys ``prune`` and ``reorder`` run on (the swap and shuffle rows
+            on those of at least 4 blocks).
+        surgery_tokens: Tokens each of those runs reads.
     """
 
     shallow: str = "toy:d4"
@@ -94,6 +97,8 @@ class Sizes:
     study_width: str = "zoo:width"
     study_plugins: str = "lens,contrib,skip,dynamics"
     study_tokens: int = 8192
+    surgery_models: tuple[str, ...] = ("toy:d2", "toy:d4", "toy:d8")
+    surgery_tokens: int = 4096
 
 
 FULL = Sizes()
@@ -123,6 +128,8 @@ TINY = Sizes(
     study_depth="toy:d1,toy:d2,toy:d3,toy:d4",
     study_width="toy:d4-w32,toy:d4",
     study_tokens=256,
+    surgery_models=("toy:d2", "toy:d4"),
+    surgery_tokens=256,
 )
 
 #: The rule behind every verdict, as the document states it.
@@ -174,6 +181,18 @@ RULES = {
     "depth over the family's models of at least 3 blocks (with fewer, the middle blocks include "
     "the first or the last): reproduced if within −1 ± 0.25, partly if negative, not "
     "reproduced otherwise",
+    "prune_depth": "the halves rule of `contribution` on the KL to the full output of removing "
+    "each single block, per model: reproduced if it holds on every model, not reproduced if "
+    "on none, partly otherwise",
+    "prune_ends": "two checks per model — removing block 0 costs the most KL of any block; "
+    "removing the last block costs more than removing any block between them: reproduced if "
+    "all hold, partly if some do, not reproduced if none",
+    "reorder_swap": "over every adjacent pair ℓ, ℓ+1 inside the middle half [L/4, L − L/4) of "
+    "every model of at least 4 blocks: swapping them costs less KL than removing block ℓ — "
+    "reproduced if for all, partly if for some, not reproduced if for none",
+    "reorder_shuffle": "per model of at least 4 blocks, the mean KL of 3 random shuffles of "
+    "the middle half against 3 of as many blocks from block 0: reproduced if the middle costs "
+    "less on every model, partly on some, not reproduced on none",
 }
 
 
@@ -1369,6 +1388,211 @@ def study_updates(sizes: Sizes, out: Path) -> Finding:
     )
 
 
+# -- depth surgery (E1, E2): prune and reorder on the toy depth family --------------------------
+_SURGERY: dict[tuple[Any, ...], Any] = {}
+
+
+def _surgery_run(model: str, tokens: int, plugins: str = "prune,reorder", **options: Any) -> Any:
+    """``prune`` and ``reorder`` on ``model`` (each set of options measured once per script run)."""
+    key = (model, tokens, plugins, json.dumps(options, sort_keys=True))
+    if key not in _SURGERY:
+        _SURGERY[key] = _analyze(model, plugins, tokens, **options)
+    return _SURGERY[key]
+
+
+def combined_verdict(verdicts: Sequence[str]) -> str:
+    """Reproduced on every model, on none (not reproduced), or on some."""
+    if all(v == REPRODUCED for v in verdicts):
+        return REPRODUCED
+    return NOT if all(v == NOT for v in verdicts) else PARTLY
+
+
+def ends_checks(kl_remove: Sequence[float]) -> tuple[bool, bool]:
+    """Whether removing the first block costs the most of any block, and whether removing the
+    last costs more than removing any block between them."""
+    v = np.asarray(kl_remove, float)
+    return bool(v.argmax() == 0), bool(len(v) < 3 or v[-1] > v[1:-1].max())
+
+
+def middle_pairs(n_layers: int) -> list[int]:
+    """Swaps ``ℓ, ℓ+1`` with both blocks in the middle half ``[L/4, L − L/4)``."""
+    a, b = n_layers // 4, n_layers - n_layers // 4
+    return [s for s in range(a, b - 1)]
+
+
+def prune_depth(sizes: Sizes, out: Path) -> Finding:
+    """E1: are deeper blocks more removable than early ones (removing one block at a time)?"""
+    fig, (ax,) = _figure(1, 6.0)
+    verdicts, values = [], {}
+    for model in sizes.surgery_models:
+        kl = list(_surgery_run(model, sizes.surgery_tokens)["prune"].table("blocks")["kl_remove"])
+        verdict, ratios = halves_verdict(kl)
+        verdicts.append(verdict)
+        values[model] = {"kl_remove": kl, **ratios}
+        L = len(kl)
+        ax.plot([(b + 0.5) / L for b in range(L)], kl, marker="o", label=model)
+    ax.set(xlabel="relative depth of the removed block (ℓ + ½)/L", ylabel="KL(p ‖ p_out) (nats)",
+           yscale="log", title="removing one block")
+    ax.legend()
+    figure = _save(fig, out, "e1_prune_depth.png")
+    verdict = combined_verdict(verdicts)
+    toy = "; ".join(
+        f"{m}: second half / first half = {v['ratio']:.3f}, {v['ratio_without_block0']:.2f} "
+        "without block 0" for m, v in values.items()
+    )
+    return Finding(
+        key="prune_depth",
+        title="Deeper blocks are more removable than early ones",
+        paper="Removing deeper blocks costs far less than removing early ones: a large share of "
+        "the deepest blocks can go with little loss (Gromov et al. 2024; Men et al. 2024)",
+        toy=toy,
+        scaling="—",
+        command=f"lensdiv analyze {sizes.surgery_models[-1]} --plugins prune "
+        f"--max-tokens {sizes.surgery_tokens}",
+        verdict=verdict,
+        why="block 0 turns bytes into features and costs several nats; after it the cost of "
+        "removing one block falls with depth"
+        + ("" if verdict == REPRODUCED else ", but not to half in the second half on every "
+           "model: the toys' later blocks are few and each still does a share of the work"),
+        figure=figure,
+        values={"models": values, "verdicts": verdicts},
+    )
+
+
+def prune_ends(sizes: Sizes, out: Path) -> Finding:
+    """E1: are the first and the last block the most critical?"""
+    checks, values = [], {}
+    for model in sizes.surgery_models:
+        kl = list(_surgery_run(model, sizes.surgery_tokens)["prune"].table("blocks")["kl_remove"])
+        first, last = ends_checks(kl)
+        checks += [first, last]
+        values[model] = {"first_most": first, "last_above_middle": last,
+                         "rank_of_last": int((np.asarray(kl) > kl[-1]).sum()) + 1}
+    verdict = count_verdict(sum(checks), len(checks))
+    firsts = sum(v["first_most"] for v in values.values())
+    lasts = sum(v["last_above_middle"] for v in values.values())
+    n = len(values)
+    return Finding(
+        key="prune_ends",
+        title="The first and the last block are the most critical",
+        paper="Removing the first or the last block hurts most; the blocks between them can be "
+        "removed or reordered at far less cost (Lad et al. 2024; Men et al. 2024)",
+        toy=f"removing block 0 costs the most on {firsts}/{n} models; removing the last costs "
+        f"more than any middle block on {lasts}/{n} (rank of the last block among all: "
+        + ", ".join(f"{m} {v['rank_of_last']}" for m, v in values.items()) + ")",
+        scaling="—",
+        command=f"lensdiv analyze {sizes.surgery_models[-1]} --plugins prune "
+        f"--max-tokens {sizes.surgery_tokens}",
+        verdict=verdict,
+        why="the first block is by far the most critical (it builds the features every later "
+        "block reads)"
+        + ("; the last block is too" if lasts == n else
+           "; the last block is not more critical than the early middle blocks on every toy: "
+           "a byte-level toy's output needs no separate final stage"),
+        figure="findings/e1_prune_depth.png",
+        values={"models": values},
+    )
+
+
+def reorder_swap(sizes: Sizes, out: Path) -> Finding:
+    """E2: swapping adjacent middle blocks against removing one."""
+    models = [m for m in sizes.surgery_models if _depth(m) >= 4]
+    fig, axes = _figure(len(models))
+    held, total, values = 0, 0, {}
+    for ax, model in zip(axes, models, strict=True):
+        swaps = _surgery_run(model, sizes.surgery_tokens)["reorder"].table("swaps")
+        pairs = middle_pairs(len(swaps))
+        cheaper = [bool(swaps["kl_swap"][s] < swaps["kl_remove"][s]) for s in pairs]
+        held, total = held + sum(cheaper), total + len(cheaper)
+        values[model] = {"pairs": pairs, "kl_swap": list(swaps["kl_swap"]),
+                         "kl_remove": list(swaps["kl_remove"]), "swap_cheaper": cheaper}
+        ax.plot(swaps["block"], swaps["kl_swap"], marker="o", label="swap ℓ, ℓ+1")
+        ax.plot(swaps["block"], swaps["kl_remove"], marker="s", label="remove ℓ")
+        ax.axvspan(pairs[0] - 0.2, pairs[-1] + 0.2, alpha=0.1, color="grey")
+        ax.set(xlabel="block ℓ", ylabel="KL(p ‖ p_out) (nats)", yscale="log", title=model)
+        ax.legend()
+    figure = _save(fig, out, "e2_reorder_swap.png")
+    verdict = count_verdict(held, total)
+    return Finding(
+        key="reorder_swap",
+        title="Swapping adjacent middle blocks hurts less than removing one",
+        paper="Swapping two adjacent middle blocks keeps most of the model's accuracy, more than "
+        "deleting a block (Lad et al. 2024)",
+        toy=f"swap ℓ, ℓ+1 costs less KL than removing ℓ for {held} of {total} middle pairs "
+        "(shaded) of " + ", ".join(models),
+        scaling="—",
+        command=f"lensdiv analyze {models[-1]} --plugins reorder "
+        f"--max-tokens {sizes.surgery_tokens}",
+        verdict=verdict,
+        why="a swapped block still writes its update, only in another order; a removed one "
+        "writes nothing" + ("" if verdict == REPRODUCED else " — but not for every pair"),
+        figure=figure,
+        values={"models": values},
+    )
+
+
+def reorder_shuffle(sizes: Sizes, out: Path) -> Finding:
+    """E2: shuffling the middle half against shuffling a range of the same length at the start."""
+    models = [m for m in sizes.surgery_models if _depth(m) >= 4]
+    fig, (ax,) = _figure(1, 6.0)
+    held, values = 0, {}
+    for i, model in enumerate(models):
+        L = _depth(model)
+        middle = _surgery_run(model, sizes.surgery_tokens)["reorder"]
+        start = _surgery_run(model, sizes.surgery_tokens, "reorder",
+                             reorder={"start": "0", "stop": str(L - 2 * (L // 4))})["reorder"]
+        kl = {}
+        for where, result in (("middle", middle), ("start", start)):
+            table = result.table("variants")
+            kl[where] = [float(k) for v, k in zip(table["variant"], table["kl"], strict=True)
+                         if str(v).startswith("shuffle")]
+        held += int(np.mean(kl["middle"]) < np.mean(kl["start"]))
+        values[model] = {"middle": middle.meta["middle"], "start": start.meta["middle"],
+                         "kl_middle": kl["middle"], "kl_start": kl["start"]}
+        ax.scatter([i - 0.1] * len(kl["middle"]), kl["middle"], marker="o", color="C0",
+                   label="shuffle the middle half" if i == 0 else None)
+        ax.scatter([i + 0.1] * len(kl["start"]), kl["start"], marker="s", color="C3",
+                   label="shuffle as many blocks from block 0" if i == 0 else None)
+    ax.set_xticks(range(len(models)), models)
+    ax.set(ylabel="KL(p ‖ p_out) (nats)", yscale="log", title="shuffles (one point per seed)")
+    ax.legend()
+    figure = _save(fig, out, "e2_reorder_shuffle.png")
+    verdict = count_verdict(held, len(models))
+    every = [k for v in values.values() for k in (*v["kl_middle"], *v["kl_start"])]
+    zeros, total = sum(k == 0 for k in every), len(every) // 2
+    moved = [k for v in values.values() for k in v["kl_start"] if k > 0]
+    least = min(moved) if moved else math.nan
+    return Finding(
+        key="reorder_shuffle",
+        title="Shuffling the middle hurts less than shuffling the start",
+        paper="Randomly reordering the middle layers degrades the model gracefully; the first "
+        "and last layers must stay in place (Sun et al. 2024, Transformer Layers as Painters)",
+        toy="mean KL of the shuffles, middle half vs as many blocks from block 0: "
+        + "; ".join(f"{m} {np.mean(v['kl_middle']):.3g} vs {np.mean(v['kl_start']):.3g}"
+                    for m, v in values.items()),
+        scaling="—",
+        command=f"lensdiv analyze {models[-1]} --plugins reorder -O reorder.start=0 "
+        f"-O reorder.stop={_depth(models[-1]) - 2 * (_depth(models[-1]) // 4)} "
+        f"--max-tokens {sizes.surgery_tokens}",
+        verdict=verdict,
+        why="a shuffle of the start moves block 0, which must read the embeddings; the middle "
+        "blocks read and write features the others share. Caveat: with 3 seeds of a short "
+        f"range, {zeros} of {2 * total} shuffles drew the identity order (KL 0, off the log "
+        f"axis), and a start shuffle that leaves block 0 in place costs little "
+        f"(least of the start shuffles that moved: {least:.3g} nats)",
+        figure=figure,
+        values={"models": values},
+    )
+
+
+def _depth(model: str) -> int:
+    """Blocks of a toy zoo spec (``toy:d8`` → 8; ``toy`` → the default depth)."""
+    from lensdiv.models.toy import DEFAULT_DEPTH
+
+    digits = model.split(":d")[-1].split("-")[0] if ":d" in model else ""
+    return int(digits) if digits.isdigit() else DEFAULT_DEPTH
+
+
 MEASUREMENTS: dict[str, Callable[[Sizes, Path], Finding]] = {
     "contribution": contribution,
     "skip": skip,
@@ -1384,6 +1608,10 @@ MEASUREMENTS: dict[str, Callable[[Sizes, Path], Finding]] = {
     "lens_bias": lens_bias,
     "study_alignment": study_alignment,
     "study_updates": study_updates,
+    "prune_depth": prune_depth,
+    "prune_ends": prune_ends,
+    "reorder_swap": reorder_swap,
+    "reorder_shuffle": reorder_shuffle,
 }
 # Each finding's analysis in docs/science.md (its anchor there).
 DEFINITIONS = {
@@ -1401,6 +1629,10 @@ DEFINITIONS = {
     "teacher_student": "teacher-student",
     "study_alignment": "study",
     "study_updates": "study",
+    "prune_depth": "prune",
+    "prune_ends": "prune",
+    "reorder_swap": "reorder",
+    "reorder_shuffle": "reorder",
 }
 
 

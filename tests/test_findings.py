@@ -146,3 +146,17 @@ def test_the_document_is_what_its_record_renders(findings: ModuleType) -> None:
     assert record["rules"] == findings.RULES
     document = (SCRIPT.parent / "findings.md").read_text(encoding="utf-8")
     assert findings.render(rows, record["run"]) == document
+
+
+def test_surgery_rules(findings: ModuleType) -> None:
+    f = findings
+    assert f.combined_verdict([f.REPRODUCED, f.REPRODUCED]) == f.REPRODUCED
+    assert f.combined_verdict([f.NOT, f.NOT]) == f.NOT
+    assert f.combined_verdict([f.REPRODUCED, f.NOT]) == f.PARTLY
+    assert f.combined_verdict([f.PARTLY, f.PARTLY]) == f.PARTLY
+    assert f.ends_checks([5.0, 0.1, 0.2, 1.0]) == (True, True)
+    assert f.ends_checks([5.0, 0.1, 0.2, 0.15]) == (True, False)
+    assert f.ends_checks([0.1, 0.2, 0.3, 5.0]) == (False, True)
+    assert f.ends_checks([0.1, 5.0, 0.2, 0.3]) == (False, False)
+    assert f.middle_pairs(8) == [2, 3, 4] and f.middle_pairs(4) == [1]
+    assert f._depth("toy:d8") == 8 and f._depth("toy:d4-w32") == 4

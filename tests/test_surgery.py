@@ -276,3 +276,100 @@ def test_two_gloo_ranks_give_the_results_of_one_process(tmp_path: Path) -> None:
     assert not one.errors and not two.errors, (one.errors, two.errors)
     for name in ("prune", "reorder"):
         assert_results_close(two[name], one[name], rtol=1e-6, what=name)
+
+
+# -- the progress bar counts the interventions actually made --------------------------------------
+def test_progress_bar_counts_the_interventions_made(
+    tmp_path: Path, capsys: Any, monkeypatch: Any
+) -> None:
+    import lensdiv.analyzers.surgery.prune as prune_module
+    import lensdiv.analyzers.surgery.reorder as reorder_module
+
+    made = {"prune": 0, "reorder": 0}
+    real_removed, real_program = prune_module.removed_finals, reorder_module.program_final
+
+    def removed(step: Step, masks: Any, *args: Any, **kwargs: Any) -> Any:
+        made["prune"] += len(masks) * step.batch.tokens.shape[0]
+        return real_removed(step, masks, *args, **kwargs)
+
+    def program(step: Step, *args: Any, **kwargs: Any) -> Any:
+        made["reorder"] += step.batch.tokens.shape[0]
+        return real_program(step, *args, **kwargs)
+
+    monkeypatch.setattr(prune_module, "removed_finals", removed)
+    monkeypatch.setattr(reorder_module, "program_final", program)
+    spec = DataSpec(seq_len=24, max_tokens=24 * 5 + 9, batch_size=2)
+    run = analyze("toy", data=spec, plugins="prune,reorder", progress=True,
+                  options={"reorder": {"shuffles": "1"}})
+    assert not run.errors, run.errors
+    lines = [line for line in capsys.readouterr().err.splitlines() if "interventions" in line]
+    # The last line of each pass: its declared count per sequence and the total done.
+    last: dict[str, tuple[int, int]] = {}
+    for line in lines:
+        title = line.split(" interventions/sequence")[0]
+        label, per_row = title.rsplit(" ", 1)
+        done = int(line.split("sequence, ")[1].split(" done")[0].replace(",", ""))
+        last[label] = (int(per_row.replace(",", "")), done)
+    # Pass 0 (the grid, every variant), then one per point of the pruning curves.
+    assert len(last) == 1 + int(run["prune"].meta["longest"]), last
+    # Every pass reads the same 6 rows (3 batches of 2): done = declared per sequence × rows.
+    assert {done for _, done in last.values()} != {0}
+    assert all(done == per * 6 for per, done in last.values()), last
+    assert sum(done for _, done in last.values()) == made["prune"] + made["reorder"]
+    assert made["reorder"] == 6 * len(run["reorder"].table("variants")["variant"])
+
+
+# -- accuracy on a task file -----------------------------------------------------------------------
+def test_task_accuracy_of_the_full_model_is_depth_scores(tmp_path: Path) -> None:
+    import json
+
+    from lensdiv.data.corpus import KnowledgeBase
+    from lensdiv.models.load import load_model
+
+    # The toy's own greedy next character after knowledge-base facts cut short: the full model
+    # answers every example, a removal fewer.
+    toy = load_model("toy")
+    facts = [p for _, p in KnowledgeBase(seed=0).asked_queries(4, seed=1)[1]][:4]
+    prompts = [f"{fact[: len(fact) - cut]}" for fact in facts for cut in (2, 4, 6)]
+    rows = []
+    for prompt in prompts:
+        ids = [toy.tokenizer.bos_token_id, *toy.tokenizer(prompt, add_special_tokens=False)["input_ids"]]
+        with torch.no_grad():
+            logits = toy(torch.tensor([ids]), return_type="logits")
+        rows.append((prompt, toy.tokenizer.decode([int(logits[0, -1].argmax())]), "g"))
+    task = tmp_path / "task.jsonl"
+    task.write_text("".join(json.dumps({"prompt": p, "answer": a, "grade": g}) + "\n"
+                            for p, a, g in rows))
+    run = analyze("toy", plugins="prune,depth-score", progress=False, options={
+        "prune": {"task": str(task), "curves": "False", "linearity": "False"},
+        "depth-score": {"tasks": str(task), "model": "self"},
+    })
+    assert not run.errors, run.errors
+    prune, score = run["prune"], run["depth-score"].table("depth_score")
+    assert prune.meta["examples"] == len(rows) == sum(score["examples"])
+    assert prune.meta["clean_accuracy"] == sum(score["correct"]) / len(rows)
+    accuracy = prune.table("grid")["accuracy"]
+    assert prune.meta["clean_accuracy"] == 1.0 and len(set(accuracy)) > 1, accuracy
+    assert all(0.0 <= a <= 1.0 for a in accuracy)
+    assert f"Task accuracy over {len(rows)} examples" in prune.summary
+
+
+def test_removing_nothing_answers_as_the_full_model(model: Any) -> None:
+    from lensdiv.ops.surgery import answered
+
+    step = make_step(model)
+    L = step.info.n_layers
+    resumer = Resumer(model)
+    mask = step.batch.mask
+    measure = mask & (torch.arange(mask.shape[1]) >= 3) & (torch.rand(mask.shape) < 0.3)
+    (nothing, last) = finals_of(step, [range_mask(L, 0, 0), range_mask(L, L - 1, 1)])
+    tokens = step.batch.tokens
+    clean = answered(resumer, tokens, step.resid(L), measure)
+    assert torch.equal(answered(resumer, tokens, nothing, measure), clean)
+    # Its definition: every answer position's greedy token is the next token.
+    before = torch.zeros_like(measure)
+    before[:, :-1] = measure[:, 1:]
+    for h, got in [(step.resid(L), clean), (last, answered(resumer, tokens, last, measure))]:
+        greedy = resumer.readout(h[before]).argmax(-1) == tokens[measure]
+        per_row = [bool(greedy[(before.nonzero()[:, 0] == r)].all()) for r in range(len(got))]
+        assert got.tolist() == per_row

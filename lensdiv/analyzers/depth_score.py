@@ -65,6 +65,7 @@ from lensdiv.models.toy import KB_TOY
 from lensdiv.ops.capture import capture
 from lensdiv.ops.resume import Resumer, resumer_for
 from lensdiv.ops.skipping import Intervals, later_effect, skip_effects
+from lensdiv.ops.surgery import answered
 
 BUILTIN = ("auto", "kb", "arith")
 #: Significance level below which a grade's accuracy counts as above its prior baseline.
@@ -569,15 +570,7 @@ BASELINES = {
 def _answered(resumer: Resumer, step: Step, measure: Tensor) -> Tensor:
     """Per example, whether greedy decoding gives the whole answer (teacher-forced: the clean
     logits at the position before each answer token)."""
-    tokens = step.batch.tokens
-    final = step.resid(step.info.n_layers)
-    before = torch.zeros_like(measure)
-    before[:, :-1] = measure[:, 1:]  # the position that predicts each answer token
-    logits = resumer.readout(final[before])
-    hit = logits.argmax(-1) == tokens[measure]
-    per_position = torch.ones_like(measure)
-    per_position[measure] = hit
-    return per_position.all(dim=1)
+    return answered(resumer, step.batch.tokens, step.resid(step.info.n_layers), measure)
 
 
 def _p_above(right: int, n: int, baseline: float) -> float:

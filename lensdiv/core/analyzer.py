@@ -360,6 +360,12 @@ class Analyzer(abc.ABC):
         """Passes over the data this analyzer needs on this model (default :attr:`passes`)."""
         return self.passes
 
+    def interventions(self, info: ModelInfo, index: int) -> int:
+        """Interventions :meth:`update` makes per sequence in pass ``index`` (default 0: none).
+        An interventional analyzer that makes many (every range of blocks removed) declares
+        them: the progress bar then counts interventions done beside the tokens."""
+        return 0
+
     def pass_tokens(self, info: ModelInfo) -> int | None:
         """``None`` (the default): every pass streams all the data again. A number ``N``: the
         passes read the data *onward*, one stream cut into steps — pass ``p`` gets the next

@@ -203,6 +203,24 @@ def output_sums(
     }
 
 
+def answered(
+    resumer: Resumer,
+    tokens: Int[Tensor, "batch pos"],
+    final: Float[Tensor, "batch pos d_model"],
+    measure: Bool[Tensor, "batch pos"],
+) -> Bool[Tensor, " batch"]:
+    """Per row, whether greedy decoding of ``final`` gives the whole answer at the ``measure``
+    positions (teacher-forced: the logits at the position before each answer token, read by the
+    model's final norm and unembedding) — ``depth-score``'s accuracy of an example."""
+    before = torch.zeros_like(measure)
+    before[:, :-1] = measure[:, 1:]  # the position that predicts each answer token
+    logits = resumer.readout(final.to(tokens.device)[before])
+    hit = logits.argmax(-1) == tokens[measure]
+    per_position = torch.ones_like(measure)
+    per_position[measure] = hit
+    return per_position.all(dim=1)
+
+
 def clean_sums(step: Step, keep: Bool[Tensor, "batch pos"]) -> dict[str, float]:
     """The clean model's CE and top-1 accuracy sums over the kept positions with a next token."""
     sums = output_sums(step, [step.resid(step.info.n_layers)], keep)

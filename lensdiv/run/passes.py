@@ -30,18 +30,25 @@ class Tally:
     reader's thread); the bar takes them at the next batch. Only a :class:`LocalFeed` feeds
     every batch in this process: a shard or a rank counts its share, its total set at the end."""
 
-    def __init__(self, bar: Any, task: Any, feed: Feed) -> None:
+    def __init__(self, bar: Any, task: Any, feed: Feed, per_row: int = 0) -> None:
         self.bar, self.task = bar, task
         self.every = isinstance(feed, LocalFeed)
         self.counted = 0
         self.total: int | None = None
+        self.per_row = per_row  # interventions per sequence (the bar's ``interventions`` field)
+        self.interventions = 0
 
     def ended(self, tokens: int) -> None:
         self.total = tokens
 
     def advance(self, batch: Batch) -> None:
         self.counted += batch.n_tokens
-        known = {"total": self.total} if self.total is not None and self.every else {}
+        known: dict[str, Any] = (
+            {"total": self.total} if self.total is not None and self.every else {}
+        )
+        if self.per_row:
+            self.interventions += self.per_row * int(batch.tokens.shape[0])
+            known["interventions"] = self.interventions
         self.bar.update(self.task, advance=batch.n_tokens, **known)
 
     def done(self) -> None:
@@ -97,8 +104,16 @@ def feed_passes(
                 label = ", ".join(a.name for a in members)
                 if n_passes > 1:
                     label += f" (pass {index + 1}/{n_passes})"
-                with progress_of(progress, label) as bar:
-                    tally = Tally(bar, bar.add_task("analyzing", total=total), feed)
+                per_row = sum(a.interventions(engine.info, index) for a in members)
+                detail = ""
+                if per_row:  # interventional analyzers: how many, besides the tokens
+                    detail = (
+                        f" {per_row:,} interventions/sequence, "
+                        "{task.fields[interventions]:,} done"
+                    )
+                with progress_of(progress, label, detail) as bar:
+                    task = bar.add_task("analyzing", total=total, interventions=0)
+                    tally = Tally(bar, task, feed, per_row)
                     stream = batches(tally.ended)
                     try:
                         feed.run_pass(engine, index, stream, states, tally.advance)
@@ -116,8 +131,9 @@ def feed_passes(
     return states, stopped
 
 
-def progress_of(enabled: bool, label: str) -> Any:
-    """A progress bar over tokens, with tokens/s."""
+def progress_of(enabled: bool, label: str, detail: str = "") -> Any:
+    """A progress bar over tokens, with tokens/s; ``detail`` follows the bold label (it may
+    read the task's fields: ``{task.fields[interventions]:,}``)."""
     from rich.progress import ProgressColumn
     from rich.text import Text
 
@@ -126,4 +142,4 @@ def progress_of(enabled: bool, label: str) -> Any:
             speed = task.finished_speed or task.speed
             return Text(f"{speed:,.0f} tok/s" if speed else "… tok/s", style="cyan")
 
-    return progress_bar(f"[bold]{label}[/bold]", "tokens", SpeedColumn(), enabled=enabled)
+    return progress_bar(f"[bold]{label}[/bold]{detail}", "tokens", SpeedColumn(), enabled=enabled)

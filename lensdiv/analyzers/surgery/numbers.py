@@ -54,6 +54,9 @@ class PruneNumbers:
         positions: Positions measured.
         block_runs_per_row: Block evaluations per sequence for the grid.
         resume: The resume modes used.
+        accuracy: Task examples (option ``task``): the share answered whole per ``[ℓ, n−1]``
+            and by the full model (``None`` on the corpus).
+        examples: Task examples measured (0 on the corpus).
     """
 
     n_layers: int
@@ -68,6 +71,8 @@ class PruneNumbers:
     positions: int
     block_runs_per_row: float
     resume: list[str]
+    accuracy: tuple[Tensor, float] | None = None
+    examples: int = 0
 
     @classmethod
     def from_state(cls, state: Stats, info: ModelInfo, options: Prune) -> PruneNumbers:
@@ -105,6 +110,8 @@ class PruneNumbers:
             positions=int(float(state["clean"][SUMS.index("n")])),
             block_runs_per_row=float(state["block_runs"]) / max(float(state["rows"]), 1.0),
             resume=sorted(state.get("resume", ())),
+            accuracy=_accuracy(state, valid),
+            examples=int(float(state.get("answers_n", 0))),
         )
 
     def picks(self, metric: str = "kl") -> list[dict[str, Any]]:
@@ -185,6 +192,15 @@ def _curves(
         greedy.append(float(means[counted].min()) if counted.any() else math.nan)
     curves["greedy"] = greedy
     return curves, []
+
+
+def _accuracy(state: Stats, valid: Tensor) -> tuple[Tensor, float] | None:
+    """Share of the task examples answered whole per cell, and by the full model."""
+    if "answers" not in state:
+        return None
+    n = max(float(state["answers_n"]), 1.0)
+    grid = (state["answers"].cpu().double() / n).masked_fill(~valid, math.nan)
+    return grid, float(state["answers_clean"]) / n
 
 
 def _mean_kl(sums: Tensor | None) -> float:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from lensdiv.analyzers.surgery.numbers import METRICS, PruneNumbers
 from lensdiv.core.results import Plot, Result, Table
 
@@ -32,6 +34,8 @@ def present(numbers: PruneNumbers, options: Prune) -> Result:
     for name, (mean, sem) in numbers.effects.items():
         grid[name] = [float(mean[s, n - 1]) for s, n in cells]
         grid[f"{name}_sem"] = [float(sem[s, n - 1]) for s, n in cells]
+    if numbers.accuracy is not None:
+        grid["accuracy"] = [float(numbers.accuracy[0][s, n - 1]) for s, n in cells]
     for name, values in numbers.signals.items():
         grid[name] = [float(values[s, n - 1]) for s, n in cells]
     picks = numbers.picks("kl")
@@ -47,6 +51,17 @@ def present(numbers: PruneNumbers, options: Prune) -> Result:
     }
     if numbers.linearity is not None:
         blocks["linearity"] = numbers.linearity.tolist()
+    task: dict[str, Any] = {}
+    if numbers.accuracy is not None:
+        blocks["accuracy_remove"] = numbers.accuracy[0][:, 0].tolist()
+        arrays_acc = {"true_accuracy": numbers.accuracy[0].numpy()}
+        task = {
+            "task": options.task,
+            "examples": numbers.examples,
+            "clean_accuracy": numbers.accuracy[1],
+        }
+    else:
+        arrays_acc = {}
     tables = {
         "grid": Table("grid", grid, "True effect of removing blocks ℓ..ℓ+n−1, and each signal"),
         "picks": Table("picks", pick_cols, "Per length n: best start vs each signal's pick (KL)"),
@@ -55,6 +70,7 @@ def present(numbers: PruneNumbers, options: Prune) -> Result:
     }
     arrays = {f"true_{name}": numbers.effects[name][0].numpy() for name in METRICS}
     arrays.update({f"signal_{name}": grid_.numpy() for name, grid_ in numbers.signals.items()})
+    arrays.update(arrays_acc)
     return Result(
         analyzer=options.name,
         summary=_summary(numbers),
@@ -74,6 +90,7 @@ def present(numbers: PruneNumbers, options: Prune) -> Result:
             "bos": "intervened on; "
             + ("left out of" if options.exclude_bos else "in")
             + " every statistic",
+            **task,
         },
     )
 
@@ -98,6 +115,20 @@ def _summary(numbers: PruneNumbers) -> str:
         f"1..{numbers.longest}); rank correlations with the true KL over the grid: "
         + ", ".join(f"{k} {v:.2f}" for k, v in rho.items())
         + f". Full model: CE {numbers.clean['ce']:.3g} nats over {numbers.positions} positions."
+        + _task_line(numbers)
+    )
+
+
+def _task_line(numbers: PruneNumbers) -> str:
+    """The task accuracy, where the run measured on task examples."""
+    if numbers.accuracy is None:
+        return ""
+    grid, clean = numbers.accuracy
+    one = grid[:, 0]
+    best = int(torch.nan_to_num(one, nan=-1.0).argmax())
+    return (
+        f" Task accuracy over {numbers.examples} examples: full model {clean:.0%}; removing "
+        f"block {best} alone keeps {float(one[best]):.0%}, the most of any single block."
     )
 
 

@@ -16,17 +16,20 @@ the blocks greedy removed so far). Every statistic is a sum over positions: shar
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from lensdiv.analyzers.depth_score import DepthScore
 from lensdiv.analyzers.surgery.numbers import PruneNumbers, greedy_chosen
 from lensdiv.analyzers.surgery.present import present
-from lensdiv.core.analyzer import Analyzer, ModelInfo, Step
+from lensdiv.core.analyzer import Analyzer, Batch, ModelInfo, Step
 from lensdiv.core.results import Result
 from lensdiv.core.stats import Stats
 from lensdiv.ops.resume import resumer_for
 from lensdiv.ops.surgery import (
     SUMS,
+    answered,
     grid_cells,
     last_positions,
     moment_update,
@@ -52,6 +55,11 @@ class Prune(Analyzer):
         chunk: Interventions stacked in one forward pass (``0``: all that resume at one block).
         resume: Resume each removal from the cached clean residual (``False``: run every block
             of every intervened pass, the full-forward-pass reference of ``bench/``).
+        task: ``""`` (the default): measure on the run's corpus. Else measure on task examples
+            instead, in ``depth-score``'s formats — ``kb`` (the toy knowledge base), ``arith``,
+            ``auto`` or a JSONL file of ``prompt``/``answer``/``grade`` rows — and add each
+            removal's accuracy (the whole answer greedily decoded, teacher-forced).
+        per_grade: Examples per grade of a built-in task (``kb``, ``arith``, ``auto``).
     """
 
     name = "prune"
@@ -66,12 +74,23 @@ class Prune(Analyzer):
     linearity: bool = True
     chunk: int = 0
     resume: bool = True
+    task: str = ""
+    per_grade: int = 32
 
     def __post_init__(self) -> None:
         if self.max_n < 0:
             raise ValueError(f"max_n must be 0 (half the depth) or positive, got {self.max_n}")
         if self.chunk < 0:
             raise ValueError(f"chunk must be 0 (auto) or positive, got {self.chunk}")
+        if self.per_grade < 1:
+            raise ValueError(f"per_grade must be positive, got {self.per_grade}")
+
+    def examples(self, model: Any, info: ModelInfo) -> list[Batch] | None:
+        """With ``task``: ``depth-score``'s examples of that task (else the run's corpus)."""
+        if not self.task.strip():
+            return None
+        tasks = DepthScore(tasks=self.task.strip(), per_grade=self.per_grade, model="self")
+        return tasks.examples(model, info)
 
     def longest(self, info: ModelInfo) -> int:
         """``N``: the longest range removed on this model."""
@@ -80,6 +99,13 @@ class Prune(Analyzer):
     def n_passes(self, info: ModelInfo) -> int:
         """The grid, then one pass per point of the block-influence and greedy curves."""
         return 1 + (self.longest(info) if self.curves else 0)
+
+    def interventions(self, info: ModelInfo, index: int) -> int:
+        """Per sequence: every ``(ℓ, n)`` cell in pass 0; in pass ``k``, the ``k`` blocks of
+        least influence and greedy step ``k`` (each of the ``L − k + 1`` blocks left)."""
+        if index == 0:
+            return len(grid_cells(info.n_layers, self.longest(info)))
+        return 1 + info.n_layers - index + 1
 
     def hooks(self, info: ModelInfo) -> list[str]:
         return [info.resid(layer) for layer in range(info.n_layers + 1)]
@@ -100,6 +126,9 @@ class Prune(Analyzer):
         cells = grid_cells(L, N)
         masks = [range_mask(L, s, n) for s, n in cells]
         grid = torch.zeros(len(SUMS), L, N, dtype=torch.float64, device=keep.device)
+        measure = answer_positions(step.batch)
+        right = torch.zeros(L, N, dtype=torch.float64)  # task examples answered whole
+        tokens = step.batch.tokens
         runs_before = resumer.blocks_run
         for indices, finals in removed_finals(step, masks, resumer, chunk=self.chunk):
             sums = output_sums(step, list(finals), keep)
@@ -107,6 +136,15 @@ class Prune(Analyzer):
                 s, n = cells[index]
                 for i, key in enumerate(SUMS):
                     grid[i, s, n - 1] = sums[key][j]
+                if measure is not None:
+                    right[s, n - 1] = float(answered(resumer, tokens, finals[j], measure).sum())
+        if measure is not None:
+            state.add("answers", right)
+            state.add(
+                "answers_clean", float(answered(resumer, tokens, step.resid(L), measure).sum())
+            )
+            state.add("answers_n", tokens.shape[0])
+            state.fix("task", str(step.batch.extra.get("tasks")))
         state.add("block_runs", resumer.blocks_run - runs_before)
         state.add("rows", step.batch.tokens.shape[0])
         state.add("grid", grid)
@@ -146,6 +184,14 @@ class Prune(Analyzer):
         if "grid" not in state:
             raise ValueError("no position was measured; use longer sequences or more data")
         return present(PruneNumbers.from_state(state, info, self), self)
+
+
+def answer_positions(batch: Batch) -> torch.Tensor | None:
+    """Task examples: the answer's positions (``None`` on the corpus)."""
+    if "split" not in batch.extra:
+        return None
+    pos = torch.arange(batch.tokens.shape[1], device=batch.tokens.device)
+    return (pos >= batch.extra["split"].to(pos.device)[:, None]) & batch.mask
 
 
 def influence_order(bi: torch.Tensor) -> list[int]:

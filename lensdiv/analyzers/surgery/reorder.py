@@ -89,6 +89,10 @@ class Reorder(Analyzer):
             out.append((f"loop{k}", Program(c, c + 1, (c,) * k)))
         return out
 
+    def interventions(self, info: ModelInfo, index: int) -> int:
+        """Every variant, on every sequence."""
+        return len(self.variants(info))
+
     def hooks(self, info: ModelInfo) -> list[str]:
         return [info.resid(layer) for layer in range(info.n_layers + 1)]
 
