@@ -231,7 +231,7 @@ def kl_gradients(
 
 
 @dataclass(frozen=True)
-class TunedFit(Analyzer):
+class TunedFit(TunedRecipe, Analyzer):
     """Train a tuned lens (KL(p_L ‖ p_l) by SGD; one pass per step, the data read onward).
 
     Args:
@@ -251,18 +251,11 @@ class TunedFit(Analyzer):
     description = "Train a tuned lens (SGD on KL(p_L ‖ p_l)) in tuned-lens's layout"
     depth_profiles = ()  # a fit, not a depth analysis: nothing for a study to compare
 
-    steps: int = 250
-    tokens_per_step: int = 2**18
-    lr: float = 1.0
-    momentum: float = 0.9
-    weight_decay: float = 1e-3
-    clip: float = 1.0
-    exclude_bos: bool = True
-    affine_passes: int = 0
+    # The recipe's fields (declared once, in TunedRecipe) are its options, then the start.
     start: str | None = None
 
     def __post_init__(self) -> None:
-        _ = self.recipe  # checks the values
+        super().__post_init__()  # the recipe's checks
         if self.affine_passes and self.start is not None:
             raise OptionError(
                 "a tuned lens starts either from a lens (--init) or from the closed form "
