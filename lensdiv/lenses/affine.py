@@ -59,19 +59,9 @@ class AffineFit(Analyzer):
         return info.d_model + 2
 
     def update(self, state: Stats, step: Step) -> None:
-        info = step.info
-        keep = step.batch.positions(exclude_bos=self.exclude_bos)
-        if not keep.any():
-            return
-        x = masked_stack([step.resid(layer) for layer in range(info.n_layers)], keep)
-        y = masked_stack([step.resid(info.n_layers)], keep)[0].double()
-        xa = augment(x)  # [L, n, d + 1]
-        d = xa.shape[2]
-        state.zeros("xtx", (info.n_layers, d, d), xa.device).baddbmm_(xa.transpose(1, 2), xa)
-        xty = state.zeros("xty", (info.n_layers, d, y.shape[1]), xa.device)
-        for layer in range(info.n_layers):
-            xty[layer].addmm_(xa[layer].T, y)
-        state.add("yy", y.square().sum())
+        y = add_moments(state, step, self.exclude_bos)
+        if y is not None:
+            state.add("yy", y.square().sum())
 
     def finalize(self, state: Stats, info: ModelInfo) -> Result:
         return present(AffineLens.from_state(state, info, self.ridge), self, info)
@@ -183,3 +173,25 @@ def present(lens: AffineLens, options: AffineFit, info: ModelInfo) -> Result:
         meta={"positions": lens.positions},
         artifacts=(artifact,),
     )
+
+
+def add_moments(
+    state: Stats, step: Step, exclude_bos: bool, xtx: str = "xtx", xty: str = "xty"
+) -> Tensor | None:
+    """Add this batch's least-squares moments of ``h_l → h_L`` to ``state``, in float64:
+    ``Σ [h_l, 1][h_l, 1]ᵀ`` to ``xtx`` and ``Σ [h_l, 1] h_Lᵀ`` to ``xty`` (``[L, d+1, ·]``), over
+    its real positions (BOS left out with ``exclude_bos``). Returns those positions' ``h_L``
+    (float64), or ``None`` where the batch has none."""
+    info = step.info
+    keep = step.batch.positions(exclude_bos=exclude_bos)
+    if not keep.any():
+        return None
+    x = masked_stack([step.resid(layer) for layer in range(info.n_layers)], keep)
+    y = masked_stack([step.resid(info.n_layers)], keep)[0].double()
+    xa = augment(x)  # [L, n, d + 1]
+    d = xa.shape[2]
+    state.zeros(xtx, (info.n_layers, d, d), xa.device).baddbmm_(xa.transpose(1, 2), xa)
+    sums = state.zeros(xty, (info.n_layers, d, y.shape[1]), xa.device)
+    for layer in range(info.n_layers):
+        sums[layer].addmm_(xa[layer].T, y)
+    return y

@@ -48,13 +48,13 @@ import torch
 from torch import Tensor, nn
 
 from lensdiv.core.analyzer import Analyzer, Batch, ModelInfo, Step
-from lensdiv.core.devices import masked_stack
 from lensdiv.core.errors import OptionError
 from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
-from lensdiv.lenses.affine import TunedLensFolder
+from lensdiv.lenses.affine import add_moments
+from lensdiv.ops.lens_files import TunedLensFolder
 from lensdiv.ops.readout import final_readout
-from lensdiv.ops.ridge import augment, fit_affine
+from lensdiv.ops.ridge import fit_affine
 from lensdiv.ops.translators import Translator, parse_lens
 from lensdiv.run.engine import Engine
 from lensdiv.run.feed import take_step
@@ -337,19 +337,8 @@ class TunedFit(TunedRecipe, Analyzer):
     def _moments(self, state: Stats, step: Step) -> None:
         """A closed-form pass: ``Σ [h_l, 1][h_l, 1]ᵀ`` and ``Σ [h_l, 1] h_Lᵀ`` in float64 (as
         :class:`~lensdiv.lenses.affine.AffineFit`; summed over the ranks like a gradient)."""
-        info = step.info
         state.add(SEEN, 1)
-        keep = step.batch.positions(exclude_bos=self.exclude_bos)
-        if not keep.any():
-            return
-        x = masked_stack([step.resid(layer) for layer in range(info.n_layers)], keep)
-        y = masked_stack([step.resid(info.n_layers)], keep)[0].double()
-        xa = augment(x)  # [L, n, d + 1]
-        d = xa.shape[2]
-        state.zeros(XTX, (info.n_layers, d, d), xa.device).baddbmm_(xa.transpose(1, 2), xa)
-        xty = state.zeros(XTY, (info.n_layers, d, y.shape[1]), xa.device)
-        for layer in range(info.n_layers):
-            xty[layer].addmm_(xa[layer].T, y)
+        add_moments(state, step, self.exclude_bos, XTX, XTY)
 
     def _closed_form(self, state: Stats) -> dict[str, Any] | None:
         """The state's fixed entries after a closed-form pass (``None``: none pending): the
