@@ -22,8 +22,17 @@ from typer.testing import CliRunner
 from lensdiv.cli import app
 from lensdiv.core.analyzer import Batch, ModelInfo
 from lensdiv.core.errors import LensdivError, OptionError
-from lensdiv.lenses.fit import fit_lens
-from lensdiv.lenses.tuned import PRESETS, TUNED_FOLDER, TunedFit, train_tuned
+from lensdiv.lenses.fit import fit_lens, tuned_fit
+from lensdiv.lenses.tuned import (
+    DEFAULT_PRESET,
+    PRESETS,
+    TUNED_FOLDER,
+    TunedFit,
+    TunedRecipe,
+    train_tuned,
+)
+from lensdiv.ops.lens_files import save_tuned
+from lensdiv.ops.readout import final_readout
 from lensdiv.ops.translators import read_tuned
 from lensdiv.run.feed import take_step
 from lensdiv.run.runner import load_run
@@ -40,12 +49,16 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_model("llama", tmp_path_factory.mktemp("tuned") / "llama")
 
 
-def _with_affine(affine_passes: int) -> dict[str, Any]:
-    """FIT, its first ``affine_passes`` passes the closed-form start (the fast path)."""
+def _with_affine(affine_passes: int | None) -> dict[str, Any]:
+    """FIT, its first ``affine_passes`` passes the closed-form start (the fast path); ``None``:
+    the default preset (the fast path at its own step size), FIT's sizes."""
+    if affine_passes is None:
+        return {**FIT, "preset": None}
     return {**FIT, "options": {**FIT["options"], "affine_passes": affine_passes}}
 
 
-def _rank_main(rank: int, store: str, model: str, out: str, affine_passes: int = 0) -> None:
+def _rank_main(rank: int, store: str, model: str, out: str, affine_passes: int | None = 0
+               ) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -64,13 +77,16 @@ def _rank_main(rank: int, store: str, model: str, out: str, affine_passes: int =
     sys.exit(code)
 
 
-@pytest.mark.parametrize("affine_passes", [0, 1])
+@pytest.mark.parametrize("affine_passes", [0, 1, None])
 def test_two_ranks_train_the_tuned_lens_of_one_process(llama_dir: Path, tmp_path: Path,
-                                                       affine_passes: int) -> None:
+                                                       affine_passes: int | None) -> None:
     """The lens, its training loss and its evaluation of 2 gloo processes (the gradient of a
     step all-reduced by the run's data-parallel feed) equal one process's; from the identity
-    and on the fast path (a closed-form pass, its moments all-reduced, then SGD)."""
-    sgd_steps = 3 - affine_passes
+    and on the fast path (a closed-form pass, its moments all-reduced, then SGD), the default
+    preset's included (``None``: its closed-form pass and lr 4)."""
+    if affine_passes is None:
+        assert PRESETS[DEFAULT_PRESET].affine_passes == 1 and PRESETS[DEFAULT_PRESET].lr > 1
+    sgd_steps = 3 - (1 if affine_passes is None else affine_passes)
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["tests.test_tuned_fit"])
     procs = [ctx.Process(target=_rank_main,
@@ -149,8 +165,8 @@ def test_cli_refuses_or_scales_and_evaluates(llama_dir: Path, tmp_path: Path) ->
     exit 2 before the toy model is trained or loaded; a budget of 2 steps trains 2 and writes
     the evaluation as the other kinds do."""
     bad = CliRunner().invoke(app, ["lenses", "fit", "/nonexistent/toy", "--kind", "tuned",
-                                   "--max-tokens", "4096", "--out", str(tmp_path / "bad"),
-                                   "--no-progress"])
+                                   "--preset", "cpu", "--max-tokens", "4096", "--out",
+                                   str(tmp_path / "bad"), "--no-progress"])
     assert bad.exit_code == 2, bad.output
     assert bad.output.startswith("error: --max-tokens 4096 is less than one step of the tuned "
                                  "lens' recipe (16384 tokens a step")
@@ -279,3 +295,146 @@ def test_bad_closed_form_passes_are_refused(options: dict[str, int], message: st
     with pytest.raises(LensdivError, match=re.escape(message)):
         fit_lens("/nonexistent/model", "tuned", out="/nonexistent/out", preset="toy",
                  options=options, progress=False)
+
+
+# -- the fast path as the default (issue 32) -----------------------------------------------------
+
+
+def test_the_default_is_the_fast_path_the_recipe_stays_as_published() -> None:
+    """No preset: the fast path (a closed-form pass, then SGD at a larger step); ``paper`` and
+    ``cpu`` are tuned-lens's recipe exactly (identity start, lr 1, 250 × 2^18 / 120 × 2^14)."""
+    fit, tokens, start = tuned_fit(None, {}, None, max_tokens=None, seq_len=128, batch_size=8)
+    assert fit.recipe == PRESETS[DEFAULT_PRESET] == PRESETS["cpu-fast"] and start is None
+    assert fit.affine_passes == 1 and fit.recipe.sgd_steps == 15 and fit.lr == 4.0
+    assert tokens == 16 * 2**14
+    published = dict(lr=1.0, momentum=0.9, weight_decay=1e-3, clip=1.0, exclude_bos=True,
+                     affine_passes=0)
+    assert PRESETS["paper"] == TunedRecipe(steps=250, tokens_per_step=2**18, **published)
+    assert PRESETS["cpu"] == TunedRecipe(steps=120, tokens_per_step=2**14, **published)
+    assert tuned_fit("paper", {}, None, max_tokens=None, seq_len=128,
+                     batch_size=8)[0].recipe == PRESETS["paper"]
+
+
+def test_the_default_reached_the_recipes_held_out_kl_in_a_quarter_of_its_time() -> None:
+    """The default is the fast path only because it did: the run of ``bench/tuned_cpu.json``
+    with the default preset's passes and step size has every layer's held-out KL within 2 % of
+    the ``cpu`` recipe's (or below) in at most a quarter of its wall time, on both of the
+    largest toy models."""
+    record = json.loads((Path(__file__).parents[1] / "bench" / "tuned_cpu.json").read_text())
+    default = PRESETS[DEFAULT_PRESET]
+    for model in ("toy:d8", "toy:d4-w128"):
+        report = record[f"{model} cpu"]
+        assert report["recipe"] == dataclasses.asdict(PRESETS["cpu"])
+        run = report["runs"][f"fast-{default.steps}"]
+        assert (run["affine_passes"], run["lr"]) == (default.affine_passes, default.lr)
+        assert report["tokens_per_step"] == default.tokens_per_step
+        assert all(r <= 1.02 for r in run["kl_vs_baseline"][:-1]), (model, run)
+        assert run["time_vs_baseline"] <= 0.25, (model, run)
+
+
+@pytest.mark.parametrize("max_tokens, passes", [(2 * 2**14, 2), (4 * 2**14 + 100, 4),
+                                                (40 * 2**14, 40)])
+def test_max_tokens_scales_the_fast_default_its_closed_form_pass_counted(max_tokens: int,
+                                                                         passes: int) -> None:
+    """The budget covers the closed-form pass and the SGD steps: 2 passes of 16384 tokens are
+    the least (the pass and one step); a budget beyond the preset's scales the steps up."""
+    fit, tokens, _ = tuned_fit(None, {}, None, max_tokens=max_tokens, seq_len=128, batch_size=8)
+    assert fit.steps == passes and fit.affine_passes == 1 and tokens == passes * 2**14
+    assert fit.recipe.sgd_steps == passes - 1 and fit.lr == PRESETS[DEFAULT_PRESET].lr
+
+
+def test_too_small_a_budget_for_the_fast_default_is_one_line(tmp_path: Path) -> None:
+    """One step's tokens leave no SGD step after the closed-form pass: refused in one line,
+    exit 2, before the (nonexistent) model is looked for; --help says so."""
+    bad = CliRunner().invoke(app, ["lenses", "fit", "/nonexistent/toy", "--kind", "tuned",
+                                   "--max-tokens", "16384", "--out", str(tmp_path / "bad"),
+                                   "--no-progress"])
+    assert bad.exit_code == 2, bad.output
+    assert bad.output.startswith("error: --max-tokens 16384 is less than the closed-form pass "
+                                 "and one SGD step of the tuned lens' recipe (16384 tokens a "
+                                 "step"), bad.output
+    assert "--max-tokens 32768 or more" in " ".join(bad.output.split())
+    assert "Traceback" not in bad.output and not (tmp_path / "bad").exists()
+    help_text = CliRunner().invoke(app, ["lenses", "fit", "--help"]).output
+    help_text = " ".join(re.sub("[│╭╮╰╯─]", " ", help_text).split())  # the boxes' wrapping
+    assert "the closed-form pass and one SGD step" in help_text
+    assert f"{DEFAULT_PRESET} (the default)" in help_text
+
+
+def test_a_start_lens_takes_the_closed_form_passes_place(tmp_path: Path) -> None:
+    """``--init`` with the fast default: the lens given is the start, the preset's SGD steps
+    (at its step size) follow; asking for both starts is refused."""
+    save_tuned(tmp_path / "start", {0: torch.zeros(4, 4)}, {0: torch.zeros(4)}, d_model=4,
+               n_layers=1, model_name="m")
+    fit, tokens, start = tuned_fit(None, {}, f"tuned:{tmp_path / 'start'}", max_tokens=None,
+                                   seq_len=128, batch_size=8)
+    assert start is not None and fit.start == start.spec
+    assert (fit.steps, fit.affine_passes, fit.lr) == (15, 0, 4.0) and tokens == 15 * 2**14
+    with pytest.raises(OptionError, match="not both"):
+        tuned_fit(None, {"affine_passes": "1"}, f"tuned:{tmp_path / 'start'}", max_tokens=None,
+                  seq_len=128, batch_size=8)
+
+
+def _tuned_lens_reading(folder: Path, states: list[torch.Tensor], unembed: Any) -> list[Any]:
+    """What tuned-lens 0.2.0 does with a lens folder, without tuned-lens (not installed in CI):
+    ``TunedLensConfig.from_dict(config)`` (unknown keys dropped), ``ModuleList([Linear(d, d,
+    bias)] * L).load_state_dict(params)`` (strict: every name and shape must match), then
+    ``TunedLens.forward``: ``unembed(h + translator_l(h))``."""
+    config = json.loads((folder / "config.json").read_text())
+    assert config["lens_type"] == "linear_tuned_lens"
+    translators = torch.nn.ModuleList(
+        [torch.nn.Linear(config["d_model"], config["d_model"], bias=config["bias"])
+         for _ in range(config["num_hidden_layers"])])
+    translators.load_state_dict(torch.load(folder / "params.pt", weights_only=True), strict=True)
+    with torch.no_grad():
+        return [unembed(h + translators[i](h)) for i, h in enumerate(states[:-1])]
+
+
+def test_a_fast_path_lens_reads_the_same_in_tuned_lens(llama_dir: Path, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lens of the fast default, read through tuned-lens's layout as tuned-lens reads it,
+    gives lensdiv's logits at every layer; with tuned-lens importable (its source on
+    ``PYTHONPATH``), through its own ``TunedLens.from_unembed_and_pretrained`` and ``Unembed``
+    of the Hugging Face model too."""
+    from lensdiv.models.load import load_model
+    from lensdiv.ops.capture import capture
+
+    model = load_model(str(llama_dir), device="cpu", progress=False)
+    info = ModelInfo.from_model(model)
+    fit = fit_lens(model, "tuned", out=tmp_path / "fit", **{**FIT, "preset": None,
+                                                             "eval_tokens": 0})
+    assert fit.lens is not None
+    lens = read_tuned(fit.lens)
+    assert lens.meta["recipe"] == dataclasses.asdict(
+        dataclasses.replace(PRESETS[DEFAULT_PRESET], steps=3, tokens_per_step=120))
+    tokens = torch.randint(3, 200, (2, 16), generator=torch.Generator().manual_seed(0))
+    names = [info.resid(layer) for layer in range(info.n_layers + 1)]
+    with torch.no_grad():
+        _, cache = capture(model, tokens, names, need_logits=False)
+    states = [cache[name].reshape(-1, info.d_model).float() for name in names]
+    readout = final_readout(model)
+    ours = [readout.logits(lens.apply(h, i, dtype=torch.float32, device=h.device))
+            for i, h in enumerate(states[:-1])]
+    moved = [float((o - readout.logits(h)).abs().max()) for o, h in zip(ours, states[:-1],
+                                                                        strict=True)]
+    assert max(moved) > 1e-3  # the lens is not the logit lens
+    mirror = _tuned_lens_reading(fit.lens, states, readout.logits)
+    for a, b in zip(ours, mirror, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    try:
+        from tuned_lens import model_surgery
+        from tuned_lens.nn.lenses import TunedLens
+        from tuned_lens.nn.unembed import Unembed
+    except ImportError:
+        return  # CI: no tuned-lens; the layout check above is what it reads
+    from transformers import AutoModelForCausalLM
+
+    # tuned-lens 0.2.0 asks TransformerLens for HookedTransformer (gone in TransformerLens 4)
+    # before it looks at a Hugging Face model: its TransformerLens branch off, the rest as is.
+    monkeypatch.setattr(model_surgery, "_transformer_lens_available", False)
+
+    hf_model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
+    theirs = TunedLens.from_unembed_and_pretrained(Unembed(hf_model), str(fit.lens))
+    with torch.no_grad():
+        for i, h in enumerate(states[:-1]):
+            torch.testing.assert_close(theirs(h, idx=i), ours[i], rtol=1e-4, atol=1e-4)

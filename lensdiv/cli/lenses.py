@@ -25,7 +25,7 @@ from lensdiv.core.settings import DEFAULTS, RunSettings
 app = typer.Typer(
     help="Fitted lenses: read every analyzer's residual states through a tuned, Jacobian or "
     "affine lens instead of the logit lens (--lens KIND:PATH).\n\n"
-    "Example: lensdiv lenses fit toy --kind tuned --preset toy --out lenses/toy-tuned",
+    "Example: lensdiv lenses fit toy --kind tuned --preset toy-fast --out lenses/toy-tuned",
     no_args_is_help=True,
 )
 
@@ -42,8 +42,10 @@ Model = Annotated[
         "type": int | None,
         "default": None,
         "help": f"Tokens the fit reads. Default: {DEFAULTS.max_tokens}, or the tuned preset's "
-        "budget. Tuned: the preset's steps are scaled to it (as many whole steps as fit, the "
-        "schedule over them); less than one step is refused before anything loads.",
+        "budget. Tuned: the preset's passes are scaled to it (as many whole steps as fit, the "
+        "closed-form pass of the fast path among them, the schedule over the rest); less than "
+        "one step (fast path: the closed-form pass and one SGD step, 32768 tokens by default) "
+        "is refused before anything loads.",
     },
 )
 def fit(
@@ -64,12 +66,15 @@ def fit(
         int, typer.Option(help="Held-out tokens (after the fit's) to evaluate on; 0: none.")
     ] = 8192,
     preset: Annotated[
-        str,
+        str | None,
         typer.Option(
-            help="Tuned lens: paper (250 × 2^18 tokens), cpu, toy (the published "
-            "recipe), or cpu-fast, toy-fast (a closed-form start, then 15 steps at lr 4).",
+            help="Tuned lens: cpu-fast (the default), toy-fast: the fast path, a closed-form "
+            "start (the affine lens) then 15 steps at lr 4, 16 passes of 16384 / 2048 tokens; "
+            "paper (250 × 2^18 tokens), cpu (120 × 2^14), toy (60 × 2^11): tuned-lens's "
+            "published recipe exactly, from the identity.",
+            show_default=False,
         ),
-    ] = "cpu",
+    ] = None,
     option: Annotated[
         list[str] | None,
         typer.Option(
@@ -81,7 +86,10 @@ def fit(
     ] = None,
     init: Annotated[
         str | None,
-        typer.Option(help="Tuned lens: start from this lens (e.g. affine:DIR) instead of zero."),
+        typer.Option(
+            help="Tuned lens: start from this lens (e.g. affine:DIR) instead of the fast "
+            "path's closed-form pass (or the identity of a recipe preset)."
+        ),
     ] = None,
     shard: Annotated[
         str | None,
@@ -105,7 +113,9 @@ def fit(
 
     A job array: lensdiv lenses fit MODEL --kind jacobian --shard 3/16 --out j/shard-3, then lensdiv merge j/shard-* --out j/all
 
-    A short tuned fit (2 steps of the cpu preset's 16384 tokens): lensdiv lenses fit toy --kind tuned --max-tokens 32768 --out lenses/toy-tuned
+    A short tuned fit (4 passes of 16384 tokens: the closed-form start, then 3 SGD steps): lensdiv lenses fit toy --kind tuned --max-tokens 65536 --out lenses/toy-tuned
+
+    The published recipe, to compare with tuned-lens's lenses: lensdiv lenses fit toy --kind tuned --preset cpu --out lenses/toy-recipe
 
     Then: lensdiv analyze MODEL --plugins lens,bias --lens tuned:lenses/tuned
     """

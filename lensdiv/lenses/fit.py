@@ -38,7 +38,7 @@ from lensdiv.core.settings import DEFAULTS, RunSettings, settings_keywords
 from lensdiv.data.sources import DataSpec
 from lensdiv.lenses.affine import AFFINE_FOLDER, AffineFit
 from lensdiv.lenses.jacobian import JacobianFit
-from lensdiv.lenses.tuned import PRESETS, TUNED_FOLDER, TunedFit, TunedRecipe
+from lensdiv.lenses.tuned import DEFAULT_PRESET, PRESETS, TUNED_FOLDER, TunedFit, TunedRecipe
 from lensdiv.models.load import load_model
 from lensdiv.ops.translators import (
     JACOBIAN_FILE,
@@ -116,7 +116,7 @@ def fit_lens(
     data: Any = None,
     settings: RunSettings | None = None,
     eval_tokens: int = 8192,
-    preset: str = "cpu",
+    preset: str | None = None,
     options: dict[str, Any] | None = None,
     init: Any = None,
     shard: str | tuple[int, int] | None = None,
@@ -136,15 +136,20 @@ def fit_lens(
             names as keywords, as for :func:`lensdiv.analyze` (a Jacobian lens' prompt is one
             row of ``seq_len``); ``lens`` does not apply (a fit reads the model's own states).
             ``max_tokens``: the tokens the fit reads; its default here, ``None``, is the kind's
-            budget: affine and Jacobian 16384, tuned its recipe's steps × tokens per step.
-            Tuned: the steps are scaled to a ``max_tokens`` given (as many whole steps as fit;
-            fewer than one step is refused before anything loads), unless ``options`` set
-            ``steps`` (then it must hold them).
+            budget: affine and Jacobian 16384, tuned its recipe's passes × tokens per step.
+            Tuned: the passes are scaled to a ``max_tokens`` given (as many whole steps as fit,
+            the closed-form pass of a ``-fast`` preset among them; less than that pass and one
+            SGD step is refused before anything loads), unless ``options`` set ``steps`` (then
+            it must hold them).
         eval_tokens: Held-out tokens the evaluation reads after the fit's (0: no evaluation).
-        preset: Tuned: ``paper`` (250 steps of 2^18 tokens), ``cpu`` or ``toy``.
+        preset: Tuned (:data:`~lensdiv.lenses.tuned.PRESETS`): ``paper`` (250 steps of 2^18
+            tokens), ``cpu`` or ``toy``, the published recipe from the identity; ``cpu-fast``
+            (the default, :data:`~lensdiv.lenses.tuned.DEFAULT_PRESET`) or ``toy-fast``, the
+            fast path: a closed-form pass (the affine lens) then 15 SGD steps at lr 4.
         options: The fit's options: ``JacobianFit``/``AffineFit`` fields, or ``TunedRecipe``
             fields for a tuned lens (they override the preset).
-        init: Tuned: a lens to start from (an affine lens' spec, say); the identity otherwise.
+        init: Tuned: a lens to start from (an affine lens' spec, say), in place of a ``-fast``
+            preset's closed-form pass (its SGD steps kept); the identity otherwise.
         shard: ``"I/N"``: fit shard I of N (affine, Jacobian), merged by ``lensdiv merge``.
         progress, overwrite, load: As for :func:`lensdiv.analyze` (``load``: the run
             settings as keywords, and ``device_map``, ``max_memory``, ``trust_remote_code``, ...
@@ -238,7 +243,7 @@ class AnalyzerFitter:
 
     def plan(
         self,
-        preset: str,
+        preset: str | None,
         options: dict[str, Any],
         init: Any,
         *,
@@ -260,7 +265,7 @@ class TunedFitter:
 
     def plan(
         self,
-        preset: str,
+        preset: str | None,
         options: dict[str, Any],
         init: Any,
         *,
@@ -366,7 +371,7 @@ def _bridge(model: Any, device: Any, dtype: Any, progress: bool, **load: Any) ->
 
 
 def tuned_fit(
-    preset: str,
+    preset: str | None,
     options: dict[str, Any],
     init: Any,
     *,
@@ -374,35 +379,49 @@ def tuned_fit(
     seq_len: int,
     batch_size: int,
 ) -> tuple[TunedFit, int, Translator | None]:
-    """The tuned fit of ``preset`` with ``options``, the tokens it reads, and the lens it starts
-    from — checked before anything is loaded.
+    """The tuned fit of ``preset`` (``None``: :data:`~lensdiv.lenses.tuned.DEFAULT_PRESET`) with
+    ``options``, the tokens it reads, and the lens it starts from — checked before anything is
+    loaded.
 
-    A step takes whole batches, so a step reads ``tokens_per_step`` rounded up to whole batches
-    of ``batch_size × seq_len``. Without ``max_tokens`` the fit reads the recipe's steps of
-    those. With ``max_tokens`` the steps are scaled to it: as many whole steps as fit (the
-    learning rate decays to 0 over them), unless ``steps`` is an option, whose steps must then
-    fit in ``max_tokens``.
+    A pass (a step, or a closed-form pass of the fast path) takes whole batches, so it reads
+    ``tokens_per_step`` rounded up to whole batches of ``batch_size × seq_len``. Without
+    ``max_tokens`` the fit reads the recipe's passes of those. With ``max_tokens`` the passes
+    are scaled to it: as many whole passes as fit (the closed-form ones first, the learning
+    rate decaying to 0 over the SGD steps after them), unless ``steps`` is an option, whose
+    passes must then fit in ``max_tokens``. ``init`` replaces a ``-fast`` preset's closed-form
+    passes (its SGD steps are kept), unless ``affine_passes`` is an option.
 
     Raises:
-        OptionError: An unknown preset or option, or ``max_tokens`` below one step (or below
-            the ``steps`` asked for).
+        OptionError: An unknown preset or option, or ``max_tokens`` below the closed-form
+            passes and one SGD step (or below the ``steps`` asked for).
     """
+    preset = DEFAULT_PRESET if preset is None else preset
     if preset not in PRESETS:
         raise OptionError(f"unknown preset {preset!r}", hint=f"use one of {', '.join(PRESETS)}")
-    recipe = recipe_with(PRESETS[preset], options)
+    base = PRESETS[preset]
+    if init is not None and base.affine_passes and "affine_passes" not in options:
+        # a lens to start from takes the closed-form start's place
+        base = dataclasses.replace(base, steps=base.sgd_steps, affine_passes=0)
+    recipe = recipe_with(base, options)
     batch_tokens = batch_size * seq_len
     step = -(-recipe.tokens_per_step // batch_tokens) * batch_tokens
     if max_tokens is not None:
+        least = recipe.affine_passes + 1
         fits = max_tokens // step
         steps = recipe.steps if "steps" in options else fits
-        if steps < 1 or fits < steps:
-            asked = f"the {steps} steps asked for" if "steps" in options else "one step"
+        if steps < least or fits < steps:
+            if "steps" in options:
+                asked = f"the {steps} steps asked for"
+            elif recipe.affine_passes:
+                asked = f"the closed-form pass{'es' * (least > 2)} and one SGD step"
+            else:
+                asked = "one step"
             raise OptionError(
                 f"--max-tokens {max_tokens} is less than {asked} of the tuned lens' recipe "
                 f"({step} tokens a step: tokens_per_step {recipe.tokens_per_step} in whole "
                 f"batches of {batch_tokens})",
-                hint=f"use --max-tokens {max(steps, 1) * step} or more, or smaller steps "
-                "(-O tokens_per_step=N, or --preset toy)",
+                hint=f"use --max-tokens {max(steps, least) * step} or more, or smaller steps "
+                f"(-O tokens_per_step=N, or --preset {'toy-fast' if least > 1 else 'toy'})",
             )
         recipe = dataclasses.replace(recipe, steps=steps)
     start = parse_lens(init) if init is not None else None
