@@ -8,6 +8,11 @@ positions. The wall time is the fit alone (the model loaded before the clock sta
 closed-form pass counted). Fits run interleaved, ``--repeats`` rounds; the median time is kept.
 
     python bench/bench_tuned.py --model toy --preset toy --fast-steps 4,8,16 --json bench/tuned_cpu.json
+
+The figure from the recorded JSON, without fitting anything:
+
+    python bench/bench_tuned.py --plot-only --json bench/tuned_cpu.json --plot bench/tuned_cpu.png \
+        --plot-keys "toy:d8 cpu,toy:d4-w128 cpu"
 """
 
 from __future__ import annotations
@@ -58,11 +63,15 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", type=Path, help="merge the figures into this file")
     parser.add_argument("--plot", type=Path, help="draw every model's figures of --json here")
-    parser.add_argument("--plot-only", action="store_true", help="draw --json's figures only")
+    parser.add_argument("--plot-only", action="store_true",
+                        help="draw --json's figures only (no fit: the recorded figures)")
+    parser.add_argument("--plot-keys", default="",
+                        help="the entries of --json to draw (comma-separated, e.g. 'toy:d8 cpu,"
+                        "toy:d4-w128 cpu'); default: all")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.plot_only:
-        plot(json.loads(args.json.read_text()), args.plot)
+        plot(chosen(json.loads(args.json.read_text()), args.plot_keys), args.plot)
         return
     recipe = PRESETS[args.preset]
     fast = PRESETS.get(f"{args.preset}-fast", PRESETS["cpu-fast"])  # its step size
@@ -116,7 +125,18 @@ def main() -> None:
         merged[f"{args.model} {args.preset}"] = report
         args.json.write_text(json.dumps(merged, indent=1) + "\n")
     if args.plot:
-        plot(json.loads(args.json.read_text()) if args.json else {"": report}, args.plot)
+        reports = json.loads(args.json.read_text()) if args.json else {"": report}
+        plot(chosen(reports, args.plot_keys), args.plot)
+
+
+def chosen(reports: dict[str, Any], keys: str) -> dict[str, Any]:
+    """The entries named in ``keys`` (comma-separated; empty: all), in that order."""
+    names = [k.strip() for k in keys.split(",") if k.strip()]
+    missing = [k for k in names if k not in reports]
+    if missing:
+        sys.exit(f"bench_tuned.py: no entry {missing[0]!r} in the JSON (it has: "
+                 f"{', '.join(reports)})")
+    return {k: reports[k] for k in names} if names else reports
 
 
 def groups(n_states: int) -> dict[str, list[int]]:
