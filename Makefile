@@ -6,7 +6,7 @@ OUT ?= lensdiv-out/demo
 # Test processes (pytest-xdist; each test file runs whole in one of them, one torch thread each).
 TEST_WORKERS ?= 2
 
-.PHONY: setup demo test check bench bench-gpu findings lint clean
+.PHONY: setup demo test check bench bench-gpu bench-gpu-smoke findings lint clean
 
 setup: $(VENV)/.installed
 
@@ -33,6 +33,10 @@ check: setup lint
 # Every figure a GPU changes (bench/*_gpu.json); on a machine without one: a "no GPU here" line.
 bench-gpu: setup
 	PYTHON=$(BIN)/python bash bench/gpu.sh
+
+# every script of bench-gpu at tiny sizes on the CPU, into a temporary folder (minutes)
+bench-gpu-smoke: setup
+	PYTHON=$(BIN)/python bash bench/gpu.sh --smoke
 
 bench: setup
 	$(BIN)/python bench/bench_fused.py --json bench/fused_cpu.json

@@ -33,6 +33,7 @@ Two parts, each in one process, cases interleaved, best of ``--repeats`` after a
    data path tokenises in every case, as a first run does.
 
     python bench/bench_data.py [--tokens 1000000 --repeats 3 --json bench/data_cpu.json]
+    python bench/bench_data.py --device cuda --overlap-tokens 262144   # part 2's model on a GPU
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import torch
-from common import best_of, build, report
+from common import add_device, best_of, build, device_name, place, report
 
 import lensdiv.data.prefetch as prefetch
 from lensdiv import analyze
@@ -278,7 +279,7 @@ def overlap(args: argparse.Namespace) -> dict[str, Any]:
     cache off: every case that reads data tokenises it)."""
     assert os.environ[CACHE_ENV] == "off"
     torch.set_grad_enabled(False)
-    model = build(args.layers, args.d_model, args.vocab)
+    model = place(build(args.layers, args.d_model, args.vocab), args)
     fast = model.tokenizer
     rows = args.overlap_tokens // args.seq_len
     spec = DataSpec(
@@ -334,6 +335,8 @@ def overlap(args: argparse.Namespace) -> dict[str, Any]:
     larger, both = max(best["compute"], best["data"]), best["compute"] + best["data"]
     return {
         "model": f"{args.layers} layers, d_model {args.d_model}, vocab {args.vocab} (random)",
+        "device": device_name(args.device),
+        "dtype": args.dtype,
         "analyzer": "lens",
         "tokens": spec.max_tokens,
         "seconds_per_character": delay,
@@ -374,6 +377,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--json", help="also write the figures to this file")
+    add_device(parser)  # part 2's model (part 1, the data path, runs on the CPU)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     os.environ[CACHE_ENV] = "off"  # on only in the cached case (with_cache)

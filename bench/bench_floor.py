@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 from common import build as build_native
-from common import describe, gpt2_config, model_parser, report
+from common import describe, gpt2_config, model_parser, place, report
 from transformer_lens import TransformerBridge
 from transformers import GPT2LMHeadModel
 
@@ -48,7 +48,7 @@ def build(args: Any) -> Any:
         model = build_native(args.layers, args.d_model, args.vocab)
     else:
         model = build_gpt2(args.layers, args.d_model, args.vocab)
-    return model.to(device=args.device, dtype=getattr(torch, args.dtype)).eval()
+    return place(model, args)
 
 
 def build_gpt2(layers: int, d_model: int, vocab: int) -> Any:
@@ -82,10 +82,8 @@ def floor(model: Any, batches: list[Any]) -> Callable[[], None]:
 
 
 def main() -> None:
-    parser = model_parser(__doc__, tokens=1024, batch_size=8, repeats=2)
+    parser = model_parser(__doc__, tokens=1024, batch_size=8, repeats=2, devices=True)
     parser.add_argument("--arch", default="gpt2", choices=["gpt2", "native"])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     args = parser.parse_args()
     if args.threads:

@@ -6,6 +6,7 @@ fused ``lens,contrib`` run. Runs are interleaved and the best of ``--repeats`` i
 neighbour does not decide the ratio. Acceptance (issue 2): fused ≤ 1.2 × lens alone.
 
     python bench/bench_fused.py [--layers 24 --d-model 1024 --vocab 50257 --tokens 1024]
+    python bench/bench_fused.py --device cuda --dtype bfloat16 --tokens 16384   # a GPU, bf16
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from lensdiv import analyze
 
 
 def main() -> None:
-    args = model_parser(__doc__, tokens=1024, batch_size=4, repeats=2).parse_args()
+    args = model_parser(__doc__, tokens=1024, batch_size=4, repeats=2, devices=True).parse_args()
     model, spec = model_and_data(args)
     plain = plain_forward(model, spec)
 

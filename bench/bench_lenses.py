@@ -19,6 +19,7 @@ tokenizer packs the built-in corpus). In one process, interleaved, best of ``--r
   matmul,] final norm, unembedding, one log-softmax.
 
     python bench/bench_lenses.py [--layers 6 --d-model 256 --vocab 8192 --prompts 32]
+    python bench/bench_lenses.py --only jacobian --device cuda --prompts 64   # on a GPU
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import build, describe, model_parser, report
+from common import build, describe, model_device, model_parser, place, report, sync
 
 from lensdiv import DataSpec, analyze
 from lensdiv.core.analyzer import ModelInfo
@@ -43,8 +44,10 @@ from lensdiv.ops.translators import JACOBIAN_FILE, read_jacobian, read_tuned, sa
 
 
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    sync()
     t0 = time.perf_counter()
     out = fn()
+    sync()
     return time.perf_counter() - t0, out
 
 
@@ -136,11 +139,12 @@ def tuned_figures(model: Any, args: Any) -> dict[str, Any]:
     batches = list(token_batches(spec, model.tokenizer))
     recipe = TunedRecipe(steps=args.tuned_steps, tokens_per_step=args.tuned_tokens)
     tokens = sum(b.n_tokens for b in batches)
+    device = model_device(model)
 
     def forward() -> None:
         with torch.no_grad():
             for batch in batches:
-                model(batch.tokens)
+                model(batch.tokens.to(device))
 
     def train() -> Any:
         return train_tuned(model, info, lambda: iter(batches), recipe)[1]
@@ -166,7 +170,8 @@ def readout_figures(model: Any, args: Any) -> dict[str, Any]:
     """``lens`` through the logit lens and a tuned lens, against each one's floor."""
     info = ModelInfo.from_model(model)
     spec = DataSpec(max_tokens=args.tokens, seq_len=args.seq_len, batch_size=8)
-    batches = list(token_batches(spec, model.tokenizer))
+    device = model_device(model)
+    rows = [b.tokens.to(device) for b in token_batches(spec, model.tokenizer)]
     folder = Path(tempfile.mkdtemp(prefix="bench_lenses_tuned_"))
     gen = torch.Generator().manual_seed(0)
     d = info.d_model
@@ -179,12 +184,14 @@ def readout_figures(model: Any, args: Any) -> dict[str, Any]:
     def floor(translate: bool) -> Callable[[], None]:
         def run() -> None:
             with torch.no_grad():
-                for batch in batches:
-                    _, cache = capture(model, batch.tokens, names, need_logits=False)
+                for tokens in rows:
+                    _, cache = capture(model, tokens, names, need_logits=False)
                     for index, name in enumerate(names):
                         h = cache[name]
                         if translate and index < info.n_layers:
-                            h = h + h @ tuned.maps[index].weight.T + tuned.maps[index].bias
+                            found = tuned.maps[index]
+                            weight, bias = found.weight.to(h), found.bias.to(h)
+                            h = h + h @ weight.T + bias
                         torch.log_softmax(model.ln_final(h) @ model.W_U + model.b_U, dim=-1)
 
         return run
@@ -213,7 +220,7 @@ def readout_figures(model: Any, args: Any) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = model_parser(__doc__, tokens=2048, batch_size=4, repeats=2)
+    parser = model_parser(__doc__, tokens=2048, batch_size=4, repeats=2, devices=True)
     parser.set_defaults(layers=6, d_model=256, vocab=8192, seq_len=64)
     # The sketch fits its first batch exactly (the control variate): 64 prompts in batches of 4
     # leave 60 sketched.
@@ -224,8 +231,8 @@ def main() -> None:
     parser.add_argument("--only", choices=["jacobian", "tuned", "readout"], default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model = build(args.layers, args.d_model, args.vocab)
-    figures: dict[str, Any] = {**describe(args), "device": "cpu", "threads": args.threads}
+    model = place(build(args.layers, args.d_model, args.vocab), args)
+    figures: dict[str, Any] = {**describe(args), "threads": args.threads}
     parts = {"jacobian": jacobian_figures, "tuned": tuned_figures, "readout": readout_figures}
     for name, part in parts.items():
         if args.only in (None, name):

@@ -10,6 +10,7 @@ model lists, records, freeing memory, the dataset, the figures, the page); and t
 alone (``report_study`` on the finished folder: the dataset, the figures and the page again).
 
     python bench/bench_study.py [--tokens 16384 --repeats 2 --json bench/study_cpu.json]
+    python bench/bench_study.py --device cuda --tokens 65536 --json bench/study_gpu.json
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import report
+from common import add_device, device_name, report
 
 import lensdiv
 from lensdiv.models.toy import cached_log, parse_toy
@@ -47,6 +48,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--json", help="also write the figures to this file")
+    add_device(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
     models = list(FAMILIES.get(args.family, args.family.split(",")))
@@ -54,7 +56,12 @@ def main() -> None:
         if model.startswith("toy") and cached_log(parse_toy(model)) is None:
             print(f"training {model} (not cached; about a minute)", file=sys.stderr)
             lensdiv.load_model(model, progress=False)
-    settings = {"max_tokens": args.tokens, "progress": False}
+    settings = {
+        "max_tokens": args.tokens,
+        "progress": False,
+        "device": args.device,
+        "dtype": args.dtype,
+    }
     root = Path(tempfile.mkdtemp(prefix="lensdiv-bench-study-"))
     lensdiv.analyze(models[0], plugins=args.plugins, out=root / "warm", **settings)  # imports
     rounds: list[dict[str, Any]] = []
@@ -104,6 +111,8 @@ def main() -> None:
             "plugins": args.plugins,
             "tokens": args.tokens,
             "threads": torch.get_num_threads(),
+            "device": device_name(args.device),
+            "dtype": args.dtype,
             "cpu_count": os.cpu_count(),
             "load_average": [round(x, 2) for x in load],
             "rounds": rounds,

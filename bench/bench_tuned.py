@@ -18,6 +18,7 @@ The figure from the recorded JSON, without fitting anything:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -60,7 +61,12 @@ def main() -> None:
     parser.add_argument("--eval-tokens", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=None,
+                        help="the baseline's steps (default: the preset's)")
+    parser.add_argument("--tokens-per-step", type=int, default=None,
+                        help="every run's tokens a step (default: the preset's)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", help="the model's dtype (readouts: float32)")
     parser.add_argument("--json", type=Path, help="merge the figures into this file")
     parser.add_argument("--plot", type=Path, help="draw every model's figures of --json here")
     parser.add_argument("--plot-only", action="store_true",
@@ -73,14 +79,18 @@ def main() -> None:
     if args.plot_only:
         plot(chosen(json.loads(args.json.read_text()), args.plot_keys), args.plot)
         return
-    recipe = PRESETS[args.preset]
+    sizes = {} if args.tokens_per_step is None else {"tokens_per_step": args.tokens_per_step}
+    recipe = dataclasses.replace(PRESETS[args.preset], **sizes)
+    recipe = dataclasses.replace(recipe, steps=args.steps or recipe.steps)
     fast = PRESETS.get(f"{args.preset}-fast", PRESETS["cpu-fast"])  # its step size
-    model = load_model(args.model, device=args.device, progress=False)
-    runs: dict[str, dict[str, Any]] = {"baseline": {"steps": recipe.steps, "affine_passes": 0}}
+    model = load_model(args.model, device=args.device, dtype=args.dtype, progress=False)
+    runs: dict[str, dict[str, Any]] = {
+        "baseline": {"steps": recipe.steps, "affine_passes": 0, **sizes}
+    }
     for steps in filter(None, args.baseline_steps.split(",")):
-        runs[f"baseline-{steps}"] = {"steps": int(steps), "affine_passes": 0}
+        runs[f"baseline-{steps}"] = {"steps": int(steps), "affine_passes": 0, **sizes}
     for steps in filter(None, args.fast_steps.split(",")):
-        runs[f"fast-{steps}"] = {"steps": int(steps), "affine_passes": 1, "lr": fast.lr}
+        runs[f"fast-{steps}"] = {"steps": int(steps), "affine_passes": 1, "lr": fast.lr, **sizes}
     step_tokens = -(-recipe.tokens_per_step // (8 * 128)) * 8 * 128  # whole batches (8 × 128)
     skip = recipe.steps * step_tokens
     times: dict[str, list[float]] = {name: [] for name in runs}
@@ -110,12 +120,13 @@ def main() -> None:
     report = {
         "model": args.model,
         "preset": args.preset,
-        "recipe": vars(recipe) if hasattr(recipe, "__dict__") else str(recipe),
+        "recipe": dataclasses.asdict(recipe),
         "tokens_per_step": step_tokens,
         "eval_tokens": args.eval_tokens,
         "held_out_from_token": skip,
         "threads": args.threads,
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+        "dtype": args.dtype,
         "repeats": args.repeats,
         "runs": rows,
     }
@@ -143,8 +154,8 @@ def groups(n_states: int) -> dict[str, list[int]]:
     """The residual states read by a lens, in two groups: the first half and the rest (the
     output state, where every lens is exact, left out)."""
     half = max(1, (n_states - 1) // 2)
-    return {f"h0–h{half - 1}": list(range(half)), f"h{half}–h{n_states - 2}":
-            list(range(half, n_states - 1))}
+    spans = [range(half), range(half, n_states - 1)]
+    return {(f"h{r[0]}" if len(r) == 1 else f"h{r[0]}–h{r[-1]}"): list(r) for r in spans if r}
 
 
 def plot(reports: dict[str, Any], path: Path) -> None:

@@ -66,10 +66,13 @@ def gpt2_config(layers: int, d_model: int, vocab: int) -> Any:
 
 
 def model_parser(
-    doc: str, *, tokens: int, batch_size: int, repeats: int
+    doc: str, *, tokens: int, batch_size: int, repeats: int, devices: bool = False
 ) -> argparse.ArgumentParser:
-    """``--layers --d-model --vocab`` (24 × 1024, GPT-2's 50257), data sizes, ``--repeats``, ``--json``."""
+    """``--layers --d-model --vocab`` (24 × 1024, GPT-2's 50257), data sizes, ``--repeats``,
+    ``--json``; with ``devices``, ``--device`` and ``--dtype`` (:func:`add_device`)."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    if devices:
+        add_device(parser)
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--d-model", type=int, default=1024)
     parser.add_argument("--vocab", type=int, default=50257)
@@ -86,31 +89,73 @@ def data_spec(args: argparse.Namespace) -> DataSpec:
     return DataSpec(max_tokens=args.tokens, seq_len=args.seq_len, batch_size=args.batch_size)
 
 
+def add_device(parser: argparse.ArgumentParser, dtype: str = "float32") -> None:
+    """``--device`` (where the model runs) and ``--dtype`` (its dtype; lensdiv's readouts stay
+    float32 whatever it is)."""
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ... (default: cpu)")
+    parser.add_argument(
+        "--dtype", default=dtype, help=f"the model's dtype: float32, bfloat16, float16 ({dtype})"
+    )
+
+
+def place(model: Any, args: argparse.Namespace) -> Any:
+    """``model`` on ``--device`` in ``--dtype`` (as it is where the script has neither)."""
+    device = getattr(args, "device", None)
+    dtype = getattr(args, "dtype", None)
+    if device is None and dtype is None:
+        return model
+    return model.to(device=device, dtype=getattr(torch, dtype) if dtype else None).eval()
+
+
+def sync() -> None:
+    """Wait for the GPU's queued work (timings on a GPU end there); nothing on a CPU."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def device_name(device: Any) -> str:
+    """The GPU's name on a CUDA device, else ``cpu``."""
+    return torch.cuda.get_device_name(device) if str(device).startswith("cuda") else "cpu"
+
+
 def model_and_data(args: argparse.Namespace) -> tuple[Any, DataSpec]:
-    """Gradients off; the random model of ``--layers --d-model --vocab`` and :func:`data_spec`."""
+    """Gradients off; the random model of ``--layers --d-model --vocab`` (on ``--device`` in
+    ``--dtype`` where the script has them) and :func:`data_spec`."""
     torch.set_grad_enabled(False)
-    return build(args.layers, args.d_model, args.vocab), data_spec(args)
+    return place(build(args.layers, args.d_model, args.vocab), args), data_spec(args)
+
+
+def model_device(model: Any) -> torch.device:
+    """Where the model's weights are."""
+    return next(model.parameters()).device
 
 
 def plain_forward(model: Any, spec: DataSpec) -> Callable[[], None]:
-    """A plain forward pass over the data (tokenised once, here): the unit of cost."""
-    batches = list(token_batches(spec, model.tokenizer))
+    """A plain forward pass over the data (tokenised once, here, and moved to the model's
+    device): the unit of cost."""
+    device = model_device(model)
+    batches = [b.tokens.to(device) for b in token_batches(spec, model.tokenizer)]
 
     def forward() -> None:
-        for batch in batches:
-            model(batch.tokens)
+        for tokens in batches:
+            model(tokens)
 
     return forward
 
 
 def describe(args: argparse.Namespace) -> dict[str, Any]:
-    """The settings every figure file starts with."""
-    return {
+    """The settings every figure file starts with (the device and dtype where the script has
+    them)."""
+    figures = {
         "model": f"{args.layers} layers, d_model {args.d_model}, vocab {args.vocab} (random)",
         "tokens": args.tokens,
         "threads": torch.get_num_threads(),
         "load_average": [round(x, 2) for x in os.getloadavg()],
     }
+    if hasattr(args, "device"):
+        figures["device"] = device_name(args.device)
+        figures["dtype"] = args.dtype
+    return figures
 
 
 def best_of(
@@ -123,8 +168,10 @@ def best_of(
     best = {name: float("inf") for name in cases}
     for _ in range(repeats):
         for name, fn in cases.items():
+            sync()
             t0 = time.perf_counter()
             out = fn()
+            sync()
             best[name] = min(best[name], time.perf_counter() - t0)
             if after is not None:
                 after(name, out)
