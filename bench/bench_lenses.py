@@ -67,7 +67,7 @@ def jacobian_figures(model: Any, args: Any) -> dict[str, Any]:
             text = ""
         if len(texts) == args.prompts:
             break
-    tl_rows = torch.cat([model.to_tokens(t)[:, : args.seq_len] for t in texts])
+    tl_rows = torch.cat([model.to_tokens(t)[:, : args.seq_len] for t in texts]).cpu()  # data
     folder = Path(tempfile.mkdtemp(prefix="bench_lenses_"))
 
     def ours(**options: Any) -> Any:
