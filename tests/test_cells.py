@@ -62,13 +62,15 @@ def plain(ro: FinalReadout, states: list[torch.Tensor], reference: torch.Tensor,
     }
 
 
-@pytest.mark.parametrize("block", [3, 7, 10_000])  # rows per block: positions cut, states grouped
-def test_float32_cells_are_the_log_softmax(block: int) -> None:
+# Rows per product and per sub-block of the statistics: positions cut, states grouped.
+@pytest.mark.parametrize(("block", "sub"), [(3, 2), (7, 3), (10_000, 10_000), (10_000, 3)])
+def test_float32_cells_are_the_log_softmax(block: int, sub: int) -> None:
     ro = readout(32, 500, offset=0.5)
     states = grid_states(ro, 5, 8)
     reference = states[-1]
     following = torch.randint(0, 500, (8,), generator=torch.Generator().manual_seed(2))
-    got = cells(ro, states, reference, following, k=4, block_elements=block * 500)
+    got = cells(ro, states, reference, following, k=4, block_elements=block * 500,
+                stat_elements=sub * 500)
     want = plain(ro, states, reference, following, 4)
     assert got.products == "float32"
     assert torch.equal(got.top, want["top"])
@@ -86,7 +88,8 @@ def test_kl_to_a_reference_that_is_no_row() -> None:
     states = grid_states(ro, 4, 6)
     reference = states[-1] + 0.3 * torch.randn(6, 32, generator=torch.Generator().manual_seed(3))
     following = torch.arange(6)
-    got = cells(ro, states, reference, following, k=3, block_elements=4 * 300)
+    got = cells(ro, states, reference, following, k=3, block_elements=4 * 300,
+                stat_elements=3 * 300)
     want = plain(ro, states, reference, following, 3)
     torch.testing.assert_close(got.kl, want["kl"], rtol=1e-5, atol=2e-5)
     assert got.kl.min() > 0
@@ -128,7 +131,8 @@ def test_bf16_products_on_a_tiny_vocabulary() -> None:
     ro = readout(16, 10, offset=0.5)
     states = grid_states(ro, 3, 5)
     following = torch.arange(5)
-    got = cells(ro, states, states[-1], following, k=3, products="bf16")
+    got = cells(ro, states, states[-1], following, k=3, products="bf16", block_elements=20,
+                stat_elements=20)  # two positions per product and sub-block
     want = plain(ro, states, states[-1], following, 3)
     shown_close(got, want, 1e-5)
     torch.testing.assert_close(got.entropy, want["entropy"], rtol=0, atol=1e-5)

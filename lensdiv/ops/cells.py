@@ -4,17 +4,17 @@ For every state (a row of the grid) and position: the top-k tokens with their lo
 the KL divergence to a reference output, the entropy, and the log-probability and rank of the
 token that comes next — from the logits and one log-partition per row
 (:mod:`lensdiv.ops.readout`'s method): no log-probability tensor over the grid is ever formed.
-Several states share one unembedding product (a block of rows), every full-vocabulary pass writes
-into the block's buffers (a :class:`~lensdiv.ops.readout.Workspace`, kept between calls by the
-explore server), and the reference output's logits stay in a buffer while the states are read
-against them.
+Several states share one unembedding product (a block of rows); the statistics then run over
+sub-blocks of a few rows, whose full-vocabulary buffers stay in the CPU's cache between the passes
+(a :class:`~lensdiv.ops.readout.Workspace`, kept between calls by the explore server); the
+reference output's logits stay in a buffer while the states are read against them.
 
 **Products** (:data:`PRODUCTS`, the one declaration of the setting; :func:`products_of` reads
 it):
 
 - ``"float32"``: every logit in the readout dtype (float32; float64 for a float64 model), the
-  precision policy of :mod:`lensdiv.ops.readout`. Exact; what reports and ``lensdiv lens
-  --prompt`` use.
+  precision policy of :mod:`lensdiv.ops.readout`. Exact; what reports and ``lensdiv lens MODEL
+  TEXT`` use.
 - ``"bf16"``: the vocabulary-wide product of the grid's rows in bfloat16 (float32 accumulation,
   bfloat16 output; the unembedding centred over the vocabulary first, which changes no
   probability and keeps the logits small, so their bfloat16 rounding is small too), and every
@@ -24,7 +24,8 @@ it):
   read entirely in float32. What still carries bfloat16 rounding: the rest of the vocabulary's
   share of the normaliser, of the entropy and of the KL (the candidates' own terms are float32),
   the next token's rank (counted against the bfloat16 logits) and the choice of the candidates.
-  ``tests/test_cells.py`` bounds the difference to ``"float32"`` on a GPT-2-shaped model.
+  ``tests/test_cells.py`` bounds the difference to ``"float32"`` on a GPT-2-shaped
+  unembedding (the shown probabilities within 1e-3).
 - ``"auto"``: ``"bf16"`` where it pays and is sound — the CPU has bfloat16 instructions
   (``avx512_bf16`` or ``amx_bf16``) or the GPU supports bfloat16, the unembedding has at least
   :data:`BF16_MIN_WEIGHTS` weights, and the readout is float32 with no non-linear logit transform;
@@ -52,6 +53,9 @@ PRODUCTS = ("auto", "float32", "bf16")
 BF16_MIN_WEIGHTS = 1 << 24
 # Candidates re-read in float32 beyond the k shown (bf16 products).
 SPARE = 8
+# Logits per sub-block of the statistics: its few full-vocabulary buffers stay in the cache
+# between the passes (4 MiB each in float32).
+STAT_ELEMENTS = 1 << 20
 
 
 @dataclass
@@ -105,9 +109,9 @@ def describe(products: str) -> str:
     """What the products mean for the numbers, for a view's ``meta``."""
     if products == "bf16":
         return (
-            f"bf16 products (float32 accumulation) for the vocabulary-wide normaliser, entropy, "
-            f"KL and rank; the top-{SPARE}-spare candidates, the next token and the output row "
-            "re-read in float32"
+            "bf16 products (float32 accumulation) for the vocabulary-wide normaliser, entropy, "
+            f"KL and rank; the top-k (chosen among the k + {SPARE} largest), the next token and "
+            "the output row re-read in float32"
         )
     return "float32 products"
 
@@ -172,6 +176,7 @@ def cells(
     products: str = "float32",
     workspace: Workspace | None = None,
     block_elements: int = BLOCK_ELEMENTS // 2,
+    stat_elements: int = STAT_ELEMENTS,
 ) -> Cells:
     """Every cell of the grid whose rows are ``states`` read out through ``readout``.
 
@@ -184,7 +189,8 @@ def cells(
         k: Tokens kept per cell.
         products: One of :data:`PRODUCTS` (see the module docstring).
         workspace: Scratch buffers, kept between calls (a fresh one when omitted).
-        block_elements: Logits per block buffer (rows per block = this / d_vocab).
+        block_elements: Logits per product (rows per product = this / d_vocab).
+        stat_elements: Logits per sub-block of the statistics.
 
     Returns:
         :class:`Cells` on the readout's device.
@@ -207,40 +213,66 @@ def cells(
     others = [i for i in range(n_rows) if i not in same]
     following = following.to(device)
     cap = block_rows(V, block_elements)
+    sub = block_rows(V, stat_elements)
     step = min(n_pos, cap)
     for lo in range(0, n_pos, step):
-        pos = slice(lo, min(lo + step, n_pos))
-        n = pos.stop - pos.start
-        nxt = following[pos]
-        # The reference first, in the readout dtype: its rows' cells, then y_ref = z_ref − max.
-        z_ref = readout.logits(reference[pos], out=ws.get("cells.ref", (n, V), dtype, device))
-        e, prod = ws.get("cells.e", (n, V), dtype, device), ws.get("cells.p", (n, V), dtype, device)
-        ref = _stats(z_ref, e, prod, None, nxt, k, None)
-        for i in same:
-            out.put(i, pos, ref, zero_kl=True)
-        per = max(1, cap // n)  # states per block
+        n = min(lo + step, n_pos) - lo
+        nxt = following[lo : lo + n]
+        parts = [(a, min(a + sub, n)) for a in range(0, n, sub)]
+        # The reference first, in the readout dtype: its rows' cells, then y_ref = z_ref - max
+        # stays in its buffer while the states are read against it.
+        z_ref = ws.get("cells.ref", (n, V), dtype, device)
+        readout.logits(reference[lo : lo + n], out=z_ref)
+        ref_log_norm = torch.empty(n, dtype=torch.float64, device=device)
+        for a, b in parts:
+            e, prod = _scratch(ws, b - a, V, dtype, device)
+            s = _stats(z_ref[a:b], e, prod, None, None, nxt[a:b], k, None)
+            ref_log_norm[a:b] = s.log_norm
+            for i in same:
+                out.put(i, slice(lo + a, lo + b), s, zero_kl=True)
+        per = max(1, cap // n)  # states per product
         for g in range(0, len(others), per):
             group = others[g : g + per]
-            h = torch.cat([states[i][pos].to(device) for i in group])
-            rows = len(group) * n
-            z = ws.get("cells.z", (rows, V), dtype, device)
-            e = ws.get("cells.e", (rows, V), dtype, device)
-            prod = ws.get("cells.p", (rows, V), dtype, device)
+            h = torch.cat([states[i][lo : lo + n].to(device) for i in group])
+            z = ws.get("cells.z", (len(group) * n, V), dtype, device)
             exact = None
             if mode == "bf16":
-                exact = _Exact(readout, h, z, ws, nxt.repeat(len(group)))
+                exact = _Exact.of(readout, h, z, ws, nxt.repeat(len(group)))
             else:
                 readout.logits(h, out=z)
-            s = _stats(z, e, prod, ref, nxt.repeat(len(group)), kq, exact)
             for j, i in enumerate(group):
-                out.put(i, pos, s.part(j * n, (j + 1) * n, k))
+                for a, b in parts:  # the statistics in sub-blocks that stay in the cache
+                    r = slice(j * n + a, j * n + b)
+                    e, prod = _scratch(ws, b - a, V, dtype, device)
+                    rows = None if exact is None else exact.rows(r)
+                    s = _stats(z[r], e, prod, z_ref[a:b], ref_log_norm[a:b], nxt[a:b], kq, rows)
+                    out.put(i, slice(lo + a, lo + b), s)
     return Cells(**out.__dict__, products=mode)
+
+
+def _scratch(
+    ws: Workspace, rows: int, V: int, dtype: torch.dtype, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    return ws.get("cells.e", (rows, V), dtype, device), ws.get("cells.p", (rows, V), dtype, device)
 
 
 def _equal(h: Tensor, reference: Tensor) -> bool:
     return h is reference or (
         h.shape == reference.shape and h.device == reference.device and torch.equal(h, reference)
     )
+
+
+@dataclass
+class _Block:
+    """One sub-block's cells, and its log-partition (``log Σ exp(z − max z)``, float64)."""
+
+    top: Tensor
+    top_logp: Tensor
+    kl: Tensor
+    entropy: Tensor
+    next_logp: Tensor
+    next_rank: Tensor
+    log_norm: Tensor
 
 
 @dataclass
@@ -263,47 +295,34 @@ class _Out:
 
 
 @dataclass
-class _Block:
-    """One block's cells, plus what its rows are compared with when it is the reference."""
-
-    top: Tensor
-    top_logp: Tensor
-    kl: Tensor
-    entropy: Tensor
-    next_logp: Tensor
-    next_rank: Tensor
-    log_norm: Tensor  # log Σ exp(y) per row (float64), y = z − max z
-    y: Tensor | None = None  # the reference's shifted logits (the reference block only)
-
-    def part(self, lo: int, hi: int, k: int) -> _Block:
-        return _Block(
-            self.top[lo:hi, :k],
-            self.top_logp[lo:hi, :k],
-            self.kl[lo:hi],
-            self.entropy[lo:hi],
-            self.next_logp[lo:hi],
-            self.next_rank[lo:hi],
-            self.log_norm[lo:hi],
-        )
-
-
 class _Exact:
-    """A block's logits from the bf16 product (approximate; into ``z``, float32, shifted by the
-    per-row constant ``offset`` = ``x · mean``) and the float32 logits of chosen tokens."""
+    """Rows whose logits ``z`` come from the bf16 product (float32, minus the per-row constant
+    ``offset`` = ``x · mean``), and the float32 logits of chosen tokens in the same frame."""
 
-    def __init__(
-        self, readout: FinalReadout, h: Tensor, z: Tensor, ws: Workspace, following: Tensor
-    ) -> None:
+    w: _Bf16Weights
+    b: Tensor  # the unembedding's bias
+    x: Tensor  # the normalised states, float32
+    offset: Tensor
+    next: Tensor  # the next token's float32 logit, in z's frame
+
+    @classmethod
+    def of(
+        cls, readout: FinalReadout, h: Tensor, z: Tensor, ws: Workspace, following: Tensor
+    ) -> _Exact:
+        """The bf16 product of the states ``h`` into ``z``."""
         w = _bf16_weights(readout)
-        self.w, self.b = w, readout.b_U
-        self.x = readout.normalize(h)
-        self.offset = self.x @ w.mean  # [rows]: the centring's per-row constant, float32
+        x = readout.normalize(h)
         low = ws.get("cells.bf16", tuple(z.shape), torch.bfloat16, z.device)
-        torch.mm(self.x.to(torch.bfloat16), w.centred.t(), out=low)
+        torch.mm(x.to(torch.bfloat16), w.centred.t(), out=low)
         z.copy_(low)
         if w.has_bias:
-            z.add_(self.b)
-        self.next = self.logits(following[:, None])[:, 0]  # float32, same frame as z
+            z.add_(readout.b_U)
+        exact = cls(w, readout.b_U, x, x @ w.mean, torch.empty(0))
+        exact.next = exact.logits(following[:, None])[:, 0]
+        return exact
+
+    def rows(self, r: slice) -> _Exact:
+        return _Exact(self.w, self.b, self.x[r], self.offset[r], self.next[r])
 
     def logits(self, ids: Int[Tensor, "rows c"]) -> Float[Tensor, "rows c"]:
         """Float32 logits of ``ids`` per row, minus the row's offset (``z``'s frame)."""
@@ -316,19 +335,21 @@ def _stats(
     z: Tensor,
     e: Tensor,
     prod: Tensor,
-    ref: _Block | None,
+    ref_y: Tensor | None,
+    ref_log_norm: Tensor | None,
     following: Tensor,
     kq: int,
     exact: _Exact | None,
 ) -> _Block:
-    """A block's cells from its logits ``z`` (overwritten), with buffers ``e`` and ``prod``.
+    """The cells of rows of logits ``z`` (shifted in place to ``y = z − max z``), with buffers
+    ``e`` and ``prod`` of its shape, against the reference's shifted logits ``ref_y`` and its
+    log-partitions, row by row (none for the reference itself).
 
-    Passes over the vocabulary: top-k, the next token's rank, ``y = z − max z`` in place,
-    ``e = exp y`` and its sum, ``Σ e·y`` (entropy) and ``Σ e·(y − y_ref)`` (KL, summed from the
-    elementwise differences so that a small KL is not the difference of two large sums). With
-    ``exact`` the candidates' and the next token's terms are replaced by their float32 values.
+    Passes over the vocabulary: top-k, the next token's rank, ``y`` in place, ``e = exp y`` and
+    its sum, ``Σ e·y`` (entropy) and ``Σ e·(y − y_ref)`` (KL, summed from the elementwise
+    differences so that a small KL is not the difference of two large sums). With ``exact`` the
+    candidates' and the next token's terms are replaced by their float32 values.
     """
-    rows = z.shape[0]
     vals, top = z.topk(kq, dim=-1)
     peak = vals[:, :1]
     t = z.gather(1, following[:, None]) if exact is None else exact.next[:, None].to(z.dtype)
@@ -337,13 +358,7 @@ def _stats(
     torch.exp(y, out=e)
     norm = e.sum(-1).double()
     ey = torch.mul(e, y, out=prod).sum(-1).double()
-    ed = None
-    if ref is not None:
-        assert ref.y is not None
-        n = ref.y.shape[0]
-        diff = prod.view(rows // n, n, -1)
-        torch.sub(y.view(rows // n, n, -1), ref.y, out=diff).mul_(e.view(rows // n, n, -1))
-        ed = prod.sum(-1).double()
+    ed = None if ref_y is None else torch.sub(y, ref_y, out=prod).mul_(e).sum(-1).double()
     shift = peak[:, 0].double()
     if exact is None:
         top_y = (vals - peak).double()
@@ -354,29 +369,24 @@ def _stats(
         a, r = approx.exp(), real.exp()
         norm = norm + (r - a).sum(-1)
         ey = ey + (r * real - a * approx).sum(-1)
-        if ed is not None and ref is not None and ref.y is not None:
-            n = ref.y.shape[0]
-            y_ref = ref.y.expand(rows // n, n, -1).gather(2, top.view(rows // n, n, -1))
-            y_ref = y_ref.reshape(rows, -1).double()
+        if ed is not None and ref_y is not None:
+            y_ref = ref_y.gather(1, top).double()
             ed = ed + (r * (real - y_ref) - a * (approx - y_ref)).sum(-1)
         order = real.argsort(dim=-1, descending=True)
         top, top_y = top.gather(1, order), real.gather(1, order)
         next_y = exact.next.double() - shift
     log_norm = norm.log()
-    entropy = log_norm - ey / norm
-    kl = torch.zeros_like(entropy) if ed is None or ref is None else ed / norm
-    if ref is not None:
-        n = ref.log_norm.shape[0]
-        kl = (kl.view(-1, n) - log_norm.view(-1, n) + ref.log_norm).reshape(-1).clamp_min(0.0)
+    kl = torch.zeros_like(log_norm)
+    if ed is not None and ref_log_norm is not None:
+        kl = (ed / norm - log_norm + ref_log_norm).clamp_min(0.0)
     return _Block(
         top=top,
         top_logp=top_y - log_norm[:, None],
         kl=kl,
-        entropy=entropy,
+        entropy=log_norm - ey / norm,
         next_logp=next_y - log_norm,
         next_rank=rank,
         log_norm=log_norm,
-        y=y if ref is None else None,
     )
 
 

@@ -16,7 +16,10 @@ Readings of the same grid (:class:`~lensdiv.view.prompt.PromptView`; several sid
 
 Readouts are float32 whatever the model's dtype (:mod:`lensdiv.ops.readout`, the readout every
 analyzer shares): the final norm and unembedding are applied to float32 copies of the residual
-states with float32 weights.
+states with float32 weights; the cells come from the logits and one log-partition per row, in
+blocks of rows (:mod:`lensdiv.ops.cells`; ``products="bf16"`` or ``"auto"``, what ``lensdiv
+explore`` uses, takes the vocabulary-wide sums from bfloat16 products and re-reads every shown
+number in float32).
 """
 
 from __future__ import annotations

@@ -34,8 +34,8 @@ import torch
 from lensdiv.core.analyzer import ModelInfo
 from lensdiv.core.errors import DataError, LensdivError, OptionError
 from lensdiv.ops.capture import capture
-from lensdiv.ops.patching import last_position, rows_per_pass
 from lensdiv.ops.cells import products_of
+from lensdiv.ops.patching import last_position, rows_per_pass
 from lensdiv.ops.prompt import LENSES, PARTS, float32_readout, prompt_view
 from lensdiv.ops.readout import Workspace, final_readout
 from lensdiv.ops.resume import Resumer
