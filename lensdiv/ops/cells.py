@@ -26,6 +26,9 @@ it):
   the next token's rank (counted against the bfloat16 logits) and the choice of the candidates.
   ``tests/test_cells.py`` bounds the difference to ``"float32"`` on a GPT-2-shaped
   unembedding (the shown probabilities within 1e-3).
+  Memory: a bfloat16 copy of the unembedding, centred, and a float32 copy laid out by token
+  (unless the model's already is), kept while the model's readout lives (231 MB for GPT-2
+  small).
 - ``"auto"``: ``"bf16"`` where it pays and is sound — the CPU has bfloat16 instructions
   (``avx512_bf16`` or ``amx_bf16``) or the GPU supports bfloat16, the unembedding has at least
   :data:`BF16_MIN_WEIGHTS` weights, and the readout is float32 with no non-linear logit transform;
