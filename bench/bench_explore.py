@@ -6,7 +6,11 @@ JSON in and out, the model lock; no network) and the floor, the forward pass wit
 states captured and every row read out through the final norm and unembedding (float32
 log-softmax: what any layer × position grid costs at least):
 
-- ``grid``: the logit-lens grid (``POST /api/grid``);
+- ``grid``: the logit-lens grid (``POST /api/grid``) as the server computes it by default
+  (``products="auto"``: bf16 products for the vocabulary-wide sums where the CPU has bfloat16
+  instructions and the unembedding is large, every number shown re-read in float32;
+  ``lensdiv.ops.cells``); ``products`` says what ``auto`` chose;
+- ``grid_float32``: the same with ``products="float32"`` (every logit in float32, exact);
 - ``grid_skip``: the same with block 1 skipped (a second forward pass);
 - ``patch``: one clean → corrupt patch at (layer L/2, position 32) (two captured passes and one
   resumed pass);
@@ -14,6 +18,9 @@ log-softmax: what any layer × position grid costs at least):
   the 12-layer model only with ``--big-map``).
 
 Acceptance (issue 31): toy grid < 100 ms, skip or one patch < 300 ms; the 12-layer model < 1 s.
+Time also goes to ``process_time`` (``cpu_ms``: CPU seconds of this process, both threads), and
+the ratios to the floor (``over_floor``) compare within one run, so a loaded machine still says
+which case costs what.
 
     python bench/bench_explore.py [--repeats 5] [--json bench/explore_cpu.json]
 """
@@ -57,14 +64,16 @@ def floor(model: Any, text: str) -> Callable[[], None]:
 
 
 def time_model(model: Any, repeats: int, with_map: bool = True) -> dict[str, Any]:
-    client = TestClient(make_app(Session(model)))
+    session = Session(model)
+    client = TestClient(make_app(session))
+    exact = TestClient(make_app(Session(model, products="float32")))
     L = int(model.cfg.n_layers)
     n_tokens = int(model.to_tokens(CLEAN).shape[1])
     assert n_tokens == 64 == model.to_tokens(CORRUPT).shape[1], n_tokens
 
-    def post(path: str, body: dict[str, Any]) -> Callable[[], None]:
+    def post(path: str, body: dict[str, Any], via: TestClient = client) -> Callable[[], None]:
         def run() -> None:
-            got = client.post(path, json=body)
+            got = via.post(path, json=body)
             assert got.status_code == 200, got.text
 
         return run
@@ -72,6 +81,7 @@ def time_model(model: Any, repeats: int, with_map: bool = True) -> dict[str, Any
     cases = {
         "floor": floor(model, CLEAN),
         "grid": post("/api/grid", {"text": CLEAN}),
+        "grid_float32": post("/api/grid", {"text": CLEAN}, exact),
         "grid_skip": post("/api/grid", {"text": CLEAN, "skip": 1}),
         "patch": post("/api/patch", {"clean": CLEAN, "corrupt": CORRUPT, "layer": L // 2,
                                      "position": 32}),
@@ -81,14 +91,18 @@ def time_model(model: Any, repeats: int, with_map: bool = True) -> dict[str, Any
     for fn in cases.values():  # warm-up: readouts built, the resumer's mode decided
         fn()
     best = {name: float("inf") for name in cases}
+    cpu = {name: float("inf") for name in cases}
     for _ in range(repeats):  # interleaved rounds, best of each
         for name, fn in cases.items():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             fn()
             best[name] = min(best[name], time.perf_counter() - t0)
+            cpu[name] = min(cpu[name], time.process_time() - c0)
     return {
         "tokens": n_tokens,
+        "products": session.products,
         "ms": {k: round(1000 * v, 1) for k, v in best.items()},
+        "cpu_ms": {k: round(1000 * v, 1) for k, v in cpu.items()},
         "over_floor": {k: round(v / best["floor"], 2) for k, v in best.items() if k != "floor"},
     }
 

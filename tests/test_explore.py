@@ -393,3 +393,23 @@ def test_command_help_and_taken_port() -> None:
         taken.close()
     result = CliRunner().invoke(app, ["explore", "toy", "--runs", "/no/such/dir", "--no-browser"])
     assert result.exit_code == 2 and "is not a folder" in result.output
+
+
+def test_products_setting(native_model: Any, client: TestClient) -> None:
+    """The tiny model's unembedding is small: `auto` stays float32 (every figure above is exact);
+    `bf16` asked for shows the same output row and says so; an unknown kind is one line."""
+    from typer.testing import CliRunner
+
+    from lensdiv.cli import app
+
+    assert Session(native_model).products == "float32"
+    fast = TestClient(make_app(Session(native_model, products="bf16")))
+    got = fast.post("/api/grid", json={"text": TEXT}).json()
+    exact = client.post("/api/grid", json={"text": TEXT}).json()
+    assert "bf16 products" in got["meta"]["readout"] and "bf16" not in exact["meta"]["readout"]
+    assert got["top_tokens"][-1] == exact["top_tokens"][-1]
+    assert got["top_probs"][-1] == exact["top_probs"][-1]
+    result = CliRunner().invoke(app, ["explore", "toy", "--products", "fast", "--port", "0",
+                                      "--no-browser"])
+    assert result.exit_code == 2 and "unknown products 'fast'" in result.output
+    assert "Traceback" not in result.output

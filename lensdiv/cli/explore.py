@@ -35,6 +35,15 @@ def explore(
         str,
         typer.Option(help="Address to listen on; any but 127.0.0.1 requires the printed token."),
     ] = "127.0.0.1",
+    products: Annotated[
+        str,
+        typer.Option(
+            metavar="KIND",
+            help="The grid's unembedding products: auto (bf16 for the vocabulary-wide sums "
+            "where the CPU/GPU has fast bf16 and the unembedding is large, every number shown "
+            "re-read in float32), float32 (all exact) or bf16.",
+        ),
+    ] = "auto",
     browser: Annotated[
         bool, typer.Option("--browser/--no-browser", help="Open the page in a web browser.")
     ] = True,
@@ -62,6 +71,7 @@ def explore(
             device=settings.device,
             dtype=settings.dtype,
             trust_remote_code=trust_remote_code,
+            products=products,
         )
     term = console()
     term.print(f"lensdiv explore: [bold]{url}[/bold]  (Ctrl-C stops it)", soft_wrap=True)

@@ -16,7 +16,10 @@ Readings of the same grid (:class:`~lensdiv.view.prompt.PromptView`; several sid
 
 Readouts are float32 whatever the model's dtype (:mod:`lensdiv.ops.readout`, the readout every
 analyzer shares): the final norm and unembedding are applied to float32 copies of the residual
-states with float32 weights.
+states with float32 weights; the cells come from the logits and one log-partition per row, in
+blocks of rows (:mod:`lensdiv.ops.cells`; ``products="bf16"`` or ``"auto"``, what ``lensdiv
+explore`` uses, takes the vocabulary-wide sums from bfloat16 products and re-reads every shown
+number in float32).
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ from lensdiv.core.errors import DataError, OptionError
 from lensdiv.core.provenance import versions
 from lensdiv.models.load import load_model
 from lensdiv.ops.capture import capture
-from lensdiv.ops.readout import final_readout, readout_dtype
+from lensdiv.ops.cells import Cells, cells, describe
+from lensdiv.ops.readout import Workspace, final_readout, readout_dtype
 from lensdiv.ops.resume import Resumer
 from lensdiv.ops.translators import LABELS, LENS_KINDS, PHRASES, Translator, is_path, parse_lens
 from lensdiv.view.prompt import PromptView, PromptViews
@@ -53,6 +57,8 @@ def prompt_view(
     prepend_bos: bool = True,
     device: Any = None,
     dtype: Any = None,
+    products: str = "float32",
+    workspace: Workspace | None = None,
 ) -> Any:
     """What every residual state of ``model`` predicts at every position of ``text``.
 
@@ -69,6 +75,11 @@ def prompt_view(
         part: What the skip removes: the whole ``block``, or only its ``attn`` or ``mlp`` write.
         prepend_bos: Put the tokenizer's BOS token first (as the model was trained).
         device, dtype: Where and in which precision to load ``model`` when it is a spec.
+        products: How the unembedding products are computed (:data:`lensdiv.ops.cells.PRODUCTS`):
+            ``"float32"`` (exact, the default), ``"bf16"`` (the vocabulary-wide sums from
+            bfloat16 products, every number shown re-read in float32) or ``"auto"`` (``"bf16"``
+            where the hardware has fast bfloat16 and the unembedding is large).
+        workspace: Scratch buffers to reuse between calls (the explore server keeps one).
 
     Returns:
         A :class:`~lensdiv.view.prompt.PromptView` (or, for several lenses, a
@@ -88,7 +99,15 @@ def prompt_view(
             raise OptionError("--skip shows one lens", hint="give --lens one lens with --skip")
         return PromptViews(
             tuple(
-                prompt_view(model, text, top_k=top_k, lens=one, prepend_bos=prepend_bos)
+                prompt_view(
+                    model,
+                    text,
+                    top_k=top_k,
+                    lens=one,
+                    prepend_bos=prepend_bos,
+                    products=products,
+                    workspace=workspace,
+                )
                 for one in lenses
             )
         )
@@ -105,8 +124,8 @@ def prompt_view(
     names = [info.resid(layer) for layer in range(L + 1)]
     with torch.no_grad():
         _, clean = capture(model, tokens, names, need_logits=False)
-        readout, how = float32_readout(model)
-        out_logp = readout(clean[names[-1]][0]).log_softmax(-1)
+        _, how = float32_readout(model)
+        full = final_readout(model)
         if skip is not None:
             with model.hooks(fwd_hooks=skip_hooks(skip, part)):
                 _, states = capture(model, tokens, names, need_logits=False)
@@ -119,15 +138,23 @@ def prompt_view(
             rows = [clean[name][0] for name in names]
             labels = [f"h{layer}" for layer in range(L + 1)]
             if translator is not None:
-                full = final_readout(model)
                 rows = [
                     translator.apply(h, layer, dtype=full.dtype, device=full.device)
                     for layer, h in enumerate(rows)
                 ]
-        logp = torch.stack([readout(h) for h in rows]).log_softmax(-1)
+        following = torch.cat([tokens[0, 1:], tokens[0, :1]])  # the last one unused
+        grid = cells(
+            full,
+            rows,
+            clean[names[-1]][0],
+            following,
+            k=top_k,
+            products=products,
+            workspace=workspace,
+        )
     kind = translator.kind if translator is not None else lens
     title, note = _describe(kind, skip, part, L)
-    fields = _view(model, info, tokens[0], logp, out_logp, labels, top_k, title, note, kind, skip)
+    fields = _view(model, info, tokens[0], grid, labels, title, note, kind, skip)
     return PromptView(
         **fields,
         meta={
@@ -139,7 +166,7 @@ def prompt_view(
             "readout_dtype": str(readout_dtype(next(model.parameters()).dtype)).replace(
                 "torch.", ""
             ),
-            "readout": how,
+            "readout": how if grid.products == "float32" else f"{how}; {describe(grid.products)}",
             "model_dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
             **({"skip": skip, "part": part} if skip is not None else {}),
         },
@@ -217,25 +244,16 @@ def _view(
     model: Any,
     info: ModelInfo,
     tokens: Int[Tensor, " pos"],
-    logp: Float[Tensor, "row pos d_vocab"],
-    out_logp: Float[Tensor, "pos d_vocab"],
+    grid: Cells,
     labels: list[str],
-    top_k: int,
     title: str,
     note: str,
     lens: str,
     skip: int | None,
 ) -> dict[str, Any]:
-    """The view's fields from float32 log-probabilities (``out_logp``: the reference output)."""
-    probs = logp.exp()
-    kl = (probs * (logp - out_logp[None])).sum(-1).clamp_min(0.0)
-    entropy = -(probs * logp).sum(-1)
-    top = logp.topk(min(top_k, logp.shape[-1]), dim=-1)
+    """The view's fields from the grid's cells (:func:`lensdiv.ops.cells.cells`)."""
     n_pos = tokens.shape[0]
-    following = torch.cat([tokens[1:], tokens[:1]]).to(logp.device)  # last one unused
-    next_logp = logp.gather(-1, following.view(1, -1, 1).expand(logp.shape[0], -1, 1))[..., 0]
-    next_rank = (logp > next_logp[..., None]).sum(-1)
-    last = torch.arange(n_pos, device=logp.device) == n_pos - 1
+    last = torch.arange(n_pos, device=grid.kl.device) == n_pos - 1
     decode = _decoder(model)
     name = str(getattr(getattr(model, "lensdiv_spec", None), "spec", "") or info.name)
     return {
@@ -245,12 +263,12 @@ def _view(
         "note": note,
         "tokens": [decode(int(t)) for t in tokens],
         "rows": labels,
-        "top_tokens": [[[decode(int(i)) for i in cell] for cell in row] for row in top.indices],
-        "top_probs": top.values.exp().tolist(),
-        "kl": kl.tolist(),
-        "entropy": entropy.tolist(),
-        "next_prob": next_logp.exp().masked_fill(last, float("nan")).tolist(),
-        "next_rank": next_rank.masked_fill(last, -1).tolist(),
+        "top_tokens": [[[decode(i) for i in cell] for cell in row] for row in grid.top.tolist()],
+        "top_probs": grid.top_logp.exp().tolist(),
+        "kl": grid.kl.tolist(),
+        "entropy": grid.entropy.tolist(),
+        "next_prob": grid.next_logp.exp().masked_fill(last, float("nan")).tolist(),
+        "next_rank": grid.next_rank.masked_fill(last, -1).tolist(),
     }
 
 

@@ -103,6 +103,7 @@ def prepare(
     device: Any = None,
     dtype: Any = None,
     trust_remote_code: bool = False,
+    products: str = "auto",
     log_level: str = "warning",
 ) -> tuple[Any, socket.socket, str]:
     """Load the model and lenses, bind the socket: the uvicorn server, its socket and URL."""
@@ -125,7 +126,7 @@ def prepare(
             model = load_model(
                 model, device=device, dtype=dtype, trust_remote_code=trust_remote_code
             )
-        session = Session(model, lenses, folder)
+        session = Session(model, lenses, folder, products=products)
     except BaseException:
         sock.close()
         raise
@@ -145,6 +146,7 @@ def explore(
     *,
     host: str = "127.0.0.1",
     port: int = 0,
+    products: str = "auto",
     **load: Any,
 ) -> Explorer:
     """Serve the explore page for ``model`` from a background thread (for notebooks).
@@ -155,6 +157,10 @@ def explore(
         runs: A folder whose saved runs and studies the page lists.
         host, port: Where to listen (port 0: a free one; another host than loopback requires
             the token in the URL).
+        products: The grid's unembedding products: ``"auto"`` (bfloat16 for the
+            vocabulary-wide sums where the hardware has fast bfloat16 and the unembedding is
+            large; every number shown re-read in float32), ``"float32"`` (all exact) or
+            ``"bf16"`` (:mod:`lensdiv.ops.cells`).
         load: ``device``, ``dtype``, ``trust_remote_code`` when ``model`` is a spec.
 
     Returns:
@@ -166,7 +172,9 @@ def explore(
         >>> app                            # the page, inline
         >>> app.stop()
     """
-    server, sock, url = prepare(model, lenses, runs, host=host, port=port, **load)
+    server, sock, url = prepare(
+        model, lenses, runs, host=host, port=port, products=products, **load
+    )
     thread = threading.Thread(
         target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="lensdiv-explore"
     )

@@ -34,8 +34,10 @@ import torch
 from lensdiv.core.analyzer import ModelInfo
 from lensdiv.core.errors import DataError, LensdivError, OptionError
 from lensdiv.ops.capture import capture
+from lensdiv.ops.cells import products_of
 from lensdiv.ops.patching import last_position, rows_per_pass
 from lensdiv.ops.prompt import LENSES, PARTS, float32_readout, prompt_view
+from lensdiv.ops.readout import Workspace, final_readout
 from lensdiv.ops.resume import Resumer
 from lensdiv.ops.translators import parse_lens
 from lensdiv.run.outcome import MANIFEST
@@ -83,9 +85,18 @@ class Session:
         lenses: Fitted lenses (``tuned:PATH`` ...; whatever :func:`parse_lens` reads), each
             checked against the model now; ``logit`` and ``last-block`` are always there.
         runs: The folder whose runs and studies the page lists (``None``: none).
+        products: The grid's unembedding products (:data:`lensdiv.ops.cells.PRODUCTS`):
+            ``"auto"`` (bfloat16 for the vocabulary-wide sums where the hardware has it and the
+            unembedding is large, every number shown in float32), ``"float32"`` or ``"bf16"``.
     """
 
-    def __init__(self, model: Any, lenses: Sequence[str] = (), runs: Path | None = None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        lenses: Sequence[str] = (),
+        runs: Path | None = None,
+        products: str = "auto",
+    ) -> None:
         self.model = model
         self.info = ModelInfo.from_model(model)
         self.lenses: dict[str, Any] = {name: name for name in LENSES}
@@ -96,6 +107,8 @@ class Session:
             translator.check(self.info)
             self.lenses[spec] = translator
         self.runs_root = runs.resolve() if runs is not None else None
+        self.products = products_of(products, final_readout(model))
+        self.workspace = Workspace()  # the grid's buffers, kept between requests
         self.lock = threading.Lock()
         self._resumer: Resumer | None = None
 
@@ -142,7 +155,14 @@ class Session:
         with self.lock:
             self._tokens(text)  # the context, checked without truncation
             view = prompt_view(
-                self.model, text, top_k=top_k, lens=self.lenses[lens], skip=skip, part=part
+                self.model,
+                text,
+                top_k=top_k,
+                lens=self.lenses[lens],
+                skip=skip,
+                part=part,
+                products=self.products,
+                workspace=self.workspace,
             )
         out = view.to_dict()
         out["lens"] = lens
