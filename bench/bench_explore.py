@@ -3,8 +3,10 @@
 On the toy model (``toy``) and on a random 12-layer, d_model 768 GPT-2-shaped model (vocabulary
 50257, ``common.build``), times each request through the app (Starlette's test client: routing,
 JSON in and out, the model lock; no network) and the floor, the forward pass with the residual
-states captured and every row read out through the final norm and unembedding (float32
-log-softmax: what any layer × position grid costs at least):
+states captured and every row put through the final norm and the unembedding product (what any
+layer × position grid costs at least; ``floor`` in float32, ``floor_bf16`` with the product in
+bfloat16, the floor of the bf16 products; ``grid_over_its_floor`` compares ``grid`` with the floor
+of the products it used):
 
 - ``grid``: the logit-lens grid (``POST /api/grid``) as the server computes it by default
   (``products="auto"``: bf16 products for the vocabulary-wide sums where the CPU has bfloat16
@@ -40,7 +42,7 @@ from starlette.testclient import TestClient
 from lensdiv.core.analyzer import ModelInfo
 from lensdiv.models.load import load_model
 from lensdiv.ops.capture import capture
-from lensdiv.ops.prompt import float32_readout
+from lensdiv.ops.readout import final_readout
 from lensdiv.web.server import make_app
 from lensdiv.web.session import Session
 
@@ -48,17 +50,22 @@ CLEAN = "The happy dog runs to the park and the cat sleeps on the warm m"  # 63 
 CORRUPT = "The angry cat runs to the park and the dog sleeps on the warm m"
 
 
-def floor(model: Any, text: str) -> Callable[[], None]:
-    """Capture every residual state and read every row out (float32 log-softmax)."""
+def floor(model: Any, text: str, bf16: bool = False) -> Callable[[], None]:
+    """The work any grid does at least: capture every residual state and put every row through
+    the final norm and the unembedding product (no softmax, nothing kept): in float32, or with
+    ``bf16`` the product in bfloat16 (float32 accumulation), the floor of ``products="bf16"``."""
     info = ModelInfo.from_model(model)
     names = [info.resid(layer) for layer in range(info.n_layers + 1)]
     tokens = model.to_tokens(text)
-    read, _ = float32_readout(model)
+    readout = final_readout(model)
+    W = readout.W_U.to(torch.bfloat16) if bf16 else readout.W_U
 
     def run() -> None:
         with torch.no_grad():
             _, states = capture(model, tokens, names, need_logits=False)
-            torch.stack([read(states[n][0]) for n in names]).log_softmax(-1)
+            rows = torch.cat([states[n][0] for n in names]).to(readout.dtype)
+            normed = readout.normalize(rows)
+            (normed.to(W.dtype) @ W)
 
     return run
 
@@ -80,6 +87,7 @@ def time_model(model: Any, repeats: int, with_map: bool = True) -> dict[str, Any
 
     cases = {
         "floor": floor(model, CLEAN),
+        "floor_bf16": floor(model, CLEAN, bf16=True),
         "grid": post("/api/grid", {"text": CLEAN}),
         "grid_float32": post("/api/grid", {"text": CLEAN}, exact),
         "grid_skip": post("/api/grid", {"text": CLEAN, "skip": 1}),
@@ -103,7 +111,10 @@ def time_model(model: Any, repeats: int, with_map: bool = True) -> dict[str, Any
         "products": session.products,
         "ms": {k: round(1000 * v, 1) for k, v in best.items()},
         "cpu_ms": {k: round(1000 * v, 1) for k, v in cpu.items()},
-        "over_floor": {k: round(v / best["floor"], 2) for k, v in best.items() if k != "floor"},
+        "over_floor": {k: round(v / best["floor"], 2) for k, v in best.items()
+                       if not k.startswith("floor")},
+        "grid_over_its_floor": round(
+            best["grid"] / best["floor_bf16" if session.products == "bf16" else "floor"], 2),
     }
 
 
