@@ -38,6 +38,7 @@ from lensdiv.ops.surgery import (
     moment_update,
     output_sums,
     range_mask,
+    read_together,
     removed_finals,
     set_mask,
     signal_sums,
@@ -110,11 +111,9 @@ class Prune(Surgery):
         measure = answer_positions(step.batch)
         right = torch.zeros(L, N, dtype=torch.float64)  # task examples answered whole
         runs_before = resumer.blocks_run
-        for indices, finals in removed_finals(step, masks, resumer, chunk=self.chunk):
-            sums = output_sums(step, list(finals), keep)
-            answers = (
-                count_answers(resumer, step, list(finals), measure) if measure is not None else []
-            )
+        removals = removed_finals(step, masks, resumer, chunk=self.chunk)
+        for indices, finals, sums in read_together(step, removals, keep):
+            answers = count_answers(resumer, step, finals, measure) if measure is not None else []
             for j, index in enumerate(indices):
                 s, n = cells[index]
                 for i, key in enumerate(SUMS):
@@ -149,8 +148,8 @@ class Prune(Surgery):
         candidates = [b for b in range(L) if b not in chosen]
         masks = [set_mask(L, order[:k])] + [set_mask(L, [*chosen, b]) for b in candidates]
         sums = torch.zeros(len(masks), len(SUMS), dtype=torch.float64, device=keep.device)
-        for indices, finals in removed_finals(step, masks, resumer, chunk=self.chunk):
-            out = output_sums(step, list(finals), keep)
+        removals = removed_finals(step, masks, resumer, chunk=self.chunk)
+        for indices, _, out in read_together(step, removals, keep):
             for i, key in enumerate(SUMS):
                 sums[indices, i] = out[key]
         greedy = torch.zeros(L, len(SUMS), dtype=torch.float64, device=keep.device)
