@@ -16,9 +16,11 @@ the same batches, times:
 The floors are timed from their own pieces, at the shapes the analyzer runs them:
 
 - the *block unit* ``u(rows)``: one block evaluation on a stacked ``[rows, pos, d_model]``
-  input, each block's own module (``blocks[j].original_component``) applied in a tight loop to
+  input — each block's own module (``blocks[j].original_component``) applied in a tight loop to
   the inputs it received in a forward pass of ``rows`` rows (no hooks, no resume, no stacking),
-  for every stack size ``rows = k · batch`` the grid runs;
+  its best time over ``--tight`` calls per round and over the rounds, averaged over the blocks —
+  for every stack size ``rows = k · batch`` the grid runs, measured in the same interleaved
+  rounds as the cases;
 - the *block floor*: ``Σ_r (L − r) · u(k_r · batch)`` per batch — the grid's
   ``Σ_{ℓ,n} (L − ℓ − n)`` block evaluations per sequence, each at its stack's size;
   ``floor_ratio`` = ``grid_blocks`` over it (target ≤ 1.3);
@@ -35,6 +37,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable
+from functools import partial
 from math import inf
 from typing import Any
 
@@ -81,15 +84,10 @@ def tight(fn: Callable[[], Any], repeats: int) -> float:
     return best
 
 
-def block_unit(inputs: list[tuple[Any, tuple, dict]], repeats: int) -> float:
-    """Seconds of one block evaluation: every block's module on its recorded inputs
-    (:func:`block_inputs`), back to back, over the number of blocks (best of ``repeats``)."""
-
-    def blocks() -> None:
-        for layer, args, kwargs in inputs:
-            layer(*args, **kwargs)
-
-    return tight(blocks, repeats) / len(inputs)
+def block_times(inputs: list[tuple[Any, tuple, dict]], repeats: int) -> list[float]:
+    """Seconds of each block's module on its recorded inputs (:func:`block_inputs`), the best of
+    ``repeats`` calls in a row (after one warm-up call)."""
+    return [tight(partial(layer, *args, **kwargs), repeats) for layer, args, kwargs in inputs]
 
 
 def readout_unit(model: Any, h: torch.Tensor, repeats: int) -> float:
@@ -108,7 +106,7 @@ def readout_unit(model: Any, h: torch.Tensor, repeats: int) -> float:
 def main() -> None:
     parser = model_parser(__doc__, tokens=256, batch_size=4, repeats=3)
     parser.add_argument("--max-n", type=int, default=0, help="longest range (0: L // 2)")
-    parser.add_argument("--tight", type=int, default=5, help="tight-loop calls per unit and round")
+    parser.add_argument("--tight", type=int, default=3, help="tight-loop calls per unit and round")
     parser.set_defaults(layers=12, d_model=512, vocab=8192, seq_len=64)
     args = parser.parse_args()
     model, spec = model_and_data(args)
@@ -140,15 +138,15 @@ def main() -> None:
     # comes and goes does not land on the units alone.
     sizes = sorted({(i, k) for i, _ in enumerate(steps) for k in {1, *per_resume.values()}})
     inputs = {(i, k): block_inputs(model, steps[i].batch.tokens.repeat(k, 1)) for i, k in sizes}
-    units: dict[tuple[int, int], float] = {}
+    times: dict[tuple[int, int], list[float]] = {}
     reads: dict[int, float] = {}
 
-    def floors() -> tuple[dict, dict]:
+    def floors() -> None:
         for i, k in sizes:
-            units[i, k] = min(units.get((i, k), inf), block_unit(inputs[i, k], args.tight))
+            now = block_times(inputs[i, k], args.tight)
+            times[i, k] = [min(a, b) for a, b in zip(times.get((i, k), now), now, strict=True)]
         for i, step in enumerate(steps):
             reads[i] = min(reads.get(i, inf), readout_unit(model, step.resid(L), args.tight))
-        return units, reads
 
     cases = {"forward": plain_forward(model, spec), "grid_blocks": grid_blocks,
              "prune": prune, "prune_full_passes": lambda: prune(resume=False), "floors": floors}
@@ -161,6 +159,9 @@ def main() -> None:
 
     best = best_of(cases, args.repeats, keep)
     del best["floors"]
+    # The unit: the mean over blocks of each block's best time (a load spike on one call of one
+    # block does not count).
+    units = {key: sum(values) / len(values) for key, values in times.items()}
     block_floor = clean_pass = readout_floor = 0.0
     for i, step in enumerate(steps):
         block_floor += sum((L - r) * units[i, k] for r, k in per_resume.items() if r < L)
