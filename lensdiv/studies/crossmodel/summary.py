@@ -383,8 +383,8 @@ def summarize(
                 ylabel="prunable fraction n/L",
                 caption="The most blocks of one contiguous range whose removal keeps "
                 "KL(p_removed ‖ p_out) at or below the threshold, as a fraction of the depth "
-                "(ranges up to prune's max_n blocks; the table gives where each range lies, "
-                "start_depth..stop_depth in ℓ/L). Gromov et al. and Men et al. (E1) remove "
+                "(ranges up to prune's max_n blocks; summary/prune_fraction.csv gives where each "
+                "range lies, start_depth..stop_depth in ℓ/L). Gromov et al. and Men et al. (E1) remove "
                 "a large fraction of the deeper blocks of LLMs before the output collapses; "
                 "models that use their depth alike have the same curve."
                 + (f" {_SIZES}" if by_params else " Lines are coloured by depth L."),
