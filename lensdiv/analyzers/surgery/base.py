@@ -4,6 +4,7 @@ of ``update``, and the task accuracy — its state, and its share per interventi
 
 from __future__ import annotations
 
+import abc
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -58,9 +59,9 @@ class Surgery(Analyzer):
         if keep.any():
             self.measure(state, step, keep)
 
+    @abc.abstractmethod
     def measure(self, state: Stats, step: Step, keep: Tensor) -> None:
         """Fold one batch with at least one position to measure (``keep``) into ``state``."""
-        raise NotImplementedError
 
 
 def answer_positions(batch: Batch) -> Tensor | None:
