@@ -399,3 +399,42 @@ def test_study_html_opens_in_a_browser(study: Any, tmp_path: Path) -> None:
         images = browser.evaluate("[...document.images].map(i => i.complete && i.naturalWidth)")
         assert len(images) >= 2 and all(images)
         not_blank(browser.screenshot(tmp_path / "study.png", full_page=True))
+
+
+def test_the_prunable_fraction() -> None:
+    from lensdiv.studies.crossmodel.summary import prunable
+
+    # L = 4, prune's grid up to n = 2: removing blocks 1..2 costs 0.08 nats, block 2 alone 0.02.
+    cells = [(0, 1, 0.5), (1, 1, 0.05), (2, 1, 0.02), (3, 1, 0.3), (0, 2, 0.9), (1, 2, 0.08),
+             (2, 2, 0.4)]  # fmt: skip
+    grid = Table("grid", {"start": [c[0] for c in cells], "n": [c[1] for c in cells],
+                          "kl": [c[2] for c in cells]})  # fmt: skip
+    assert prunable(grid, 4, 0.1) == (0.5, 0.25, 0.75)
+    assert prunable(grid, 4, 0.03) == (0.25, 0.5, 0.75)
+    fraction, start, stop = prunable(grid, 4, 0.01)
+    assert fraction == 0.0 and math.isnan(start) and math.isnan(stop)
+
+
+def test_the_study_page_compares_the_prunable_fraction(family: list[str], tmp_path: Path) -> None:
+    from lensdiv.studies.crossmodel.summary import PRUNE_KL, PRUNE_THRESHOLDS, prunable
+
+    options = {"prune": {"curves": "False", "linearity": "False"}}
+    done = run_study(family, plugins="prune", options=options, out=tmp_path / "s", progress=False,
+                     **FAST)  # fmt: skip
+    assert done.ok, [m.reason for m in done.models]
+    summary = done.summary
+    table = summary.table("prune_fraction")
+    numbers = summary.table("numbers")
+    for i, model in enumerate(done.models):
+        grid = done[model.model]["prune"].table("grid")
+        L = i + 1  # the family's depths are 1, 2, 3
+        rows = [j for j, m in enumerate(table["model"]) if m == model.model]
+        assert [table["kl"][j] for j in rows] == list(PRUNE_THRESHOLDS)
+        got = [table["fraction"][j] for j in rows]
+        assert got == [prunable(grid, L, kl)[0] for kl in PRUNE_THRESHOLDS]
+        assert got == sorted(got)  # a looser threshold never prunes less
+        assert numbers["prunable_fraction"][i] == prunable(grid, L, PRUNE_KL)[0]
+    plots = {p.name: p for p in summary.plots}
+    assert plots["prune_fraction"].logx and plots["prune-blocks-kl_remove"].logy
+    page = (tmp_path / "s" / "study.html").read_text()
+    assert "Prunable fraction of the depth" in page and "prunable_fraction" in page

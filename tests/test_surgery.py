@@ -320,14 +320,14 @@ def test_progress_bar_counts_the_interventions_made(
 
 
 # -- accuracy on a task file -----------------------------------------------------------------------
-def test_task_accuracy_of_the_full_model_is_depth_scores(tmp_path: Path) -> None:
+def toy_task(path: Path) -> list[tuple[str, str, str]]:
+    """A task file of the toy's own greedy next character after knowledge-base facts cut short:
+    the full model answers every example, a removal fewer."""
     import json
 
     from lensdiv.data.corpus import KnowledgeBase
     from lensdiv.models.load import load_model
 
-    # The toy's own greedy next character after knowledge-base facts cut short: the full model
-    # answers every example, a removal fewer.
     toy = load_model("toy")
     facts = [p for _, p in KnowledgeBase(seed=0).asked_queries(4, seed=1)[1]][:4]
     prompts = [f"{fact[: len(fact) - cut]}" for fact in facts for cut in (2, 4, 6)]
@@ -337,9 +337,14 @@ def test_task_accuracy_of_the_full_model_is_depth_scores(tmp_path: Path) -> None
         with torch.no_grad():
             logits = toy(torch.tensor([ids]), return_type="logits")
         rows.append((prompt, toy.tokenizer.decode([int(logits[0, -1].argmax())]), "g"))
-    task = tmp_path / "task.jsonl"
-    task.write_text("".join(json.dumps({"prompt": p, "answer": a, "grade": g}) + "\n"
+    path.write_text("".join(json.dumps({"prompt": p, "answer": a, "grade": g}) + "\n"
                             for p, a, g in rows))
+    return rows
+
+
+def test_task_accuracy_of_the_full_model_is_depth_scores(tmp_path: Path) -> None:
+    task = tmp_path / "task.jsonl"
+    rows = toy_task(task)
     run = analyze("toy", plugins="prune,depth-score", progress=False, options={
         "prune": {"task": str(task), "curves": "False", "linearity": "False"},
         "depth-score": {"tasks": str(task), "model": "self"},
@@ -352,6 +357,29 @@ def test_task_accuracy_of_the_full_model_is_depth_scores(tmp_path: Path) -> None
     assert prune.meta["clean_accuracy"] == 1.0 and len(set(accuracy)) > 1, accuracy
     assert all(0.0 <= a <= 1.0 for a in accuracy)
     assert f"Task accuracy over {len(rows)} examples" in prune.summary
+
+
+def test_reorder_task_accuracy_is_prunes_and_the_identity_is_the_full_model(
+    tmp_path: Path,
+) -> None:
+    task = tmp_path / "task.jsonl"
+    rows = toy_task(task)
+    run = analyze("toy", plugins="prune,reorder", progress=False, options={
+        "prune": {"task": str(task), "curves": "False", "linearity": "False", "max_n": "1"},
+        "reorder": {"task": str(task), "loops": "1,2", "shuffles": "1"},
+    })
+    assert not run.errors, run.errors
+    prune, reorder = run["prune"], run["reorder"]
+    assert reorder.meta["examples"] == prune.meta["examples"] == len(rows)
+    assert reorder.meta["clean_accuracy"] == prune.meta["clean_accuracy"] == 1.0
+    variants = reorder.table("variants")
+    accuracy = dict(zip(variants["variant"], variants["accuracy"], strict=True))
+    assert accuracy["loop1"] == 1.0  # looping the centre block once is the full model
+    assert len(set(accuracy.values())) > 1, accuracy
+    grid = prune.table("grid")
+    for start, n, removed in zip(grid["start"], grid["n"], grid["accuracy"], strict=True):
+        assert n == 1 and accuracy[f"remove{start}"] == removed, (start, removed)
+    assert f"Task accuracy over {len(rows)} examples" in reorder.summary
 
 
 def test_removing_nothing_answers_as_the_full_model(model: Any) -> None:

@@ -435,9 +435,12 @@ class Analyzer(abc.ABC):
     @classmethod
     def option_docs(cls) -> list[dict[str, str]]:
         """Each option's name, default, type (choices spelled out) and its line of the class
-        docstring's ``Args:`` section: what ``lensdiv plugins show`` prints."""
+        docstring's ``Args:`` section (or of the base class that declares it): what ``lensdiv
+        plugins show`` prints."""
         hints = get_type_hints(cls) if cls.option_fields() else {}
-        helps = _docstring_args(cls.__doc__ or "")
+        helps: dict[str, str] = {}
+        for klass in reversed(cls.__mro__):  # a base's options, unless the class restates them
+            helps.update(_docstring_args(klass.__doc__ or ""))
         rows = []
         for f in cls.option_fields():
             if f.default is not dataclasses.MISSING:

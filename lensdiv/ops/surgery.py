@@ -22,7 +22,7 @@ Every output is compared with the clean output by :func:`lensdiv.ops.readout.len
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +35,9 @@ from lensdiv.core.analyzer import Step
 from lensdiv.ops.readout import final_readout, lens_statistics, workspace
 from lensdiv.ops.resume import Resumer
 from lensdiv.ops.subsets import removal_finals
+
+# Residual values :func:`read_together` gathers before one readout (float32: 256 MB).
+READ_ELEMENTS = 1 << 26
 
 # The per-intervention sums :func:`output_sums` returns (all float64).
 SUMS = ("n", "kl", "kl_sq", "n_target", "ce", "ce_sq", "dce", "dce_sq", "agree", "top1")
@@ -201,6 +204,32 @@ def output_sums(
         "agree": stats.overlap[:k].sum(1),
         "top1": ((stats.rank[:k] == 0) * w).sum(1),
     }
+
+
+def read_together(
+    step: Step,
+    chunks: Iterable[tuple[list[int], Tensor]],
+    keep: Bool[Tensor, "batch pos"],
+    *,
+    elements: int = READ_ELEMENTS,
+) -> Iterator[tuple[list[int], list[Tensor], dict[str, Tensor]]]:
+    """``(indices, finals, output_sums)`` of the chunks :func:`removed_finals` yields (each
+    ``[k, batch, pos, d_model]``, ``k`` varying from chunk to chunk), read out
+    together until at least ``elements`` residual values wait: one readout of the clean output
+    (the reference every statistic needs) serves many resume groups instead of one each. The
+    memory held is ``elements`` values plus one chunk, whatever the number of tokens."""
+    indices: list[int] = []
+    finals: list[Tensor] = []
+    waiting = 0
+    for part, stacked in chunks:
+        indices += part
+        finals += list(stacked)
+        waiting += stacked.numel()
+        if waiting >= elements:
+            yield indices, finals, output_sums(step, finals, keep)
+            indices, finals, waiting = [], [], 0
+    if indices:
+        yield indices, finals, output_sums(step, finals, keep)
 
 
 def answered(

@@ -2,7 +2,8 @@
 reverses, shuffles, repeats, loops or parallelises them; both read what the model then outputs.
 
 The interventions are :mod:`lensdiv.ops.surgery`; ``prune`` is in :mod:`.prune` (the numbers of
-a run in :mod:`.numbers`, the result in :mod:`.present`), ``reorder`` in :mod:`.reorder`.
+a run in :mod:`.numbers`, the result in :mod:`.present`), ``reorder`` in :mod:`.reorder`; what
+both share (options, hooks, the task accuracy) in :mod:`.base`.
 """
 
 from lensdiv.analyzers.surgery.prune import Prune

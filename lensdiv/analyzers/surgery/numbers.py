@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from lensdiv.analyzers.linmap import spearman
+from lensdiv.analyzers.surgery.base import accuracy
 from lensdiv.core.analyzer import ModelInfo
 from lensdiv.core.stats import Stats
 from lensdiv.ops.surgery import SUMS, linearity, mean_sem
@@ -110,7 +111,7 @@ class PruneNumbers:
             positions=int(float(state["clean"][SUMS.index("n")])),
             block_runs_per_row=float(state["block_runs"]) / max(float(state["rows"]), 1.0),
             resume=sorted(state.get("resume", ())),
-            accuracy=_accuracy(state, valid),
+            accuracy=accuracy(state, valid),
             examples=int(float(state.get("answers_n", 0))),
         )
 
@@ -192,15 +193,6 @@ def _curves(
         greedy.append(float(means[counted].min()) if counted.any() else math.nan)
     curves["greedy"] = greedy
     return curves, []
-
-
-def _accuracy(state: Stats, valid: Tensor) -> tuple[Tensor, float] | None:
-    """Share of the task examples answered whole per cell, and by the full model."""
-    if "answers" not in state:
-        return None
-    n = max(float(state["answers_n"]), 1.0)
-    grid = (state["answers"].cpu().double() / n).masked_fill(~valid, math.nan)
-    return grid, float(state["answers_clean"]) / n
 
 
 def _mean_kl(sums: Tensor | None) -> float:

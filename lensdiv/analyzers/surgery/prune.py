@@ -16,25 +16,29 @@ the blocks greedy removed so far). Every statistic is a sum over positions: shar
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from lensdiv.analyzers.depth_score import DepthScore
+from lensdiv.analyzers.surgery.base import (
+    Surgery,
+    add_answers,
+    answer_positions,
+    count_answers,
+)
 from lensdiv.analyzers.surgery.numbers import PruneNumbers, greedy_chosen
 from lensdiv.analyzers.surgery.present import present
-from lensdiv.core.analyzer import Analyzer, Batch, ModelInfo, Step
+from lensdiv.core.analyzer import ModelInfo, Step
 from lensdiv.core.results import Result
 from lensdiv.core.stats import Stats
 from lensdiv.ops.resume import resumer_for
 from lensdiv.ops.surgery import (
     SUMS,
-    answered,
     grid_cells,
     last_positions,
     moment_update,
     output_sums,
     range_mask,
+    read_together,
     removed_finals,
     set_mask,
     signal_sums,
@@ -42,55 +46,39 @@ from lensdiv.ops.surgery import (
 
 
 @dataclass(frozen=True)
-class Prune(Analyzer):
+class Prune(Surgery):
     """True effect of removing every range of blocks, and the cheap signals that should predict it.
+
+    Options ``exclude_bos``, ``task`` and ``per_grade``: see
+    :class:`~lensdiv.analyzers.surgery.base.Surgery` (with ``task``, each removal's accuracy).
 
     Args:
         max_n: Longest range removed (``0``: half the depth, at least 1).
-        exclude_bos: Leave the first (BOS) position out of every statistic (it is intervened
-            on all the same).
         curves: Also draw the pruning curves of block-influence order and of greedy true
             removal (one more pass over the data per block removed).
         linearity: Compute the linearity score of each block (``d_model²`` moments per state).
         chunk: Interventions stacked in one forward pass (``0``: all that resume at one block).
         resume: Resume each removal from the cached clean residual (``False``: run every block
             of every intervened pass, the full-forward-pass reference of ``bench/``).
-        task: ``""`` (the default): measure on the run's corpus. Else measure on task examples
-            instead, in ``depth-score``'s formats — ``kb`` (the toy knowledge base), ``arith``,
-            ``auto`` or a JSONL file of ``prompt``/``answer``/``grade`` rows — and add each
-            removal's accuracy (the whole answer greedily decoded, teacher-forced).
-        per_grade: Examples per grade of a built-in task (``kb``, ``arith``, ``auto``).
     """
 
     name = "prune"
     aliases = ("prune-blocks", "shortgpt")
     description = "Depth surgery: true effect of removing each range of blocks vs cheap signals"
     depth_profiles = ("blocks.kl_remove", "blocks.block_influence")
-    extra_forwards = True
 
     max_n: int = 0
-    exclude_bos: bool = False
     curves: bool = True
     linearity: bool = True
     chunk: int = 0
     resume: bool = True
-    task: str = ""
-    per_grade: int = 32
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.max_n < 0:
             raise ValueError(f"max_n must be 0 (half the depth) or positive, got {self.max_n}")
         if self.chunk < 0:
             raise ValueError(f"chunk must be 0 (auto) or positive, got {self.chunk}")
-        if self.per_grade < 1:
-            raise ValueError(f"per_grade must be positive, got {self.per_grade}")
-
-    def examples(self, model: Any, info: ModelInfo) -> list[Batch] | None:
-        """With ``task``: ``depth-score``'s examples of that task (else the run's corpus)."""
-        if not self.task.strip():
-            return None
-        tasks = DepthScore(tasks=self.task.strip(), per_grade=self.per_grade, model="self")
-        return tasks.examples(model, info)
 
     def longest(self, info: ModelInfo) -> int:
         """``N``: the longest range removed on this model."""
@@ -107,13 +95,7 @@ class Prune(Analyzer):
             return len(grid_cells(info.n_layers, self.longest(info)))
         return 1 + info.n_layers - index + 1
 
-    def hooks(self, info: ModelInfo) -> list[str]:
-        return [info.resid(layer) for layer in range(info.n_layers + 1)]
-
-    def update(self, state: Stats, step: Step) -> None:
-        keep = step.batch.positions(exclude_bos=self.exclude_bos)
-        if not keep.any():
-            return
+    def measure(self, state: Stats, step: Step, keep: torch.Tensor) -> None:
         if step.pass_index == 0:
             self._grid(state, step, keep)
         else:
@@ -128,23 +110,18 @@ class Prune(Analyzer):
         grid = torch.zeros(len(SUMS), L, N, dtype=torch.float64, device=keep.device)
         measure = answer_positions(step.batch)
         right = torch.zeros(L, N, dtype=torch.float64)  # task examples answered whole
-        tokens = step.batch.tokens
         runs_before = resumer.blocks_run
-        for indices, finals in removed_finals(step, masks, resumer, chunk=self.chunk):
-            sums = output_sums(step, list(finals), keep)
+        removals = removed_finals(step, masks, resumer, chunk=self.chunk)
+        for indices, finals, sums in read_together(step, removals, keep):
+            answers = count_answers(resumer, step, finals, measure) if measure is not None else []
             for j, index in enumerate(indices):
                 s, n = cells[index]
                 for i, key in enumerate(SUMS):
                     grid[i, s, n - 1] = sums[key][j]
-                if measure is not None:
-                    right[s, n - 1] = float(answered(resumer, tokens, finals[j], measure).sum())
+                if answers:
+                    right[s, n - 1] = answers[j]
         if measure is not None:
-            state.add("answers", right)
-            state.add(
-                "answers_clean", float(answered(resumer, tokens, step.resid(L), measure).sum())
-            )
-            state.add("answers_n", tokens.shape[0])
-            state.fix("task", str(step.batch.extra.get("tasks")))
+            add_answers(state, step, resumer, measure, right)
         state.add("block_runs", resumer.blocks_run - runs_before)
         state.add("rows", step.batch.tokens.shape[0])
         state.add("grid", grid)
@@ -171,8 +148,8 @@ class Prune(Analyzer):
         candidates = [b for b in range(L) if b not in chosen]
         masks = [set_mask(L, order[:k])] + [set_mask(L, [*chosen, b]) for b in candidates]
         sums = torch.zeros(len(masks), len(SUMS), dtype=torch.float64, device=keep.device)
-        for indices, finals in removed_finals(step, masks, resumer, chunk=self.chunk):
-            out = output_sums(step, list(finals), keep)
+        removals = removed_finals(step, masks, resumer, chunk=self.chunk)
+        for indices, _, out in read_together(step, removals, keep):
             for i, key in enumerate(SUMS):
                 sums[indices, i] = out[key]
         greedy = torch.zeros(L, len(SUMS), dtype=torch.float64, device=keep.device)
@@ -184,14 +161,6 @@ class Prune(Analyzer):
         if "grid" not in state:
             raise ValueError("no position was measured; use longer sequences or more data")
         return present(PruneNumbers.from_state(state, info, self), self)
-
-
-def answer_positions(batch: Batch) -> torch.Tensor | None:
-    """Task examples: the answer's positions (``None`` on the corpus)."""
-    if "split" not in batch.extra:
-        return None
-    pos = torch.arange(batch.tokens.shape[1], device=batch.tokens.device)
-    return (pos >= batch.extra["split"].to(pos.device)[:, None]) & batch.mask
 
 
 def influence_order(bi: torch.Tensor) -> list[int]:

@@ -12,7 +12,8 @@ Variants, each measured by the same output metrics as ``prune`` (KL to the full 
 - ``loop{k}``: the centre block run ``k`` times in its place (Sun et al.).
 
 Every variant runs on every row at every position (BOS included); the blocks before the
-intervened range are not run again (each block is applied by resuming at it).
+intervened range are not run again (each block is applied by resuming at it). With ``task``,
+each variant's accuracy on task examples, as ``prune`` measures each removal's.
 """
 
 from __future__ import annotations
@@ -22,8 +23,15 @@ from typing import Any
 
 import torch
 
+from lensdiv.analyzers.surgery.base import (
+    Surgery,
+    accuracy,
+    add_answers,
+    answer_positions,
+    count_answers,
+)
 from lensdiv.analyzers.surgery.numbers import summarize
-from lensdiv.core.analyzer import Analyzer, ModelInfo, Step
+from lensdiv.core.analyzer import ModelInfo, Step
 from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
 from lensdiv.ops.resume import resumer_for
@@ -31,30 +39,31 @@ from lensdiv.ops.surgery import SUMS, Program, output_sums, program_final
 
 
 @dataclass(frozen=True)
-class Reorder(Analyzer):
+class Reorder(Surgery):
     """Swap, reverse, shuffle, repeat, loop or parallelise blocks, and measure the output.
+
+    Options ``exclude_bos``, ``task`` and ``per_grade``: see
+    :class:`~lensdiv.analyzers.surgery.base.Surgery` (with ``task``, each variant's accuracy).
 
     Args:
         start: First block of the middle range (``-1``: a quarter of the depth).
         stop: One past its last block (``-1``: three quarters of the depth).
         shuffles: Random permutations of the middle range (seeds ``0..shuffles−1``).
         loops: How many times the centre block is looped, one variant per value.
-        exclude_bos: Leave the first (BOS) position out of every statistic.
     """
 
     name = "reorder"
     aliases = ("reorder-blocks", "painters")
     description = "Depth surgery: swap, reverse, shuffle, repeat, loop or parallelise blocks"
     depth_profiles = ("swaps.kl_swap", "swaps.kl_remove")
-    extra_forwards = True
 
     start: int = -1
     stop: int = -1
     shuffles: int = 3
     loops: tuple[int, ...] = (2, 4)
-    exclude_bos: bool = False
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.shuffles < 0:
             raise ValueError(f"shuffles must be 0 or more, got {self.shuffles}")
         if any(k < 1 for k in self.loops):
@@ -93,13 +102,7 @@ class Reorder(Analyzer):
         """Every variant, on every sequence."""
         return len(self.variants(info))
 
-    def hooks(self, info: ModelInfo) -> list[str]:
-        return [info.resid(layer) for layer in range(info.n_layers + 1)]
-
-    def update(self, state: Stats, step: Step) -> None:
-        keep = step.batch.positions(exclude_bos=self.exclude_bos)
-        if not keep.any():
-            return
+    def measure(self, state: Stats, step: Step, keep: torch.Tensor) -> None:
         resumer = resumer_for(step)
         variants = self.variants(step.info)
         finals = [program_final(step, program, resumer) for _, program in variants]
@@ -107,6 +110,10 @@ class Reorder(Analyzer):
         state.add("sums", torch.stack([sums[key] for key in SUMS], 1))
         clean = output_sums(step, [step.resid(step.info.n_layers)], keep)
         state.add("clean", torch.stack([clean[key][0] for key in SUMS]))
+        measure = answer_positions(step.batch)
+        if measure is not None:
+            right = torch.tensor(count_answers(resumer, step, finals, measure))
+            add_answers(state, step, resumer, measure, right.double())
         if resumer.mode is not None:
             state.include("resume", resumer.mode)
 
@@ -116,7 +123,7 @@ class Reorder(Analyzer):
         names = [name for name, _ in self.variants(info)]
         stats = summarize(state["sums"].cpu().T)
         clean = summarize(state["clean"].cpu()[:, None])
-        return _present(self, info, names, stats, clean, sorted(state.get("resume", ())))
+        return _present(self, info, names, stats, clean, sorted(state.get("resume", ())), state)
 
 
 def _present(
@@ -126,6 +133,7 @@ def _present(
     stats: dict[str, tuple[torch.Tensor, torch.Tensor]],
     clean: dict[str, tuple[torch.Tensor, torch.Tensor]],
     resume: list[str],
+    state: Stats,
 ) -> Result:
     """Tables (every variant; swaps beside removals per block), plots and summary."""
     L = info.n_layers
@@ -135,6 +143,15 @@ def _present(
     for metric, (mean, sem) in stats.items():
         columns[metric] = mean.tolist()
         columns[f"{metric}_sem"] = sem.tolist()
+    task = accuracy(state)
+    task_meta: dict[str, Any] = {}
+    if task is not None:
+        columns["accuracy"] = task[0].tolist()
+        task_meta = {
+            "task": options.task,
+            "examples": int(float(state["answers_n"])),
+            "clean_accuracy": task[1],
+        }
     kl = stats["kl"][0]
     dce = stats["dce"][0]
     nan = float("nan")  # the last block has no block after it to swap with
@@ -158,6 +175,12 @@ def _present(
         f"block ℓ for {cheaper} of {L - 1} blocks. Full model: CE "
         f"{float(clean['ce'][0][0]):.3g} nats."
     )
+    if task is not None:
+        kept = max(middle, key=lambda n: float(task[0][at[n]]))
+        summary += (
+            f" Task accuracy over {task_meta['examples']} examples: full model {task[1]:.0%}; "
+            f"{kept} keeps {float(task[0][at[kept]]):.0%}, the most of the middle-range variants."
+        )
     return Result(
         analyzer=options.name,
         summary=summary,
@@ -187,5 +210,6 @@ def _present(
             "bos": "intervened on; "
             + ("left out of" if options.exclude_bos else "in")
             + " every statistic",
+            **task_meta,
         },
     )

@@ -104,6 +104,31 @@ READINGS: dict[tuple[str, str], Reading] = {
         "Kamigaito et al. (B3): how much the members written before h_ℓ disagree; diversity "
         "matters most where the members are far from the truth.",
     ),
+    ("prune", "blocks.kl_remove"): Reading(
+        "KL(p_removed ‖ p_out) (nats)",
+        "Men et al. (ShortGPT), Gromov et al. (E1): removing one block of the second half moves "
+        "the output much less than removing one of the first half, and the first and the last "
+        "block are the most critical. On a logarithmic axis, so that block 0 does not flatten "
+        "the rest.",
+        logy=True,
+    ),
+    ("prune", "blocks.block_influence"): Reading(
+        "block influence 1 − cos(h_ℓ, h_ℓ₊₁)",
+        "Men et al. (ShortGPT, E1): the cheap signal that should predict removability: low where "
+        "a block barely turns the residual. Compare its shape with kl_remove's.",
+        logy=True,
+    ),
+    ("reorder", "swaps.kl_swap"): Reading(
+        "KL(p_swapped ‖ p_out) (nats)",
+        "Lad et al. (E2): swapping two adjacent middle blocks costs little, less than removing "
+        "one (kl_remove); the first and the last blocks do not tolerate it.",
+        logy=True,
+    ),
+    ("reorder", "swaps.kl_remove"): Reading(
+        "KL(p_removed ‖ p_out) (nats)",
+        "Lad et al. (E2): removing block ℓ, the reference for swapping it with block ℓ + 1.",
+        logy=True,
+    ),
 }
 
 
@@ -131,7 +156,15 @@ NUMBERS = {
     "lens_kl_mid": "lens: KL(p_ℓ ‖ p_out) at relative depth ½, interpolated between states (A2)",
     "update_norm": "dynamics: mean ‖Δ_ℓ‖/‖h_ℓ‖ of the middle blocks (C1; its log–log slope "
     "against L over the models of at least 3 blocks in the update-scaling table)",
+    "prunable_fraction": "prune: the prunable fraction n/L at KL ≤ 0.1 nats — the most blocks "
+    "of one contiguous range whose removal keeps KL(p_removed ‖ p_out) ≤ 0.1 nats, over L "
+    "(E1; ranges up to prune's max_n blocks)",
+    "prunable_start": "prune: relative depth ℓ/L of the first block of that range (the range "
+    "of least KL among those of its length)",
 }
+#: The KL (nats) of the numbers' prunable fraction, and the thresholds of its figure.
+PRUNE_KL = 0.1
+PRUNE_THRESHOLDS = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
 
 
 def model_numbers(results: Mapping[str, Result], n_layers: int) -> dict[str, float]:
@@ -152,7 +185,24 @@ def model_numbers(results: Mapping[str, Result], n_layers: int) -> dict[str, flo
         numbers["update_norm"] = float(
             results["dynamics"].meta.get("mean_middle_rel_update", math.nan)
         )
+    if "prune" in results and "grid" in results["prune"].tables and n_layers:
+        fraction, start, _ = prunable(results["prune"].table("grid"), n_layers, PRUNE_KL)
+        numbers["prunable_fraction"], numbers["prunable_start"] = fraction, start
     return numbers
+
+
+def prunable(grid: Table, n_layers: int, kl: float) -> tuple[float, float, float]:
+    """``(fraction, start, stop)``: the prunable fraction ``n/L`` at ``kl`` nats — the longest
+    contiguous range of blocks in ``prune``'s grid table whose removal keeps ``KL(p_removed ‖
+    p_out) ≤ kl`` — and the relative depths ``ℓ/L``, ``(ℓ + n)/L`` where the cheapest such range
+    starts and ends; ``(0, NaN, NaN)`` when removing any single block costs more."""
+    best = (0, math.nan, math.nan)
+    cells = zip(grid["start"], grid["n"], grid["kl"], strict=True)
+    for start, n, value in sorted(cells, key=lambda c: (-int(c[1]), float(c[2]), int(c[0]))):
+        if math.isfinite(float(value)) and float(value) <= kl:
+            best = (int(n), int(start) / n_layers, (int(start) + int(n)) / n_layers)
+            break
+    return best[0] / n_layers, best[1], best[2]
 
 
 def half_ratio(r_block: Sequence[Any] | np.ndarray) -> float:
@@ -314,6 +364,32 @@ def summarize(
                 + (f" {_SIZES}" if by_params else " Lines are coloured by depth L."),
             )
         )
+    fractions = _prunable_fractions(runs, labels)
+    if fractions is not None:
+        tables["prune_fraction"] = fractions
+        plots.append(
+            Plot(
+                "line",
+                "prune_fraction",
+                "Prunable fraction of the depth",
+                "prune_fraction",
+                x="kl",
+                y=("fraction",),
+                group="label",
+                color=colour,
+                clabel=clabel,
+                logx=True,
+                xlabel="KL threshold (nats)",
+                ylabel="prunable fraction n/L",
+                caption="The most blocks of one contiguous range whose removal keeps "
+                "KL(p_removed ‖ p_out) at or below the threshold, as a fraction of the depth "
+                "(ranges up to prune's max_n blocks; summary/prune_fraction.csv gives where each "
+                "range lies, start_depth..stop_depth in ℓ/L). Gromov et al. and Men et al. (E1) remove "
+                "a large fraction of the deeper blocks of LLMs before the output collapses; "
+                "models that use their depth alike have the same curve."
+                + (f" {_SIZES}" if by_params else " Lines are coloured by depth L."),
+            )
+        )
     done = sum(1 for m in models if m.get("status") == "complete")
     summary = f"{len(models)} models, {done} complete."
     if "contrib_half_ratio" in ran:
@@ -324,8 +400,34 @@ def summarize(
         summary += "; skip effect halves at ℓ/L " + _span(numbers["skip_fall_depth"])
     if math.isfinite(slope):
         summary += f"; mean middle update ∝ L^{slope:.2f}"
+    if "prunable_fraction" in ran:
+        summary += f"; prunable fraction at KL ≤ {PRUNE_KL:g} nats " + _span(
+            numbers["prunable_fraction"]
+        )
     meta = {"update_slope": slope, "profiles": [list(k) for k in curves], "numbers": NUMBERS}
     return Result("study", summary + ".", tables=tables, plots=tuple(plots), meta=meta)
+
+
+def _prunable_fractions(
+    runs: Sequence[tuple[str, Mapping[str, Any], Mapping[str, Result]]], labels: Mapping[Any, str]
+) -> Table | None:
+    """The prunable fraction of every model that ran ``prune``, at each of
+    :data:`PRUNE_THRESHOLDS` (``None`` when none did)."""
+    keys = ("model", "label", "params", "n_layers", "kl", "fraction", "start_depth", "stop_depth")
+    columns: dict[str, list[Any]] = {k: [] for k in keys}
+    for model, facts, results in runs:
+        n_layers = int(facts.get("n_layers") or 0)
+        if "prune" not in results or "grid" not in results["prune"].tables or not n_layers:
+            continue
+        grid = results["prune"].table("grid")
+        for kl in PRUNE_THRESHOLDS:
+            fraction, start, stop = prunable(grid, n_layers, kl)
+            row = (model, labels.get(model, model), _number(facts.get("params")), n_layers, kl)
+            for key, value in zip(keys, (*row, fraction, start, stop), strict=True):
+                columns[key].append(value)
+    if not columns["model"]:
+        return None
+    return Table("prune_fraction", columns, "Prunable fraction of each model per KL threshold")
 
 
 def _update_scaling(numbers: Mapping[str, list[Any]], slope: float, intercept: float) -> Table:
