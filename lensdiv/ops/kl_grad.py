@@ -1,0 +1,203 @@
+"""The KL of read-out states against a target distribution and its gradient, fused and chunked:
+the tuned lens' training step (:mod:`lensdiv.lenses.tuned`) without autograd over the vocabulary.
+
+For normed states ``x`` (``k`` groups of ``n`` rows: the layers of a tuned lens, each read
+against the same target ``p`` of the ``n`` positions) the logits are ``z = x W_U + b_U``,
+``log q = log_softmax(z)`` and the loss is ``Σ_rows KL(p ‖ q)``; its gradient with respect to the
+logits is ``q − p`` per row, so the gradient with respect to ``x`` is ``(q − p) W_Uᵀ``. Both are
+computed block by block of rows (:func:`~lensdiv.ops.readout.block_rows`: about
+:data:`~lensdiv.ops.readout.BLOCK_ELEMENTS` logits; a block crosses from one group to the next,
+so the layers' readouts are one stacked product) in one reused ``[rows, d_vocab]`` buffer (a
+:class:`~lensdiv.ops.readout.Workspace`): nothing over the vocabulary is kept for a backward
+pass, and the log-softmax, the KL and ``q − p`` are computed in place.
+
+**Precision.** The softmax, the KL and the gradient are in the readout dtype (float32), the KL's
+sums per row, then in float64. With ``bf16`` the unembedding's products (``x W_U`` and
+``(q − p) W_Uᵀ``) take bfloat16 operands and accumulate in float32 (torch's CPU kernels with
+AVX-512 BF16/AMX; tensor cores): the logits and ``q − p`` carry bfloat16's rounding (relative
+2⁻⁹) into and out of the float32 softmax, as under tuned-lens's bf16 autocast, which rounds the
+logits the same way.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from lensdiv.ops.readout import Workspace, block_rows
+
+#: bfloat16 copies of the unembedding, one per readout (made once, kept while the readout lives).
+_BF16: weakref.WeakKeyDictionary[Any, tuple[Tensor, Tensor]] = weakref.WeakKeyDictionary()
+
+
+def unembedding(readout: Any, bf16: bool = False) -> tuple[Tensor, Tensor]:
+    """``(W_U, b_U)`` of ``readout`` (a :class:`~lensdiv.ops.readout.FinalReadout`) as the
+    products take them: the readout's own, or bfloat16 copies made once."""
+    if not bf16:
+        return readout.W_U, readout.b_U
+    cached = _BF16.get(readout)
+    if cached is None:
+        cached = _BF16[readout] = (readout.W_U.to(torch.bfloat16), readout.b_U.to(torch.bfloat16))
+    return cached
+
+
+class _Logits:
+    """Blocks of logits ``x W_U + b_U`` in the readout dtype, into a reused buffer."""
+
+    def __init__(self, readout: Any, bf16: bool, rows: int, ws: Workspace) -> None:
+        self.readout, self.bf16 = readout, bf16
+        self.w, self.b = unembedding(readout, bf16)
+        vocab, device = readout.d_vocab, readout.device
+        self.buffer = ws.get("kl_grad/logits", (rows, vocab), readout.dtype, device)
+        self.low = ws.get("kl_grad/bf16", (rows, vocab), torch.bfloat16, device) if bf16 else None
+        self.raw: Tensor | None = None
+        self.capped: Tensor | None = None
+
+    def __call__(self, x: Tensor) -> Tensor:
+        """The logits of rows ``x`` (a view of the buffer, valid until the next call)."""
+        z = self.buffer[: x.shape[0]]
+        if self.low is None:
+            torch.addmm(self.b, x, self.w, out=z)
+        else:
+            low = self.low[: x.shape[0]]
+            torch.addmm(self.b, x.to(torch.bfloat16), self.w, out=low)
+            z.copy_(low)
+        if self.readout.transform is not None:  # a softcap, say: its derivative by autograd
+            self.raw = z.clone().requires_grad_(True)
+            with torch.enable_grad():
+                self.capped = self.readout.transform(self.raw)
+            z.copy_(self.capped.detach())
+        return z
+
+    def backward(self, dz: Tensor, out: Tensor) -> None:
+        """``out = dz W_Uᵀ`` for ``dz`` the gradient with respect to the last block's logits."""
+        if self.raw is not None and self.capped is not None:
+            with torch.enable_grad():
+                (dz_raw,) = torch.autograd.grad(self.capped, self.raw, dz)
+            dz.copy_(dz_raw)
+        if self.low is None:
+            torch.mm(dz, self.w.T, out=out)
+        else:
+            low = self.low[: dz.shape[0]]
+            low.copy_(dz)
+            out.copy_(torch.mm(low, self.w.T))
+
+
+#: Rows per float32 dot product in :func:`_dot_sum` (a flat dot over millions of terms loses
+#: digits: 4 rows of 8192 terms keep the sum within 1e-6; one dot per row costs twice the time).
+DOT_ROWS = 4
+
+
+def _dot_sum(a: Tensor, b: Tensor) -> Tensor:
+    """``Σ a ⊙ b`` over rows ``[r, v]`` in float64: float32 dots of :data:`DOT_ROWS` rows each
+    on a CPU (BLAS, no temporary), the elementwise product summed per row elsewhere."""
+    if a.device.type != "cpu":
+        return torch.linalg.vecdot(a, b).sum(dtype=torch.float64)
+    rows, width = a.shape
+    whole = rows - rows % DOT_ROWS
+    parts = []
+    if whole:
+        flat_a = a[:whole].reshape(whole // DOT_ROWS, DOT_ROWS * width)
+        flat_b = b[:whole].reshape(whole // DOT_ROWS, DOT_ROWS * width)
+        parts = [torch.dot(x, y) for x, y in zip(flat_a.unbind(), flat_b.unbind(), strict=True)]
+    if whole < rows:
+        parts.append(torch.dot(a[whole:].reshape(-1), b[whole:].reshape(-1)))
+    return torch.stack(parts).sum(dtype=torch.float64)
+
+
+def target_probabilities(
+    readout: Any,
+    h: Float[Tensor, "n d_model"],
+    *,
+    bf16: bool = False,
+    workspace: Workspace | None = None,
+) -> tuple[Float[Tensor, "n d_vocab"], Tensor]:
+    """``p`` of residual states ``h`` (the target: the model's output) in the readout dtype, and
+    ``Σ_rows Σ_v p log p`` (minus the summed entropy) in float64; the logits' product in
+    bfloat16 with ``bf16``.
+
+    ``p`` is the workspace's buffer ``kl_grad/target`` (valid until its next use)."""
+    ws = workspace or Workspace()
+    n, vocab = h.shape[0], readout.d_vocab
+    rows = block_rows(vocab)
+    logits = _Logits(readout, bf16, min(rows, n), ws)
+    p = ws.get("kl_grad/target", (n, vocab), readout.dtype, readout.device)
+    neg_entropy = torch.zeros((), dtype=torch.float64, device=readout.device)
+    x = readout.normalize(h)
+    for start in range(0, n, rows):
+        stop = min(n, start + rows)
+        z = logits(x[start:stop])
+        z.sub_(z.amax(-1, keepdim=True))
+        block = torch.exp(z, out=p[start:stop])
+        total = block.sum(-1, keepdim=True)
+        block.div_(total)  # Σ p log p = Σ p (z − max) − log Σ exp(z − max)
+        neg_entropy += _dot_sum(block, z) - total.log().sum(dtype=torch.float64)
+    return p, neg_entropy
+
+
+def fused_kl(
+    readout: Any,
+    x: Float[Tensor, "rows d_model"],
+    p: Float[Tensor, "n d_vocab"],
+    neg_entropy: Tensor,
+    *,
+    bf16: bool = False,
+    rows_per_block: int | None = None,
+    workspace: Workspace | None = None,
+) -> tuple[Float[Tensor, "rows d_model"], Float[Tensor, " k"]]:
+    """The gradient of ``Σ_rows KL(p ‖ softmax(x W_U + b_U))`` with respect to ``x``, and the
+    KL summed per group of ``n`` rows.
+
+    Args:
+        readout: The model's :class:`~lensdiv.ops.readout.FinalReadout`.
+        x: Final-normed states, ``k·n`` rows: group ``g`` is rows ``g·n .. g·n + n − 1``, row
+            ``g·n + i`` read against ``p[i]``. No gradient is tracked through it here.
+        p: The target distribution of the ``n`` positions (:func:`target_probabilities`).
+        neg_entropy: ``Σ_rows Σ_v p log p`` of the ``n`` positions.
+        bf16: The products in bfloat16 with float32 accumulation.
+        rows_per_block: Rows a block (default: :func:`~lensdiv.ops.readout.block_rows`).
+        workspace: Where the buffers live between calls (a fresh one otherwise).
+
+    Returns:
+        ``(∂/∂x, KL)``: ``[rows, d_model]`` in the readout dtype and ``[k]`` in float64.
+    """
+    ws = workspace or Workspace()
+    n = p.shape[0]
+    rows = x.shape[0]
+    block = max(1, min(rows, rows_per_block or block_rows(readout.d_vocab)))
+    logits = _Logits(readout, bf16, block, ws)
+    grad = torch.empty(rows, x.shape[1], dtype=p.dtype, device=p.device)
+    kl = torch.zeros(rows // n, dtype=torch.float64, device=p.device)
+    with torch.no_grad():
+        x = x.detach()
+        for start in range(0, rows, block):
+            stop = min(rows, start + block)
+            z = logits(x[start:stop])
+            z.sub_(z.amax(-1, keepdim=True))  # z − max: log q = z − max − log Σ exp(z − max)
+            segments = _segments(start, stop, n)
+            cross = [_dot_sum(z[lo - start : hi - start], p[a:b]) for _, lo, hi, a, b in segments]
+            total = z.exp_().sum(-1, keepdim=True)
+            log_total = total.log().squeeze(-1)
+            z.div_(total)  # q
+            for (group, lo, hi, a, b), dot in zip(segments, cross, strict=True):
+                z[lo - start : hi - start].sub_(p[a:b])  # q − p
+                kl[group] += log_total[lo - start : hi - start].sum(dtype=torch.float64) - dot
+            logits.backward(z, grad[start:stop])
+    return grad, kl + neg_entropy  # every group reads all n positions once
+
+
+def _segments(start: int, stop: int, n: int) -> list[tuple[int, int, int, int, int]]:
+    """Rows ``start .. stop − 1`` cut where a group of ``n`` ends: ``(group, lo, hi, a, b)``,
+    rows ``lo .. hi − 1`` being the group's positions ``a .. b − 1``."""
+    out = []
+    lo = start
+    while lo < stop:
+        group = lo // n
+        hi = min(stop, (group + 1) * n)
+        out.append((group, lo, hi, lo - group * n, hi - group * n))
+        lo = hi
+    return out
