@@ -9,6 +9,10 @@ model's dtype) and ``p_L`` is the model's own output. The recipe is tuned-lens's
 (``scripts/train_loop.py``): SGD with Nesterov momentum 0.9, learning rate ``lr × (1 − momentum)``
 (``lr`` = 1), weight decay 1e-3, gradient norm clipped at 1, a linear decay to 0 without
 warm-up, 250 steps of 2^18 tokens (:data:`PRESETS`; smaller presets for a CPU and the toy zoo).
+A batch's gradient is :func:`kl_gradients`: the layers' readouts as one stacked product, the KL
+fused into the log-softmax with its gradient taken analytically (:mod:`lensdiv.ops.kl_grad`);
+``bf16`` (a recipe field, ``-O bf16=true``) takes the unembedding's products in bfloat16 with
+float32 accumulation.
 
 **A training is an analyzer** (:class:`TunedFit`, ``fit-tuned``) whose passes read the data
 onward (:meth:`~lensdiv.core.analyzer.Analyzer.pass_tokens`): pass ``p`` is step ``p``, the next
