@@ -30,8 +30,11 @@ from torch import Tensor
 
 from lensdiv.ops.readout import Workspace, block_rows
 
-#: bfloat16 copies of the unembedding, one per readout (made once, kept while the readout lives).
-_BF16: weakref.WeakKeyDictionary[Any, tuple[Tensor, Tensor]] = weakref.WeakKeyDictionary()
+#: bfloat16 copies of the unembedding, one per readout (made once, kept while the readout lives;
+#: made again if its weights are written in place), with the versions they were made from.
+_BF16: weakref.WeakKeyDictionary[Any, tuple[tuple[int, int], Tensor, Tensor]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def unembedding(readout: Any, bf16: bool = False) -> tuple[Tensor, Tensor]:
@@ -39,17 +42,19 @@ def unembedding(readout: Any, bf16: bool = False) -> tuple[Tensor, Tensor]:
     products take them: the readout's own, or bfloat16 copies made once."""
     if not bf16:
         return readout.W_U, readout.b_U
+    version = (readout.W_U._version, readout.b_U._version)
     cached = _BF16.get(readout)
-    if cached is None:
-        cached = _BF16[readout] = (readout.W_U.to(torch.bfloat16), readout.b_U.to(torch.bfloat16))
-    return cached
+    if cached is None or cached[0] != version:
+        low = (readout.W_U.to(torch.bfloat16), readout.b_U.to(torch.bfloat16))
+        cached = _BF16[readout] = (version, *low)
+    return cached[1], cached[2]
 
 
 class _Logits:
     """Blocks of logits ``x W_U + b_U`` in the readout dtype, into a reused buffer."""
 
     def __init__(self, readout: Any, bf16: bool, rows: int, ws: Workspace) -> None:
-        self.readout, self.bf16 = readout, bf16
+        self.readout = readout
         self.w, self.b = unembedding(readout, bf16)
         vocab, device = readout.d_vocab, readout.device
         self.buffer = ws.get("kl_grad/logits", (rows, vocab), readout.dtype, device)
