@@ -87,6 +87,12 @@ def unfused_kl_gradients(
     return gw, gb, kl
 
 
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (timings of a GPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tuned-lens-src", type=Path, required=True)
@@ -97,6 +103,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="steps per timed repeat")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (bench/gpu.sh)")
     parser.add_argument("--levers", action=argparse.BooleanOptionalAction, default=True,
                         help="also time the step before the fused KL and with a block per layer")
     parser.add_argument("--json", type=Path)
@@ -105,13 +112,16 @@ def main() -> None:
     sys.path.insert(0, str(args.tuned_lens_src))
     from tuned_lens.nn.lenses import TunedLens, TunedLensConfig  # the optional comparison
 
-    model = build(args.layers, args.d_model, args.vocab)
+    device = torch.device(args.device)
+    model = build(args.layers, args.d_model, args.vocab).to(device)
     readout = final_readout(model)
     gen = torch.Generator().manual_seed(0)
-    states = [torch.randn(args.tokens, args.d_model, generator=gen) for _ in range(args.layers + 1)]
+    states = [torch.randn(args.tokens, args.d_model, generator=gen).to(device)
+              for _ in range(args.layers + 1)]
     recipe = TunedRecipe(steps=10**6, tokens_per_step=args.tokens)  # the step size barely decays
 
     lens = TunedLens(StubUnembed(readout), TunedLensConfig("stub", args.d_model, args.layers))
+    lens = lens.to(device)
     opt = torch.optim.SGD(lens.parameters(), lr=recipe.lr * (1 - recipe.momentum),
                           momentum=recipe.momentum, nesterov=True,
                           weight_decay=recipe.weight_decay)
@@ -121,7 +131,7 @@ def main() -> None:
 
     def tuned_lens_step(bf16: bool) -> None:
         for i, h in enumerate(states[:-1]):
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
                 logits = lens(h, idx=i)
                 loss = torch.sum(labels.exp() * (labels - logits.log_softmax(-1)), dim=-1).mean()
             loss.backward()
@@ -130,8 +140,8 @@ def main() -> None:
         opt.zero_grad(set_to_none=False)
         sched.step()
 
-    params = {"weight": torch.zeros(args.layers, args.d_model, args.d_model),
-              "bias": torch.zeros(args.layers, args.d_model)}
+    params = {"weight": torch.zeros(args.layers, args.d_model, args.d_model, device=device),
+              "bias": torch.zeros(args.layers, args.d_model, device=device)}
     slots: dict[str, torch.Tensor] = {}
     done = [0]
     sgd = NesterovSGD(recipe)
@@ -162,6 +172,7 @@ def main() -> None:
     # The gradients agree: bf16 and the step before against float32 (relative Frobenius norm).
     check = {"weight": 0.02 * torch.randn(args.layers, args.d_model, args.d_model, generator=gen),
              "bias": 0.1 * torch.randn(args.layers, args.d_model, generator=gen)}
+    check = {name: value.to(device) for name, value in check.items()}
     exact = kl_gradients(readout, states, check["weight"], check["bias"], workspace=ws)
     agreement = {}
     for name, grads in (
@@ -177,9 +188,11 @@ def main() -> None:
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(args.repeats):  # interleaved
         for name, run in runs.items():
+            sync(device)
             started = time.perf_counter()
             for _ in range(args.steps):
                 run()
+            sync(device)
             times[name].append((time.perf_counter() - started) / args.steps)
     base = statistics.median(times["tuned-lens float32"])
     base_bf16 = statistics.median(times["tuned-lens bf16 autocast"])
@@ -188,6 +201,7 @@ def main() -> None:
                  f"vocab {args.vocab}",
         "tokens_per_step": args.tokens,
         "threads": args.threads,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "steps_per_round": args.steps,
         "repeats": args.repeats,
         "relative_difference_vs_lensdiv_float32": agreement,
