@@ -51,7 +51,8 @@ def unembedding(readout: Any, bf16: bool = False) -> tuple[Tensor, Tensor]:
 
 
 class _Logits:
-    """Blocks of logits ``x W_U + b_U`` in the readout dtype, into a reused buffer."""
+    """Blocks of logits ``x W_U + b_U`` in the readout dtype, into reused buffers, and the
+    backward product of a block."""
 
     def __init__(self, readout: Any, bf16: bool, rows: int, ws: Workspace) -> None:
         self.readout = readout
@@ -63,34 +64,34 @@ class _Logits:
         self.raw: Tensor | None = None
         self.capped: Tensor | None = None
 
-    def __call__(self, x: Tensor) -> Tensor:
-        """The logits of rows ``x`` (a view of the buffer, valid until the next call)."""
+    def centered(self, x: Tensor) -> Tensor:
+        """``z − max z`` per row of the logits of rows ``x`` (a view of the buffer, valid until
+        the next call). Elementwise passes stay within one dtype: torch's kernels that cast as
+        they go run several times slower than a copy and a pass."""
         z = self.buffer[: x.shape[0]]
         if self.low is None:
             torch.addmm(self.b, x, self.w, out=z)
         else:
             low = self.low[: x.shape[0]]
-            torch.addmm(self.b, x.to(torch.bfloat16), self.w, out=low)
-            z.copy_(low)
+            z.copy_(torch.addmm(self.b, x.to(torch.bfloat16), self.w, out=low))
         if self.readout.transform is not None:  # a softcap, say: its derivative by autograd
             self.raw = z.clone().requires_grad_(True)
             with torch.enable_grad():
                 self.capped = self.readout.transform(self.raw)
             z.copy_(self.capped.detach())
-        return z
+        return z.sub_(z.amax(-1, keepdim=True))
 
-    def backward(self, dz: Tensor, out: Tensor) -> None:
-        """``out = dz W_Uᵀ`` for ``dz`` the gradient with respect to the last block's logits."""
+    def backward(self, minus_dz: Tensor, out: Tensor) -> None:
+        """``out = dz W_Uᵀ`` for ``−dz`` the negated gradient with respect to the last block's
+        logits (in the logits' buffer)."""
         if self.raw is not None and self.capped is not None:
             with torch.enable_grad():
-                (dz_raw,) = torch.autograd.grad(self.capped, self.raw, dz)
-            dz.copy_(dz_raw)
+                (minus_dz,) = torch.autograd.grad(self.capped, self.raw, minus_dz)
         if self.low is None:
-            torch.mm(dz, self.w.T, out=out)
+            torch.mm(minus_dz, self.w.T, out=out).neg_()
         else:
-            low = self.low[: dz.shape[0]]
-            low.copy_(dz)
-            out.copy_(torch.mm(low, self.w.T))
+            low = self.low[: out.shape[0]].copy_(minus_dz)
+            out.copy_(torch.mm(low, self.w.T)).neg_()
 
 
 def _dot_sum(a: Tensor, b: Tensor, scratch: Tensor) -> Tensor:
@@ -124,8 +125,7 @@ def target_probabilities(
     x = readout.normalize(h)
     for start in range(0, n, rows):
         stop = min(n, start + rows)
-        z = logits(x[start:stop])
-        z.sub_(z.amax(-1, keepdim=True))
+        z = logits.centered(x[start:stop])
         block = torch.exp(z, out=p[start:stop])
         total = block.sum(-1, keepdim=True)
         block.div_(total)  # Σ p log p = Σ p (z − max) − log Σ exp(z − max)
@@ -170,8 +170,7 @@ def fused_kl(
         x = x.detach()
         for start in range(0, rows, block):
             stop = min(rows, start + block)
-            z = logits(x[start:stop])
-            z.sub_(z.amax(-1, keepdim=True))  # z − max: log q = z − max − log Σ exp(z − max)
+            z = logits.centered(x[start:stop])  # log q = z − max − log Σ exp(z − max)
             segments = _segments(start, stop, n)
             cross = [
                 _dot_sum(z[lo - start : hi - start], p[a:b], logits.scratch)
@@ -179,10 +178,10 @@ def fused_kl(
             ]
             total = z.exp_().sum(-1, keepdim=True)
             log_total = total.log().squeeze(-1)
-            z.div_(total)  # q
             for (group, lo, hi, a, b), dot in zip(segments, cross, strict=True):
-                z[lo - start : hi - start].sub_(p[a:b])  # q − p
-                kl[group] += log_total[lo - start : hi - start].sum(dtype=torch.float64) - dot
+                here = slice(lo - start, hi - start)  # p − q in place: q and − p in one pass
+                torch.addcdiv(p[a:b], z[here], total[here], value=-1, out=z[here])
+                kl[group] += log_total[here].sum(dtype=torch.float64) - dot
             logits.backward(z, grad[start:stop])
     return grad, kl + neg_entropy  # every group reads all n positions once
 
