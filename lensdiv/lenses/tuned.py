@@ -12,6 +12,10 @@ warm-up, 250 steps of 2^18 tokens (:data:`PRESETS`; smaller presets for a CPU an
 A fit that names no preset takes the fast path (:data:`DEFAULT_PRESET`: a closed-form start, the
 affine lens, then 15 SGD steps at ``lr`` 4), which reached the recipe's held-out KL in a tenth
 to a sixth of its time on the toy models.
+A batch's gradient is :func:`kl_gradients`: the layers' readouts as one stacked product, the KL
+fused into the log-softmax with its gradient taken analytically (:mod:`lensdiv.ops.kl_grad`);
+``bf16`` (a recipe field, ``-O bf16=true``) takes the unembedding's products in bfloat16 with
+float32 accumulation.
 
 **A training is an analyzer** (:class:`TunedFit`, ``fit-tuned``) whose passes read the data
 onward (:meth:`~lensdiv.core.analyzer.Analyzer.pass_tokens`): pass ``p`` is step ``p``, the next
@@ -55,8 +59,9 @@ from lensdiv.core.errors import OptionError
 from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
 from lensdiv.lenses.affine import add_moments
+from lensdiv.ops.kl_grad import fused_kl, target_probabilities
 from lensdiv.ops.lens_files import TunedLensFolder
-from lensdiv.ops.readout import final_readout
+from lensdiv.ops.readout import Workspace, final_readout, workspace
 from lensdiv.ops.ridge import fit_affine
 from lensdiv.ops.translators import Translator, parse_lens
 from lensdiv.run.engine import Engine
@@ -91,6 +96,12 @@ class TunedRecipe:
             form, the affine lens (:mod:`lensdiv.lenses.affine`), and the remaining
             ``steps − affine_passes`` SGD steps decay to 0. 0: the published recipe (from the
             identity, or from ``start``).
+        bf16: The unembedding's products (the target's and every layer's readout, and the
+            readouts' backward) take bfloat16 operands with float32 accumulation; the
+            translators, the norm, the log-softmax, the KL and the gradient sums stay in the
+            readout dtype (float32) and float64 (:mod:`lensdiv.ops.kl_grad`). Faster where the
+            hardware multiplies bfloat16 (AVX-512 BF16 or AMX CPUs, tensor cores); the logits
+            carry bfloat16's rounding, as under tuned-lens's bf16 autocast.
     """
 
     steps: int = 250
@@ -101,6 +112,7 @@ class TunedRecipe:
     clip: float = 1.0
     exclude_bos: bool = True
     affine_passes: int = 0
+    bf16: bool = False
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.tokens_per_step < 1:
@@ -209,33 +221,55 @@ class NesterovSGD:
 
 
 def kl_gradients(
-    readout: Any, states: list[Tensor], weight: Tensor, bias: Tensor
+    readout: Any,
+    states: list[Tensor],
+    weight: Tensor,
+    bias: Tensor,
+    *,
+    bf16: bool = False,
+    rows_per_block: int | None = None,
+    workspace: Workspace | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The gradients of ``Σ_positions KL(p_L ‖ p_l)`` with respect to every layer's ``A_l``
     and ``b_l``, and the summed KL per layer: a step's work on one batch.
+
+    The layers' translated states are normed together (autograd tracks the translators and the
+    norm only: ``[L·n, d]``), read out in blocks of rows as one stacked product with the KL
+    fused into the log-softmax and its gradient ``q_l − p_L`` taken analytically
+    (:func:`lensdiv.ops.kl_grad.fused_kl`), and that gradient carried back through the norm
+    and the translators.
 
     Args:
         readout: The model's :class:`~lensdiv.ops.readout.FinalReadout`.
         states: ``h_0 .. h_L`` of the positions, ``[n, d]`` each, in the readout's dtype.
         weight, bias: ``A`` ``[L, d, d]`` and ``b`` ``[L, d]``.
+        bf16: The unembedding's products (the target's, the readouts' and their backward) in
+            bfloat16 with float32 accumulation; everything else in the readout dtype.
+        rows_per_block: Rows of one readout block (default: about ``BLOCK_ELEMENTS`` logits).
+        workspace: The buffers, reused between calls (a fresh set otherwise).
 
     Returns:
-        ``(∂A, ∂b, KL)``: ``[L, d, d]``, ``[L, d]``, ``[L]``.
+        ``(∂A, ∂b, KL)``: ``[L, d, d]``, ``[L, d]`` in the readout dtype, ``[L]`` in float64.
     """
     with torch.no_grad():
-        target = readout.logits(states[-1]).log_softmax(-1)  # log p_L
-        p_target = target.exp()
-    grads: list[tuple[Tensor, Tensor, Tensor]] = []
-    for layer in range(len(states) - 1):  # one layer's logits at a time
-        w = weight[layer].detach().requires_grad_(True)
-        b = bias[layer].detach().requires_grad_(True)
-        with torch.enable_grad():
-            h = states[layer]
-            logq = readout.logits(h + h @ w.T + b).log_softmax(-1)
-            kl = (p_target * (target - logq)).sum()
-            gw, gb = torch.autograd.grad(kl, (w, b))
-        grads.append((gw, gb, kl.detach()))
-    return tuple(torch.stack([g[i] for g in grads]) for i in range(3))  # type: ignore[return-value]
+        p, neg_entropy = target_probabilities(readout, states[-1], bf16=bf16, workspace=workspace)
+    w = weight.detach().requires_grad_(True)
+    b = bias.detach().requires_grad_(True)
+    with torch.enable_grad():
+        h = torch.stack(states[:-1])  # [L, n, d]
+        x = readout.normalize((h + torch.baddbmm(b.unsqueeze(1), h, w.mT)).flatten(0, 1))
+    grad_x, kl = fused_kl(
+        readout,
+        x,
+        p,
+        neg_entropy,
+        bf16=bf16,
+        rows_per_block=rows_per_block,
+        workspace=workspace,
+    )
+    with torch.enable_grad():
+        grad_w, grad_b = torch.autograd.grad(x, (w, b), grad_x)
+    return grad_w, grad_b, kl
 
 
 @dataclass(frozen=True)
@@ -252,6 +286,7 @@ class TunedFit(TunedRecipe, Analyzer):
         exclude_bos: Leave the BOS position out of the loss.
         affine_passes: The first passes gather the affine lens' moments; the translators start
             at its closed form (then ``start`` must be unset).
+        bf16: The unembedding's products in bfloat16 with float32 accumulation.
         start: A lens to start from (``affine:DIR``, say); the identity (logit lens) otherwise.
     """
 
@@ -337,7 +372,9 @@ class TunedFit(TunedRecipe, Analyzer):
         if not keep.any():
             return
         states = [step.resid(layer)[keep].to(device, dtype) for layer in range(info.n_layers + 1)]
-        gw, gb, kl = kl_gradients(readout, states, weight, bias)
+        gw, gb, kl = kl_gradients(
+            readout, states, weight, bias, bf16=self.bf16, workspace=workspace(step)
+        )
         grad_w.add_(gw)
         grad_b.add_(gb)
         kl_sums.add_(kl)
