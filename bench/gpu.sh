@@ -118,14 +118,8 @@ step floor 60 "$PY" bench/bench_floor.py "${DEV[@]}" "${FLOOR[@]}" --json "$OUT/
 step fused 45 "$PY" bench/bench_fused.py "${DEV[@]}" "${FUSED[@]}" --json "$OUT/fused_gpu.json"
 TL_SRC=${TUNED_LENS_SRC:-$("$PY" -c 'import os, tuned_lens; print(os.path.dirname(os.path.dirname(tuned_lens.__file__)))' 2>/dev/null)}
 if [ -n "$TL_SRC" ] && [ -d "$TL_SRC/tuned_lens" ]; then
-    STEP_DEV=()  # bench_tuned_step.py runs on the CPU unless it takes --device
-    "$PY" bench/bench_tuned_step.py --help 2>/dev/null | grep -q -- --device && STEP_DEV=("${DEV[@]}")
-    if [ $SMOKE = 1 ] || [ ${#STEP_DEV[@]} -gt 0 ]; then
-        step tuned_step 45 "$PY" bench/bench_tuned_step.py --tuned-lens-src "$TL_SRC" "${STEP_DEV[@]}" \
-            "${STEP[@]}" --json "$OUT/tuned_step_gpu.json"
-    else
-        echo "  tuned_step: skipped (bench_tuned_step.py takes no --device: its figure would be the CPU's)"
-    fi
+    step tuned_step 45 "$PY" bench/bench_tuned_step.py --tuned-lens-src "$TL_SRC" "${DEV[@]}" \
+        "${STEP[@]}" --json "$OUT/tuned_step_gpu.json"
 else
     echo "  tuned_step: skipped (tuned-lens's source is not importable; TUNED_LENS_SRC=DIR names it)"
 fi

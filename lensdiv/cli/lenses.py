@@ -81,7 +81,7 @@ def fit(
             "--option",
             "-O",
             help="Fit option NAME=VALUE (repeatable): jacobian estimator=sketch, probes, "
-            "dim_batch, skip_first; affine ridge; tuned steps, tokens_per_step, lr, ...",
+            "dim_batch, skip_first; affine ridge; tuned steps, tokens_per_step, lr, bf16, ...",
         ),
     ] = None,
     init: Annotated[
