@@ -10,8 +10,8 @@ model's dtype) and ``p_L`` is the model's own output. The recipe is tuned-lens's
 (``lr`` = 1), weight decay 1e-3, gradient norm clipped at 1, a linear decay to 0 without
 warm-up, 250 steps of 2^18 tokens (:data:`PRESETS`; smaller presets for a CPU and the toy zoo).
 A fit that names no preset takes the fast path (:data:`DEFAULT_PRESET`: a closed-form start, the
-affine lens, then 15 SGD steps at ``lr`` 4), which reached the recipe's held-out KL in a tenth
-to a sixth of its time on the toy models.
+affine lens, then 15 SGD steps at ``lr`` 4), which reached the recipe's held-out KL in about a
+seventh of its time on the toy models.
 A batch's gradient is :func:`kl_gradients`: the layers' readouts as one stacked product, the KL
 fused into the log-softmax with its gradient taken analytically (:mod:`lensdiv.ops.kl_grad`);
 ``bf16`` (a recipe field, ``-O bf16=true``) takes the unembedding's products in bfloat16 with
