@@ -62,8 +62,8 @@ STAT_ELEMENTS = 1 << 20
 
 
 @dataclass
-class Cells:
-    """Every cell of a ``[row, position]`` grid (float64 unless said otherwise).
+class _Grid:
+    """The cells' statistics (float64 unless said otherwise).
 
     Args:
         top: ``[row, pos, k]`` token ids, most likely first (int64).
@@ -72,7 +72,6 @@ class Cells:
         entropy: ``[row, pos]`` the cell's entropy in nats.
         next_logp: ``[row, pos]`` log-probability of the next token (``following``).
         next_rank: ``[row, pos]`` tokens with a larger logit than the next one (int64).
-        products: The products used: ``"float32"`` or ``"bf16"``.
     """
 
     top: Tensor
@@ -81,6 +80,14 @@ class Cells:
     entropy: Tensor
     next_logp: Tensor
     next_rank: Tensor
+
+
+@dataclass
+class Cells(_Grid):
+    """Every cell of a ``[row, position]`` grid: the statistics of :class:`_Grid` (``top``,
+    ``top_logp``, ``kl``, ``entropy``, ``next_logp``, ``next_rank``), and ``products``, the
+    products used: ``"float32"`` or ``"bf16"``."""
+
     products: str
 
 
@@ -266,26 +273,16 @@ def _equal(h: Tensor, reference: Tensor) -> bool:
 
 
 @dataclass
-class _Block:
-    """One sub-block's cells, and its log-partition (``log Σ exp(z − max z)``, float64)."""
+class _Block(_Grid):
+    """One sub-block's cells (a ``[rows]`` slice of each statistic), and its log-partition
+    (``log Σ exp(z − max z)``, float64)."""
 
-    top: Tensor
-    top_logp: Tensor
-    kl: Tensor
-    entropy: Tensor
-    next_logp: Tensor
-    next_rank: Tensor
     log_norm: Tensor
 
 
 @dataclass
-class _Out:
-    top: Tensor
-    top_logp: Tensor
-    kl: Tensor
-    entropy: Tensor
-    next_logp: Tensor
-    next_rank: Tensor
+class _Out(_Grid):
+    """The grid being filled, sub-block by sub-block."""
 
     def put(self, row: int, pos: slice, s: _Block, zero_kl: bool = False) -> None:
         k = self.top.shape[-1]
