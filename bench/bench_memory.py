@@ -1,12 +1,14 @@
-"""Benchmark: the peak memory of a ``lens,bias`` run does not grow with the number of tokens.
+"""Benchmark: the peak memory of a run does not grow with the number of tokens.
 
-Runs ``lens,bias`` on ``--tokens N`` and on ``10·N`` tokens of the built-in corpus, each in a
+Runs ``--plugins`` (``lens,bias`` by default; ``prune,reorder`` for issue 30) on ``--tokens N`` and on ``10·N`` tokens of the built-in corpus, each in a
 fresh process (the peak resident set size of a process only grows), on a random TL-native model
 with GPT-2's 50257-token vocabulary (``--layers 6 --d-model 512`` by default: the readout
 buffers, the float32 unembedding and the per-batch activations are what could grow; depth only
 scales the model). Target (issue 15): peak RSS at 10·N ≤ 1.05 × peak RSS at N.
 
     python bench/bench_memory.py [--tokens 512 --json bench/memory_cpu.json]
+    python bench/bench_memory.py --plugins prune,reorder --tokens 1024 --layers 4 --d-model 128 \
+        --vocab 8192 --json bench/memory_surgery_cpu.json
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ def child(args: argparse.Namespace) -> None:
     model = build(args.layers, args.d_model, args.vocab)
     spec = DataSpec(max_tokens=args.tokens, seq_len=args.seq_len, batch_size=args.batch_size)
     t0 = time.perf_counter()
-    run = analyze(model, data=spec, plugins="lens,bias", progress=False)
+    run = analyze(model, data=spec, plugins=args.plugins, progress=False)
     assert run.ok, run.errors
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     tokens = run.manifest["timings"]["tokens"]
@@ -48,6 +50,7 @@ def child(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = model_parser(__doc__, tokens=512, batch_size=4, repeats=1)
     parser.set_defaults(layers=6, d_model=512)
+    parser.add_argument("--plugins", default="lens,bias", help="the analyzers run (default lens,bias)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -72,6 +75,8 @@ def main() -> None:
             str(args.seq_len),
             "--batch-size",
             str(args.batch_size),
+            "--plugins",
+            args.plugins,
         ]
         out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
         runs[name] = json.loads(out.strip().splitlines()[-1])
@@ -79,6 +84,7 @@ def main() -> None:
         {
             **describe(args),
             "batch_size": args.batch_size,
+            "plugins": args.plugins,
             "runs": runs,
             "peak_rss_10N_over_N": round(
                 runs["10N"]["peak_rss_mib"] / runs["N"]["peak_rss_mib"], 4
