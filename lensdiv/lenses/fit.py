@@ -14,7 +14,7 @@ Every kind's ``--out`` folder has one layout: ``manifest.json``, ``lens.json`` (
 where the lens is: ``fit-tuned/tuned_lens/``, ``fit-affine/affine_lens/``, ``fit-jacobian/jacobian_lens.pt``),
 ``evaluation.csv``/``.json``; ``--lens KIND:OUT`` and ``--lens OUT`` read it. How each kind is
 fitted is attached to its entry in the registry of lens kinds (:data:`~lensdiv.ops.translators.LENS_KINDS`):
-:class:`AnalyzerFitter`, :class:`TunedFitter`.
+:class:`AnalyzerFitter`, :class:`TunedFitter` (each a :class:`Fitter` of a :class:`FitRequest`).
 
 Then, unless the fit is one shard of many, the lens is evaluated on the tokens that follow the
 fit's in the same data (``DataSpec.skip_tokens``): the ``lens`` analyzer through the logit lens and
@@ -28,7 +28,7 @@ import dataclasses
 import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from lensdiv.core.analyzer import Analyzer, ModelInfo
 from lensdiv.core.errors import OptionError
@@ -182,13 +182,9 @@ def fit_lens(
     out = Path(out)
     options = dict(options or {})
     fitter, tokens, start = found.fitter.plan(
-        preset,
-        options,
-        init,
-        max_tokens=settings.max_tokens,
-        seq_len=settings.seq_len,
-        batch_size=settings.batch_size,
-        shard=shard,
+        FitRequest(
+            preset, options, init, settings.max_tokens, settings.seq_len, settings.batch_size, shard
+        )
     )
     bridge = _bridge(
         model, settings.device, settings.dtype, progress and current_world().main, **load
@@ -234,6 +230,31 @@ def fit_lens(
 
 
 @dataclass(frozen=True)
+class FitRequest:
+    """What a fit was asked for, as every :class:`Fitter` reads it: the tuned lens' ``preset``
+    and ``init`` (a start lens), the kind's ``options`` (``-O``), the run's ``max_tokens``
+    (``None``: the default), ``seq_len`` and ``batch_size``, and the ``shard`` (``None``: all)."""
+
+    preset: str | None
+    options: dict[str, Any]
+    init: Any
+    max_tokens: int | None
+    seq_len: int
+    batch_size: int
+    shard: Any
+
+
+class Fitter(Protocol):
+    """How a lens kind is fitted (attached to its :class:`~lensdiv.ops.translators.LensKind`):
+    ``plan`` gives the fitting analyzer, the tokens it reads and a start lens (or ``None``);
+    ``artifact`` is where the result leaves the lens, under the analyzer's folder."""
+
+    artifact: str
+
+    def plan(self, request: FitRequest) -> tuple[Analyzer, int, Translator | None]: ...
+
+
+@dataclass(frozen=True)
 class AnalyzerFitter:
     """A lens that one pass of an analyzer sums over prompts (affine, Jacobian): shards merge;
     the lens is the result's artifact ``artifact``."""
@@ -241,20 +262,11 @@ class AnalyzerFitter:
     analyzer: type[AffineFit] | type[JacobianFit]
     artifact: str
 
-    def plan(
-        self,
-        preset: str | None,
-        options: dict[str, Any],
-        init: Any,
-        *,
-        max_tokens: int | None,
-        seq_len: int,
-        batch_size: int,
-        shard: Any,
-    ) -> tuple[Analyzer, int, Translator | None]:
-        """The fitting analyzer and the tokens it reads (the run's default unless given); ``preset`` and
-        ``init`` are a tuned lens'."""
-        return self.analyzer.from_options(options), max_tokens or DataSpec.max_tokens, None
+    def plan(self, request: FitRequest) -> tuple[Analyzer, int, Translator | None]:
+        """The fitting analyzer and the tokens it reads (the run's default unless given); the
+        request's ``preset`` and ``init`` are a tuned lens'."""
+        analyzer = self.analyzer.from_options(request.options)
+        return analyzer, request.max_tokens or DataSpec.max_tokens, None
 
 
 @dataclass(frozen=True)
@@ -263,25 +275,20 @@ class TunedFitter:
 
     artifact: str = TUNED_FOLDER
 
-    def plan(
-        self,
-        preset: str | None,
-        options: dict[str, Any],
-        init: Any,
-        *,
-        max_tokens: int | None,
-        seq_len: int,
-        batch_size: int,
-        shard: Any,
-    ) -> tuple[Analyzer, int, Translator | None]:
+    def plan(self, request: FitRequest) -> tuple[Analyzer, int, Translator | None]:
         """:func:`tuned_fit`, refusing shards (SGD steps do not split into shards)."""
-        if shard is not None:
+        if request.shard is not None:
             raise OptionError(
                 "a tuned lens trains with SGD and cannot be split into shards",
                 hint="train it data parallel: torchrun --nproc-per-node N -m lensdiv lenses fit",
             )
         return tuned_fit(
-            preset, options, init, max_tokens=max_tokens, seq_len=seq_len, batch_size=batch_size
+            request.preset,
+            request.options,
+            request.init,
+            max_tokens=request.max_tokens,
+            seq_len=request.seq_len,
+            batch_size=request.batch_size,
         )
 
 

@@ -198,25 +198,13 @@ def save_tuned(
     folder: str | Path,
     weights: Mapping[int, Tensor],
     biases: Mapping[int, Tensor],
-    *,
-    d_model: int,
-    n_layers: int,
-    model_name: str,
-    extra: Mapping[str, Any] | None = None,
+    **fields: Any,
 ) -> list[Path]:
-    """Write translators ``h + W_i h + b_i`` in tuned-lens's layout now
-    (:class:`TunedLensFolder`)."""
+    """Write translators ``h + W_i h + b_i`` in tuned-lens's layout now: a
+    :class:`TunedLensFolder` named after ``folder`` (``fields``: its keywords ``d_model``,
+    ``n_layers``, ``model_name``, ``extra``), written there."""
     folder = Path(folder)
-    lens = TunedLensFolder(
-        folder.name,
-        weights,
-        biases,
-        d_model=d_model,
-        n_layers=n_layers,
-        model_name=model_name,
-        extra=extra,
-    )
-    return lens.write(folder)
+    return TunedLensFolder(folder.name, weights, biases, **fields).write(folder)
 
 
 def write_tuned_maps(path: Path, found: LensMaps, n_layers: int, model_name: str) -> list[Path]:
