@@ -15,14 +15,14 @@ benchmarks and tests call it directly):
   one's page, never a path outside it.
 
 Bad input raises a :class:`~lensdiv.core.errors.LensdivError` (the server answers 400 with its
-line). Calls hold a lock: the model serves one request at a time.
+line). A session serves one call at a time: its caller serialises them (the server holds its one
+lock around every call; the model and the grid's buffers are shared).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -109,7 +109,6 @@ class Session:
         self.runs_root = runs.resolve() if runs is not None else None
         self.products = products_of(products, final_readout(model))
         self.workspace = Workspace()  # the grid's buffers, kept between requests
-        self.lock = threading.Lock()
         self._resumer: Resumer | None = None
 
     # -- facts ---------------------------------------------------------------------------------
@@ -152,18 +151,17 @@ class Session:
                     "a skipped block is shown with the logit lens", hint="lens=logit"
                 )
         start = time.perf_counter()
-        with self.lock:
-            self._tokens(text)  # the context, checked without truncation
-            view = prompt_view(
-                self.model,
-                text,
-                top_k=top_k,
-                lens=self.lenses[lens],
-                skip=skip,
-                part=part,
-                products=self.products,
-                workspace=self.workspace,
-            )
+        self._tokens(text)  # the context, checked without truncation
+        view = prompt_view(
+            self.model,
+            text,
+            top_k=top_k,
+            lens=self.lenses[lens],
+            skip=skip,
+            part=part,
+            products=self.products,
+            workspace=self.workspace,
+        )
         out = view.to_dict()
         out["lens"] = lens
         if skip is not None:  # the top row's KL: the skipped output against the unskipped one
@@ -189,23 +187,22 @@ class Session:
         layer = _field(request, "layer", int, None)
         position = _field(request, "position", int, None)
         start = time.perf_counter()
-        with self.lock:
-            clean, corrupt = self._tokens(clean_text), self._tokens(corrupt_text)
-            if clean.shape[1] != corrupt.shape[1]:
-                raise RequestError(
-                    f"the clean prompt is {clean.shape[1]} tokens and the corrupt one "
-                    f"{corrupt.shape[1]}: patching needs prompts of the same length",
-                    hint="edit the corrupt prompt to the clean one's length",
-                )
-            L, n_pos = self.info.n_layers, clean.shape[1]
-            if not full_map:
-                if layer is None or position is None:
-                    raise RequestError("give layer and position (or map: true)")
-                if not 0 <= layer <= L:
-                    raise RequestError(f"layer {layer} is outside 0-{L} (h0 … h{L})")
-                if not 0 <= position < n_pos:
-                    raise RequestError(f"position {position} is outside 0-{n_pos - 1}")
-            out = self._patch(clean, corrupt, target_text, layer, position, full_map)
+        clean, corrupt = self._tokens(clean_text), self._tokens(corrupt_text)
+        if clean.shape[1] != corrupt.shape[1]:
+            raise RequestError(
+                f"the clean prompt is {clean.shape[1]} tokens and the corrupt one "
+                f"{corrupt.shape[1]}: patching needs prompts of the same length",
+                hint="edit the corrupt prompt to the clean one's length",
+            )
+        L, n_pos = self.info.n_layers, clean.shape[1]
+        if not full_map:
+            if layer is None or position is None:
+                raise RequestError("give layer and position (or map: true)")
+            if not 0 <= layer <= L:
+                raise RequestError(f"layer {layer} is outside 0-{L} (h0 … h{L})")
+            if not 0 <= position < n_pos:
+                raise RequestError(f"position {position} is outside 0-{n_pos - 1}")
+        out = self._patch(clean, corrupt, target_text, layer, position, full_map)
         out["ms"] = round(1000 * (time.perf_counter() - start), 1)
         return finite(out)
 
