@@ -167,7 +167,7 @@ def test_explore_in_a_browser(served: Any, shots: Path) -> None:
         page.evaluate("document.querySelector('#tab-lens').click()")
         page.evaluate("(p => { p.focus(); p.select(); })(document.querySelector('#prompt'))")
         page.call("Input.insertText", text="x" * (int(model.cfg.n_ctx) + 10))
-        message = wait(page, "(e => !e.hidden && e.textContent)(document.querySelector('#error'))")
+        message = wait(page, "(e => !e.hidden && e.textContent)(document.querySelector('#error-lens'))")
         assert f"at most {int(model.cfg.n_ctx)}" in message
         not_blank(page.screenshot(shots / "explore_6_error.png"))
         # Chromium logs the 400 response itself; nothing else went wrong.
