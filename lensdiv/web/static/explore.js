@@ -6,7 +6,7 @@
   const headers = { "Content-Type": "application/json" };
   if (token) headers["X-Lensdiv-Token"] = token;
   const state = { info: null, grids: null, patchAbort: null, gridAbort: null, timer: 0, pinned: null,
-    follow: true, syncing: false };
+    follow: true, scrollLeft: 0, syncing: false };  // follow: the grids keep their last positions in view
 
   function el(tag, attrs, ...children) {
     const node = document.createElement(tag);
@@ -163,7 +163,7 @@
     const follow = () => {  // opens on the last positions unless the reader scrolled away
       const [first] = scrollers;
       if (!first) return;
-      const left = state.follow ? first.scrollWidth : Math.min(state.scrollLeft || 0, first.scrollWidth);
+      const left = state.follow ? first.scrollWidth : Math.min(state.scrollLeft, first.scrollWidth);
       scrollers.forEach((s) => { s.scrollLeft = left; });
     };
     scrollers.forEach((s) => s.addEventListener("scroll", () => {
