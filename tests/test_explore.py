@@ -187,6 +187,33 @@ def test_toy_patch_example_is_agreement() -> None:
     check_example(toy, TOY_EXAMPLE)
 
 
+def test_patch_example_for_another_tokenizer() -> None:
+    """A tokenizer other than the toys': the first built-in pair (a capital city), its answer the
+    target when it is one token, else no target (the clean prompt's prediction)."""
+    from types import SimpleNamespace
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from lensdiv.data.pairs import builtin_pairs
+
+    words = ["<unk>", "The", "capital", "of", "is", "France", "Paris", "Italy", "Rome"]
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>")
+    pair = builtin_pairs(tokenizer)[0]
+    for per_token, target in ((1, pair.target), (2, "")):  # as if the answer were two tokens
+
+        def to_tokens(text: str, prepend_bos: bool, n: int = per_token) -> torch.Tensor:
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            return torch.tensor([ids * n])
+
+        example = patch_example(SimpleNamespace(tokenizer=tokenizer, to_tokens=to_tokens))
+        assert example["clean"] == pair.clean == "The capital of France is"
+        assert example["corrupt"] == pair.corrupt and example["target"] == target
+        assert pair.clean in example["about"] and pair.corrupt in example["about"]
+
+
 def test_toy_patch_example_moves_the_answer(monkeypatch: pytest.MonkeyPatch) -> None:
     """On the default toy as users get it (its full recipe), patching the example's best
     (layer, position) moves the target's probability from the corrupt run's most of the way to
