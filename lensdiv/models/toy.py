@@ -420,7 +420,10 @@ def check_cache(folder: Path) -> None:
 def _warn(message: str) -> None:
     from rich.console import Console
 
-    Console(stderr=True).print(f"[yellow]warning:[/yellow] {message}", highlight=False)
+    # one line whatever the width: a log keeps it whole
+    Console(stderr=True).print(
+        f"[yellow]warning:[/yellow] {message}", highlight=False, soft_wrap=True
+    )
 
 
 def train_toy(
