@@ -91,8 +91,8 @@ def ship(entry: Path | None = None, *, progress: bool = True) -> Path:
         from safetensors.torch import save_model
 
         save_model(model.original_model, str(staged / WEIGHTS))
-        for file in _FILES:
-            shutil.copy2(entry / file, staged / file)
+        for kept in _FILES:
+            shutil.copy2(entry / kept, staged / kept)
         prefix = {"steps": PREFIX_STEPS, "sha256": prefix_digest(progress), **platform_tag()}
         (staged / _PREFIX).write_text(json.dumps(prefix, indent=1))
         files = [WEIGHTS, "recipe.json", "train_log.json", _PREFIX]
@@ -105,8 +105,8 @@ def ship(entry: Path | None = None, *, progress: bool = True) -> Path:
                 shutil.rmtree(old)
         SHIPPED.mkdir(exist_ok=True)
         shutil.copytree(staged, SHIPPED / name)
-        for file in (SHIPPED / name).iterdir():
-            file.chmod(0o644)  # package data, readable by all (safetensors writes 0600)
+        for shipped in (SHIPPED / name).iterdir():
+            shipped.chmod(0o644)  # package data, readable by all (safetensors writes 0600)
     now = weights_digest(model)
     if not before:
         print(f"shipped {SHIPPED / name}")
