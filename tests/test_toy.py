@@ -339,3 +339,28 @@ def test_the_recipe_reproduces_the_shipped_model(monkeypatch: pytest.MonkeyPatch
     if (platform_tag()["torch"], platform_tag()["machine"]) == (prefix["torch"], prefix["machine"]):
         assert "the weights shipped with lensdiv: the same, bit for bit" in text
         assert trained["heldout_loss"] == shipped["heldout_loss"]
+
+
+def test_ship_refreshes_the_shipped_entry(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """`python -m lensdiv.models.ship --entry E` (the prefix's training stubbed: the test above
+    runs it) writes a verified entry of the same weights in place of the old ones, and says
+    they are the same."""
+    import shutil
+
+    import lensdiv.models.ship as ship
+    import lensdiv.models.toy as toy
+
+    monkeypatch.delenv("LENSDIV_TOY_STEPS", raising=False)
+    real, target = _shipped(), tmp_path / "shipped"
+    shutil.copytree(real, target / real.name)
+    (target / "toy-d4-w64-000000000000").mkdir()  # an entry of an earlier recipe: removed
+    monkeypatch.setattr(ship, "SHIPPED", target)
+    monkeypatch.setattr(toy, "SHIPPED", target)
+    monkeypatch.setattr(ship, "prefix_digest", lambda progress=False: "stub")
+    made = ship.ship(real, progress=False)
+    assert made == target / real.name and sorted(target.iterdir()) == [made]
+    assert verify_entry(made) is None
+    assert json.loads((made / "prefix.json").read_text())["sha256"] == "stub"
+    assert toy.shipped_match(DEFAULT, load_toy("toy", recipe=TrainRecipe(), progress=False))
+    assert "the same weights as the entry it replaces" in capsys.readouterr().out
