@@ -6,7 +6,7 @@ OUT ?= lensdiv-out/demo
 # Test processes (pytest-xdist; each test file runs whole in one of them, one torch thread each).
 TEST_WORKERS ?= 2
 
-.PHONY: setup demo test check bench bench-gpu bench-gpu-smoke findings lint clean
+.PHONY: setup demo test check bench bench-gpu bench-gpu-smoke findings lint clean ship-toy toy-reproduce
 
 setup: $(VENV)/.installed
 
@@ -58,6 +58,18 @@ bench: setup
 # bench/teacher_student_cpu.json, `python docs/findings.py --rerun-teacher-student` trains it again).
 findings: setup
 	HF_HUB_OFFLINE=1 MPLBACKEND=Agg $(BIN)/python docs/findings.py
+
+# The default toy ships trained (lensdiv/models/shipped/): retrain it with its recipe and ship the
+# result (says whether the weights are those it replaces); after a change to its recipe, corpus
+# or TOY_VERSION (a new key), or to refresh it.
+ship-toy: setup
+	env -u LENSDIV_TOY_STEPS $(BIN)/python -m lensdiv.models.ship
+
+# The whole default recipe against the shipped toy (held-out loss within 1 %, bit for bit on the
+# platform its prefix.json names): minutes, so not in `make test`, which checks its first steps.
+toy-reproduce: setup
+	LENSDIV_REPRODUCE_TOY=1 HF_HUB_OFFLINE=1 MPLBACKEND=Agg $(BIN)/python -m pytest -q -n 0 \
+		tests/test_toy.py -k "reproduces"
 
 lint: setup
 	$(BIN)/ruff check lensdiv tests bench plugins docs

@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from lensdiv.cli import app
 from lensdiv.core.analyzer import Batch, ModelInfo
-from lensdiv.core.errors import LensdivError, OptionError
+from lensdiv.core.errors import DataError, DataWarning, LensdivError, OptionError
 from lensdiv.lenses.fit import fit_lens, tuned_fit
 from lensdiv.lenses.tuned import (
     DEFAULT_PRESET,
@@ -438,3 +438,132 @@ def test_a_fast_path_lens_reads_the_same_in_tuned_lens(llama_dir: Path, tmp_path
     with torch.no_grad():
         for i, h in enumerate(states[:-1]):
             torch.testing.assert_close(theirs(h, idx=i), ours[i], rtol=1e-4, atol=1e-4)
+
+
+# -- data that cannot hold the fit and its evaluation (issue 36, point 6) ------------------------
+# A 3-step tuned fit of STEP_TOKENS each, then 96 held-out tokens (the recipe's steps scale to
+# max_tokens, as for the issue's --preset toy on a file shorter than its 122,880 tokens).
+SHORT: dict[str, Any] = {**FIT, "options": {"tokens_per_step": 120},
+                         "max_tokens": 3 * STEP_TOKENS}
+
+
+def _text_file(path: Path, n_bytes: int) -> Path:
+    from lensdiv.data.corpus import builtin_documents
+
+    text = ""
+    for doc in builtin_documents(seed=3):
+        text += doc + "\n"
+        if len(text) >= n_bytes:
+            break
+    path.write_text(text[:n_bytes])
+    return path
+
+
+def _held(path: Path, tokens: int) -> int:
+    """The tokens the fit's packing yields from ``path`` (up to ``tokens``), counted directly."""
+    from lensdiv.data.sources import DataSpec, token_batches
+    from lensdiv.data.tokenizer import byte_tokenizer
+
+    spec = DataSpec(str(path), seq_len=24, batch_size=2, max_tokens=tokens)
+    return sum(b.n_tokens for b in token_batches(spec, byte_tokenizer()))
+
+
+def test_known_tokens_counts_small_sources_only(tmp_path: Path) -> None:
+    """What the fit is told before it starts: a small file's tokens exactly as its batches hold
+    them; ``None`` for a file over the byte limit and for the (endless) built-in corpus; token
+    rows by arithmetic."""
+    from lensdiv.data.sources import DataSpec, known_tokens
+    from lensdiv.data.tokenizer import byte_tokenizer
+
+    path = _text_file(tmp_path / "small.txt", 300)
+    spec = DataSpec(str(path), seq_len=24, batch_size=2, max_tokens=10_000)
+    held = known_tokens(spec, byte_tokenizer())
+    assert held == _held(path, 10_000) and 300 < held < 10_000
+    cut = DataSpec(str(path), seq_len=24, batch_size=2, max_tokens=100)
+    assert known_tokens(cut, byte_tokenizer()) == 100
+    assert known_tokens(spec, byte_tokenizer(), most_bytes=299) is None
+    assert known_tokens(DataSpec(max_tokens=100), byte_tokenizer()) is None
+    rows = DataSpec.from_data(torch.ones(5, 7, dtype=torch.long), max_tokens=1000)
+    assert known_tokens(rows, byte_tokenizer()) == 35
+
+
+@pytest.mark.parametrize("counted", [True, False])
+def test_data_shorter_than_the_fit_keeps_the_lens_and_says_so(
+    llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, counted: bool
+) -> None:
+    """The issue's case through fit_lens: a file with fewer tokens than the fit. Counted up
+    front, a warning before the fit says so (with a --max-tokens that leaves the evaluation
+    its tokens); not counted (a source too big to count), the run's tokens read show it. Either
+    way the lens of the steps done is kept, the manifest is complete, there is no evaluation
+    and the last warning says why — no exception."""
+    path = _text_file(tmp_path / "short.txt", 300)
+    held = _held(path, 10_000)
+    assert STEP_TOKENS < held < 3 * STEP_TOKENS  # the fit runs out within its third step
+    if not counted:
+        monkeypatch.setattr("lensdiv.lenses.fit.known_tokens", lambda spec, tokenizer: None)
+    out = tmp_path / "fit"
+    with pytest.warns(DataWarning) as caught:
+        fit = fit_lens(str(llama_dir), "tuned", out=out, data=str(path), **SHORT)
+    lines = [str(w.message) for w in caught if issubclass(w.category, DataWarning)]
+    assert fit.warnings == lines and len(lines) == (2 if counted else 1)
+    if counted:
+        assert lines[0].startswith(f"the data holds {held:,} tokens, fewer than the fit's "
+                                   f"{3 * STEP_TOKENS:,} and the evaluation's 96")
+        assert f"--max-tokens {held - 96})" in lines[0]
+    assert lines[-1].startswith(f"no evaluation: the fit read all {held:,} tokens of the data "
+                                f"({3 * STEP_TOKENS:,} planned)")
+    assert fit.manifest["status"] == "complete" and fit.evaluation is None
+    assert fit.lens == out / "fit-tuned" / TUNED_FOLDER
+    assert read_tuned(fit.lens).meta["steps_done"] == -(-held // STEP_TOKENS)  # the last short
+    assert json.loads((out / "lens.json").read_text())["kind"] == "tuned"
+    assert not (out / "evaluation.csv").exists()
+    # the fit the first warning proposes leaves the evaluation its tokens: no warning at all
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DataWarning)
+        again = fit_lens(str(llama_dir), "tuned", out=tmp_path / "again", data=str(path),
+                         **{**SHORT, "max_tokens": held - 96})
+    assert again.evaluation is not None and not again.warnings
+
+
+def test_cli_data_shorter_than_the_fit_ends_with_one_line(llama_dir: Path, tmp_path: Path
+                                                          ) -> None:
+    """The issue's command: exit 0 (the lens is written and the manifest complete), no
+    traceback, the warning before the fit and one line at the end on standard error."""
+    path = _text_file(tmp_path / "short.txt", 300)
+    out = tmp_path / "fit"
+    done = CliRunner().invoke(app, ["lenses", "fit", str(llama_dir), "--kind", "tuned",
+                                    "--preset", "toy", "-O", "tokens_per_step=120",
+                                    "--max-tokens", str(3 * STEP_TOKENS), "--seq-len", "24",
+                                    "--batch-size", "2", "--eval-tokens", "96",
+                                    "--data", str(path), "--out", str(out), "--no-progress"])
+    assert done.exit_code == 0, done.output
+    assert "Traceback" not in done.output and done.exception is None
+    errors = done.stderr.strip().splitlines()
+    assert len(errors) == 2 and errors[0].startswith("warning: the data holds ")
+    assert errors[-1].startswith("warning: no evaluation: the fit read all ")
+    assert errors[-1].endswith(f"lensdiv lenses evaluate {llama_dir} --lens tuned:{out} "
+                               "--data OTHER")
+    assert (out / "fit-tuned" / TUNED_FOLDER / "params.pt").is_file()
+    assert json.loads((out / "manifest.json").read_text())["status"] == "complete"
+
+
+def test_evaluating_past_the_end_of_the_data_is_one_line(llama_dir: Path, tmp_path: Path
+                                                          ) -> None:
+    """evaluate_lens (and ``lenses evaluate``) with every token left out: a DataError, exit 2
+    on one line — not a KeyError."""
+    from lensdiv.lenses.fit import evaluate_lens
+
+    path = _text_file(tmp_path / "short.txt", 300)
+    lens = fit_lens(str(llama_dir), "tuned", out=tmp_path / "fit",
+                    **{**SHORT, "eval_tokens": 0}).lens
+    with pytest.raises(DataError, match="the data holds no tokens after the first 10,000"):
+        evaluate_lens(str(llama_dir), f"tuned:{lens}", data=str(path), skip_tokens=10_000,
+                      seq_len=24, batch_size=2, max_tokens=96, progress=False)
+    done = CliRunner().invoke(app, ["lenses", "evaluate", str(llama_dir), "--lens",
+                                    f"tuned:{lens}", "--data", str(path), "--skip-tokens",
+                                    "10000", "--seq-len", "24", "--no-progress"])
+    assert done.exit_code == 2, done.output
+    assert done.stderr.strip().startswith("error: the data holds no tokens after the first")
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.output

@@ -15,6 +15,7 @@ from lensdiv.cli.common import (
     console,
     default_out,
     out_option,
+    plugin_warnings,
     run_settings,
     show_run,
     user_errors,
@@ -123,7 +124,8 @@ def fit(
     from lensdiv.lenses.fit import fit_lens
     from lensdiv.run.distributed import launched_world
 
-    with user_errors(), launched_world() as world:
+    # a DataWarning (data too short for the fit and its evaluation) is one line on stderr
+    with user_errors(), plugin_warnings(), launched_world() as world:
         folder = check_out(out) if out is not None else default_out(f"{model}-{kind}-lens")
         done = fit_lens(
             model,

@@ -16,19 +16,21 @@ app = typer.Typer(
 
 @app.command("list")
 def toy_list() -> None:
-    """List the toy zoo: size, whether it is cached, and its training results.
+    """List the toy zoo: size, whether it is cached (or shipped trained with lensdiv), and its
+    training results.
 
     Example: lensdiv toy list
     """
     # start-up: rich and the toy zoo (5% of `lensdiv --help`) load only when the command runs.
     from rich.table import Table
 
-    from lensdiv.models.toy import cache_root, cached_log, zoo
+    from lensdiv.models.toy import cache_root, trained_log, zoo
 
     table = Table(
         title=f"toy models (cache: {cache_root() / 'toy'})",
         title_justify="left",
-        caption="`toy` is toy:d4-w64; toy:kb is the multi-hop model depth-score uses. loss: "
+        caption="`toy` is toy:d4-w64; toy:kb is the multi-hop model depth-score uses. cached: "
+        "yes, no (trained on first use) or shipped (trained, read from the package). loss: "
         "cross-entropy on held-out text. Accuracy on knowledge-base queries: 1-hop (the facts); "
         "2-hop on chains of the training split (seen: what depth-score asks) / on held-out "
         "chains (unseen: composition)",
@@ -37,14 +39,15 @@ def toy_list() -> None:
     for col in ("name", "depth", "width", "cached", "loss", "1-hop", "2-hop", "train s"):
         table.add_column(col, justify="left" if col == "name" else "right", no_wrap=True)
     for spec in zoo():
-        log = cached_log(spec)
+        found = trained_log(spec)
         row = [spec.name, str(spec.depth), str(spec.width)]
-        if log is None:
+        if found is None:
             table.add_row(*row, "no", "", "", "", "")
         else:
+            where, log = found
             table.add_row(
                 *row,
-                "yes",
+                "yes" if where == "cached" else where,
                 f"{log['heldout_loss']:.4f}",
                 f"{log['multihop']['1']:.2f}",
                 (f"{log['multihop_seen']['2']:.2f}/" if "multihop_seen" in log else "")
@@ -63,10 +66,21 @@ def toy_train(
 ) -> None:
     """Train toy models and cache them (weights, training log, loss curve PNG).
 
+    The default toy ships trained with lensdiv; training it here says whether the weights are
+    the shipped ones, bit for bit.
+
     Example: lensdiv toy train --all
     """
     # start-up: the toy zoo (5% of `lensdiv --help`) loads only when the command runs.
-    from lensdiv.models.toy import cached_log, check_cache, entry_dir, parse_toy, train_toy, zoo
+    from lensdiv.models.toy import (
+        cached_log,
+        check_cache,
+        entry_dir,
+        parse_toy,
+        shipped_match,
+        train_toy,
+        zoo,
+    )
 
     with user_errors():
         if all_ == (name is not None):
@@ -80,9 +94,14 @@ def toy_train(
     term = console()
     for spec in specs:
         log = None if force else cached_log(spec)
-        cached = log is not None
+        cached, shipped = log is not None, ""
         if log is None:
-            _, log = train_toy(spec, progress=progress)
+            model, log = train_toy(spec, progress=progress)
+            same = shipped_match(spec, model)
+            if same is not None:
+                shipped = "; the weights shipped with lensdiv: " + (
+                    "the same, bit for bit" if same else "different"
+                )
         hop = log["multihop"]
         seen = log.get("multihop_seen", {})  # logs cached before it existed lack it
         baseline = hop.get("baseline", {})
@@ -95,5 +114,5 @@ def toy_train(
             f"{spec.name}: held-out loss {log['heldout_loss']:.4f}, accuracy {', '.join(hops)} "
             f"(chance {hop['chance']:.2f}), "
             f"{'cached; it trained' if cached else 'trained'} in {log['train_seconds']:.0f} s "
-            f"-> {entry_dir(spec)}"
+            f"-> {entry_dir(spec)}{shipped}"
         )

@@ -35,6 +35,12 @@ class LensWarning(PluginWarning):
     same as without it. The CLI prints it as one ``warning:`` line."""
 
 
+class DataWarning(PluginWarning):
+    """Data that cannot hold all that was asked of it (a lens fit and its evaluation): the work
+    goes on with what there is, and the warning says what is missing and what to do. The CLI
+    prints it as one ``warning:`` line."""
+
+
 class ModelLoadError(LensdivError):
     """A model spec that names nothing loadable."""
 

@@ -43,6 +43,7 @@ __all__ = [
     "Source",
     "check_source",
     "documents",
+    "known_tokens",
     "most_tokens",
     "pack",
     "read_task_jsonl",
@@ -78,6 +79,9 @@ class TextFile(Source):
     def cache_identity(self) -> dict[str, Any] | None:
         return {"kind": self.kind, "file": file_identity(Path(self.spec.source).expanduser())}
 
+    def text_bytes(self) -> int | None:
+        return _sizes([Path(self.spec.source).expanduser()])
+
 
 @register_source
 class JsonlFile(Source):
@@ -107,6 +111,9 @@ class JsonlFile(Source):
     def cache_identity(self) -> dict[str, Any] | None:
         path = Path(self.spec.source).expanduser()
         return {"kind": self.kind, "file": file_identity(path), "field": self.spec.field}
+
+    def text_bytes(self) -> int | None:
+        return _sizes([Path(self.spec.source).expanduser()])  # the JSON around the text too
 
 
 @register_source
@@ -144,6 +151,9 @@ class TextFolder(Source):
     def cache_identity(self) -> dict[str, Any] | None:
         files = self._files()
         return {"kind": self.kind, "files": [file_identity(f) for f in files]} if files else None
+
+    def text_bytes(self) -> int | None:
+        return _sizes(self._files())
 
 
 @register_source
@@ -231,6 +241,9 @@ class InlineText(Source):
     def documents(self) -> Iterator[str]:
         yield self.spec.source[len(LITERAL) :]
 
+    def text_bytes(self) -> int | None:
+        return len(self.spec.source[len(LITERAL) :].encode())
+
     def describe(self) -> dict[str, Any]:
         out = super().describe()
         if len(self.spec.source) > 80:
@@ -272,6 +285,9 @@ class MemoryDocuments(Source):
 
     def documents(self) -> Iterator[str]:
         return iter(self.spec.texts or ())
+
+    def text_bytes(self) -> int | None:
+        return sum(len(text.encode()) for text in self.spec.texts or ())
 
     def describe(self) -> dict[str, Any]:
         blob = "\x00".join(self.spec.texts or ()).encode()
@@ -375,6 +391,43 @@ def most_tokens(spec: DataSpec) -> int:
         return source_of(spec).most_tokens()
     whole = dataclasses.replace(spec, max_tokens=spec.max_tokens + spec.skip_tokens, skip_tokens=0)
     return max(0, min(spec.max_tokens, source_of(whole).most_tokens() - spec.skip_tokens))
+
+
+#: The most bytes of text :func:`known_tokens` tokenises to count a source's tokens before a run
+#: (seconds with a fast tokenizer; the token cache keeps the ids for the run).
+COUNT_BYTES = 16 << 20
+
+
+def known_tokens(spec: DataSpec, tokenizer: Any, *, most_bytes: int = COUNT_BYTES) -> int | None:
+    """The real tokens :func:`token_batches` yields for ``spec`` (at most ``max_tokens``), when
+    that is cheap to know before a run, else ``None``.
+
+    Token rows in memory are counted by arithmetic; a source that holds at most ``most_bytes``
+    bytes of text (:meth:`Source.text_bytes`: files, text in memory) is packed and its batches
+    counted — through the token cache, so a run that follows reads its ids from there. Data
+    that fails to read is left for the run to meet (``None``).
+    """
+    source = source_of(spec)
+    if spec.tokens is not None:
+        return most_tokens(spec)
+    try:
+        size = source.text_bytes()
+    except OSError:  # the run's own check says why
+        return None
+    if size is None or size > most_bytes:
+        return None
+    try:
+        return sum(batch.n_tokens for batch in token_batches(spec, tokenizer))
+    except DataError:
+        return None
+
+
+def _sizes(paths: list[Path]) -> int | None:
+    """The summed sizes of ``paths`` in bytes (``None`` if one cannot be looked at)."""
+    try:
+        return sum(path.stat().st_size for path in paths)
+    except OSError:
+        return None
 
 
 def _after(batches: Iterator[Batch], skip: int) -> Iterator[Batch]:

@@ -215,7 +215,8 @@ class Source(abc.ABC):
     A subclass sets the class attributes below, says in :meth:`claims` whether a spec names it,
     yields its documents in :meth:`documents`, and is registered with :func:`register_source`.
     :meth:`check`, :meth:`batches`, :meth:`cache_identity` (the token cache's key: by default
-    the source is not cached), :meth:`most_tokens` and :meth:`describe` have defaults that most sources keep.
+    the source is not cached), :meth:`text_bytes`, :meth:`most_tokens` and :meth:`describe` have
+    defaults that most sources keep.
 
     Args:
         spec: The spec that names this source (its sizes, field, split and seed apply).
@@ -275,6 +276,13 @@ class Source(abc.ABC):
         Raises:
             OSError: The data cannot be looked at (then it is read uncached, and checked).
         """
+        return None
+
+    def text_bytes(self) -> int | None:
+        """The bytes of text this source holds, when known without reading it (files: their
+        sizes; text in memory: its length), else ``None`` (the default: a hub data set, the
+        built-in corpus). :func:`~lensdiv.data.sources.known_tokens` counts the tokens of a
+        small source before a run."""
         return None
 
     def most_tokens(self) -> int:

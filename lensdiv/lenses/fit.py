@@ -26,16 +26,17 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from lensdiv.core.analyzer import Analyzer, ModelInfo
-from lensdiv.core.errors import OptionError
+from lensdiv.core.errors import DataError, DataWarning, LensdivError, OptionError
 from lensdiv.core.progress import progress_allowed
 from lensdiv.core.results import Rendered, Table, write_json_atomic
 from lensdiv.core.settings import DEFAULTS, RunSettings, settings_keywords
-from lensdiv.data.sources import DataSpec
+from lensdiv.data.sources import DataSpec, known_tokens
 from lensdiv.lenses.affine import AFFINE_FOLDER, AffineFit
 from lensdiv.lenses.jacobian import JacobianFit
 from lensdiv.lenses.tuned import DEFAULT_PRESET, PRESETS, TUNED_FOLDER, TunedFit, TunedRecipe
@@ -70,6 +71,8 @@ class LensFit(Rendered):
         evaluation: Per residual state: KL to the output and next-token cross-entropy through
             the logit lens and through the fitted one, on held-out tokens.
         manifest: What was fitted, on what, how.
+        warnings: What the data could not hold (a shortened fit, no or a short evaluation),
+            each also warned (:class:`~lensdiv.core.errors.DataWarning`) when it was found.
     """
 
     kind: str
@@ -78,6 +81,7 @@ class LensFit(Rendered):
     run: Run | None = None
     evaluation: Table | None = None
     manifest: dict[str, Any] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def spec(self) -> str | None:
@@ -99,6 +103,8 @@ class LensFit(Rendered):
         if self.evaluation is not None:
             yield self.evaluation
         yield Text(self.line())
+        for line in self.warnings:
+            yield Text(f"warning: {line}", style="yellow")
 
 
 # The fits' own defaults of the run settings: a fit's tokens are its kind's budget (affine and
@@ -191,6 +197,12 @@ def fit_lens(
     )
     if start is not None:  # a start of another model: one line before any pass
         start.check(ModelInfo.from_model(bridge))
+    said: list[str] = []  # a shard reads its share: the data's size says nothing of it
+    held = (
+        None
+        if shard is not None
+        else _held_tokens(data, settings, tokens, eval_tokens, bridge, said)
+    )
     run = analyze(
         bridge,
         data=data,
@@ -204,26 +216,87 @@ def fit_lens(
     )
     # Rank 0 alone finalizes and writes: its word decides, on every rank, whether the lens is
     # there and complete (every rank takes part in the evaluation's runs).
-    written, complete = gather_objects(
+    written, complete, read = gather_objects(
         current_world(),
-        (fitter.name in run.results, run.manifest.get("status") == "complete"),
+        (
+            fitter.name in run.results,
+            run.manifest.get("status") == "complete",
+            int(run.manifest.get("timings", {}).get("tokens", tokens)),
+        ),
         "the end of the fit",
     )[0]
     lens = out / fitter.name / found.fitter.artifact if written else None
-    fit = LensFit(kind, lens, out, run=run, manifest=run.manifest)
+    fit = LensFit(kind, lens, out, run=run, manifest=run.manifest, warnings=said)
     if lens is not None and current_world().main:
         write_pointer(out, kind, lens)  # --lens KIND:OUT and --lens OUT read it
-    if lens is not None and eval_tokens > 0 and complete:
-        fit.evaluation = evaluate_lens(
-            bridge,
-            f"{kind}:{lens}",
-            data=data,
-            settings=dataclasses.replace(settings, max_tokens=eval_tokens),
-            skip_tokens=tokens,
-            out=out,
-            progress=progress,
+    if lens is None or eval_tokens <= 0 or not complete:
+        return fit
+    # the data ran out (steps done of those planned), or holds nothing after the fit's tokens:
+    # the lens stays, without its evaluation
+    short = read < tokens or (held is not None and held <= tokens)
+    why = f"the fit read all {read:,} tokens of the data ({tokens:,} planned)" if short else None
+    if why is None:
+        try:
+            fit.evaluation = evaluate_lens(
+                bridge,
+                f"{kind}:{lens}",
+                data=data,
+                settings=dataclasses.replace(settings, max_tokens=eval_tokens),
+                skip_tokens=tokens,
+                out=out,
+                progress=progress,
+            )
+        except DataError as err:
+            why = err.message
+    if why is not None:
+        _say(
+            f"no evaluation: {why}; none are left to evaluate the lens on — evaluate it on "
+            f"other data: lensdiv lenses evaluate {_named(model)} --lens {kind}:{out} --data OTHER",
+            fit.warnings,
         )
     return fit
+
+
+def _named(model: Any) -> str:
+    """The model as the command line names it (``MODEL`` for a model object)."""
+    return str(model) if isinstance(model, (str, Path)) else "MODEL"
+
+
+def _held_tokens(
+    data: Any, settings: RunSettings, tokens: int, eval_tokens: int, bridge: Any, said: list[str]
+) -> int | None:
+    """The tokens the data holds (up to the fit's and the evaluation's), when that is cheap to
+    know before the fit (:func:`~lensdiv.data.sources.known_tokens`); says so, before the fit,
+    when they cannot hold both."""
+    spec = DataSpec.from_data(data, **settings.data(max_tokens=tokens + eval_tokens))
+    held = known_tokens(spec, bridge.tokenizer)
+    if held is None or held >= tokens + eval_tokens:
+        return held
+    fewer = f"the data holds {held:,} tokens, fewer than the fit's {tokens:,}"
+    if held <= tokens:
+        least = held - eval_tokens
+        line = f"{fewer}: the fit reads all of it"
+        if eval_tokens:
+            line = f"{fewer} and the evaluation's {eval_tokens:,}: the fit reads all of it and "
+            line += "leaves nothing to evaluate on"
+            if least > 1:
+                line += f" (a fit that leaves {eval_tokens:,}: --max-tokens {least})"
+        _say(line, said)
+    else:
+        _say(
+            f"{fewer} and the evaluation's {eval_tokens:,}: the evaluation gets the "
+            f"{held - tokens:,} after the fit's",
+            said,
+        )
+    return held
+
+
+def _say(line: str, said: list[str]) -> None:
+    """Warn ``line`` (:class:`~lensdiv.core.errors.DataWarning`; the CLI prints one line) on the
+    main process, and keep it in ``said``."""
+    if current_world().main:
+        said.append(line)
+        warnings.warn(line, DataWarning, stacklevel=3)
 
 
 # -- how each kind is fitted (attached to the kinds of lens: lensdiv.ops.translators) --------------
@@ -339,6 +412,9 @@ def evaluate_lens(
     }
     if not current_world().main:
         return Table(EVALUATION, {})
+    for run in runs.values():
+        if "lens" not in run.results:
+            raise _not_evaluated(run, skip_tokens)
     tables = {name: run["lens"].table() for name, run in runs.items()}
     base = tables["logit"]
     columns: dict[str, Any] = {"layer": base["layer"], "state": base["state"]}
@@ -361,6 +437,19 @@ def evaluate_lens(
             {"lens": translator.describe(), "data": spec.describe(), "columns": columns},
         )
     return result
+
+
+def _not_evaluated(run: Run, skip_tokens: int) -> LensdivError:
+    """Why ``run`` of the ``lens`` analyzer has no result: the data ended before it read a token
+    (within the ``skip_tokens`` left out), or the analyzer's own error."""
+    if not run.manifest.get("timings", {}).get("tokens"):
+        where = f"after the first {skip_tokens:,} tokens left out" if skip_tokens else ""
+        return DataError(
+            f"the data holds no tokens {where}".rstrip(),
+            hint="pass more data (--data), or leave out fewer tokens (--skip-tokens)",
+        )
+    why = run.errors.get("lens") or "; ".join(run.problems) or "no result"
+    return LensdivError(f"the evaluation's lens analyzer failed: {why}")
 
 
 def _no_lens(settings: RunSettings, why: str, hint: str) -> None:

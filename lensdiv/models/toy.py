@@ -10,6 +10,13 @@ generalise compositionally: held-out chains stay at their prior baseline. The fi
 model on its corpus (a progress bar shows it) and caches weights, recipe and training log under
 the user cache directory, keyed by a hash of the training recipe. A cache entry is only loaded
 when its checksum verifies; a partial or corrupt one is retrained.
+
+The default toy (``toy``, its default recipe) ships trained with the package (``shipped/``, an
+entry of the same layout and key, ~1 MB): when the cache has no entry of that key, it is read
+from there, directly (nothing to copy, go stale or fail to write), so a fresh install starts in
+seconds. A shipped copy whose checksum fails is trained instead, with one warning line;
+``lensdiv toy train toy`` still trains it (and says whether the weights equal the shipped ones),
+and ``python -m lensdiv.models.ship`` refreshes the shipped copy.
 """
 
 from __future__ import annotations
@@ -46,6 +53,15 @@ _SPEC = re.compile(r"^toy(?::d(?P<depth>\d+)(?:-w(?P<width>\d+))?)?$")
 #: The multi-hop toy's spec name.
 KB_TOY = "toy:kb"
 _COMPLETE = "COMPLETE.json"
+#: The weights of a cache entry: safetensors (no pickle); entries cached before hold weights.pt.
+WEIGHTS = "weights.safetensors"
+_OLD_WEIGHTS = "weights.pt"
+#: The trained entries shipped with the package (the default toy's), named as in the cache.
+SHIPPED = Path(__file__).parent / "shipped"
+#: Steps of the default recipe whose weights' digest the shipped entry records (``prefix.json``):
+#: a test trains them (seconds) and compares, bit for bit where the platform allows.
+PREFIX_STEPS = 25
+_PREFIX = "prefix.json"
 
 
 @dataclass(frozen=True)
@@ -230,9 +246,20 @@ def _hashed(obj: Any) -> dict[str, Any]:
 
 def entry_dir(spec: ToySpec, recipe: TrainRecipe | None = None) -> Path:
     """The cache folder of one (model, recipe)."""
+    return cache_root() / "toy" / entry_name(spec, recipe)
+
+
+def entry_name(spec: ToySpec, recipe: TrainRecipe | None = None) -> str:
+    """The folder name of one (model, recipe), in the cache and in :data:`SHIPPED`."""
     recipe = recipe or TrainRecipe.default(spec)
-    slug = spec.name.replace(":", "-")
-    return cache_root() / "toy" / f"{slug}-{recipe_key(spec, recipe)}"
+    return f"{spec.name.replace(':', '-')}-{recipe_key(spec, recipe)}"
+
+
+def shipped_entry(spec: ToySpec, recipe: TrainRecipe | None = None) -> Path | None:
+    """The entry of (``spec``, ``recipe``) shipped with the package, if there is one (its files
+    not yet verified: :func:`verify_entry`)."""
+    folder = SHIPPED / entry_name(spec, recipe)
+    return folder if (folder / _COMPLETE).is_file() else None
 
 
 def _sha256(path: Path) -> str:
@@ -269,6 +296,20 @@ def cached_log(spec: ToySpec, recipe: TrainRecipe | None = None) -> dict[str, An
     return json.loads((folder / "train_log.json").read_text())
 
 
+def trained_log(
+    spec: ToySpec, recipe: TrainRecipe | None = None
+) -> tuple[str, dict[str, Any]] | None:
+    """Where the model loads from without training — ``"cached"`` or ``"shipped"`` (a verified
+    entry shipped with the package) — and its training log; ``None`` if it would train."""
+    log = cached_log(spec, recipe)
+    if log is not None:
+        return "cached", log
+    shipped = shipped_entry(spec, recipe)
+    if shipped is None or verify_entry(shipped) is not None:
+        return None
+    return "shipped", json.loads((shipped / "train_log.json").read_text())
+
+
 # -- building, training, loading --------------------------------------------------------------
 def build(spec: ToySpec, *, device: Any = None, dtype: Any = None) -> Any:
     """A freshly initialised toy bridge (seeded)."""
@@ -292,28 +333,71 @@ def load_toy(
     progress: bool = True,
     recipe: TrainRecipe | None = None,
 ) -> Any:
-    """Load a trained toy model from the cache, training (and caching) it first if needed."""
-    import torch
-
+    """Load a trained toy model from the cache (or, for the default toy, the copy shipped with the
+    package), training (and caching) it first if needed."""
     spec = parse_toy(name)
     recipe = recipe or TrainRecipe.default(spec)
     folder = entry_dir(spec, recipe)
-    check_cache(folder)
+    shipped = shipped_entry(spec, recipe)
     if folder.exists():
-        problem = verify_entry(folder)
-        if problem is None:
-            model = build(spec)
-            try:
-                state = torch.load(folder / "weights.pt", map_location="cpu", weights_only=True)
-                model.original_model.load_state_dict(state)
-            except Exception as err:  # checksum passed but unreadable: treat as corrupt
-                problem = f"weights do not load ({type(err).__name__})"
-            else:
-                return place_model(model, device, dtype)
-        _warn(f"toy cache entry {folder} is unusable ({problem}); retraining")
+        model, problem = _load_entry(spec, folder)
+        if model is not None:
+            return place_model(model, device, dtype)
+        then = "reading the shipped copy" if shipped is not None else "retraining"
+        _warn(f"toy cache entry {folder} is unusable ({problem}); {then}")
         shutil.rmtree(folder, ignore_errors=True)
+    if shipped is not None:  # read in place: a read-only cache is no obstacle
+        model, problem = _load_entry(spec, shipped)
+        if model is not None:
+            return place_model(model, device, dtype)
+        _warn(f"the {spec.name} shipped with lensdiv is unusable ({problem}); training it")
+    check_cache(folder)
     model, _ = train_toy(spec, recipe, progress=progress)
     return place_model(model, device, dtype)
+
+
+def _load_entry(spec: ToySpec, folder: Path) -> tuple[Any, str | None]:
+    """The model of a cache (or shipped) entry, or ``None`` and what is wrong with the entry."""
+    problem = verify_entry(folder)
+    if problem is not None:
+        return None, problem
+    model = build(spec)
+    try:
+        load_weights(model, folder)
+    except Exception as err:  # checksum passed but unreadable: treat as corrupt
+        return None, f"weights do not load ({type(err).__name__})"
+    return model, None
+
+
+def shipped_match(spec: ToySpec, model: Any, recipe: TrainRecipe | None = None) -> bool | None:
+    """Whether ``model``'s weights are bit for bit those shipped for (``spec``, ``recipe``);
+    ``None`` when none is shipped (or the shipped entry is unusable)."""
+    import torch
+
+    shipped = shipped_entry(spec, recipe)
+    other = None if shipped is None else _load_entry(spec, shipped)[0]
+    if other is None:
+        return None
+    mine, theirs = model.original_model.state_dict(), other.original_model.state_dict()
+    return mine.keys() == theirs.keys() and all(
+        torch.equal(mine[k].detach().cpu(), theirs[k]) for k in mine
+    )
+
+
+def load_weights(model: Any, folder: Path) -> None:
+    """Load an entry's weights (safetensors, or the weights.pt of entries cached before) into
+    ``model``."""
+    import torch
+
+    net = model.original_model
+    if (folder / WEIGHTS).is_file():
+        from safetensors.torch import load_model
+
+        load_model(net, folder / WEIGHTS)
+    else:
+        net.load_state_dict(
+            torch.load(folder / _OLD_WEIGHTS, map_location="cpu", weights_only=True)
+        )
 
 
 def check_cache(folder: Path) -> None:
@@ -336,13 +420,25 @@ def check_cache(folder: Path) -> None:
 def _warn(message: str) -> None:
     from rich.console import Console
 
-    Console(stderr=True).print(f"[yellow]warning:[/yellow] {message}", highlight=False)
+    # one line whatever the width: a log keeps it whole
+    Console(stderr=True).print(
+        f"[yellow]warning:[/yellow] {message}", highlight=False, soft_wrap=True
+    )
 
 
 def train_toy(
-    spec: ToySpec, recipe: TrainRecipe | None = None, *, progress: bool = True, save: bool = True
+    spec: ToySpec,
+    recipe: TrainRecipe | None = None,
+    *,
+    progress: bool = True,
+    save: bool = True,
+    stop_after: int | None = None,
 ) -> tuple[Any, dict[str, Any]]:
-    """Train one toy model; cache it (atomically) unless ``save`` is False. Returns (model, log)."""
+    """Train one toy model; cache it (atomically) unless ``save`` is False. Returns (model, log).
+
+    ``stop_after``: stop after that many steps of the recipe (its schedule unchanged), nothing
+    evaluated or saved: the prefix whose digest a shipped entry records.
+    """
     import torch
 
     recipe = recipe or TrainRecipe.default(spec)
@@ -405,7 +501,7 @@ def train_toy(
         task = bar.add_task("train", total=recipe.steps, loss=float("nan"))
         smooth = None
         for step, batch in enumerate(batches):
-            if step >= recipe.steps:
+            if step >= min(recipe.steps, stop_after or recipe.steps):
                 break
             for group in opt.param_groups:
                 group["lr"] = lr_at(step)
@@ -429,6 +525,8 @@ def train_toy(
                 net.train()
             bar.update(task, advance=1, loss=smooth)
     net.eval()
+    if stop_after is not None:
+        return model, log
     log["train_seconds"] = round(time.time() - started, 2)
     log["heldout_loss"] = log["eval"][-1]["loss"]
     log["multihop"] = log["eval"][-1]["multihop"]  # held-out chains
@@ -529,7 +627,7 @@ def _lens_kl(model: Any) -> list[float]:
 
 def _save_entry(spec: ToySpec, recipe: TrainRecipe, model: Any, log: dict[str, Any]) -> Path:
     """Write weights, recipe, log and loss plot to a temporary folder, then rename it into place."""
-    import torch
+    from safetensors.torch import save_model
 
     final = entry_dir(spec, recipe)
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -537,7 +635,8 @@ def _save_entry(spec: ToySpec, recipe: TrainRecipe, model: Any, log: dict[str, A
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        torch.save(model.original_model.state_dict(), tmp / "weights.pt")
+        save_model(model.original_model, str(tmp / WEIGHTS))
+        (tmp / WEIGHTS).chmod(0o644)  # as torch.save wrote it: a shared cache reads it
         (tmp / "recipe.json").write_text(
             json.dumps(
                 {"spec": dataclasses.asdict(spec), "recipe": dataclasses.asdict(recipe)}, indent=1
@@ -545,7 +644,7 @@ def _save_entry(spec: ToySpec, recipe: TrainRecipe, model: Any, log: dict[str, A
         )
         (tmp / "train_log.json").write_text(json.dumps(log, indent=1))
         _plot_log(log, tmp / "loss.png")
-        files = ["weights.pt", "recipe.json", "train_log.json"]
+        files = [WEIGHTS, "recipe.json", "train_log.json"]
         (tmp / _COMPLETE).write_text(json.dumps({"sha256": {f: _sha256(tmp / f) for f in files}}))
     except BaseException:  # disk full, Ctrl-C: leave no half-written entry behind
         shutil.rmtree(tmp, ignore_errors=True)

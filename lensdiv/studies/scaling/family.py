@@ -13,7 +13,7 @@ from lensdiv.core.errors import DataError, OptionError, StudyError
 from lensdiv.core.results import Result, Table
 from lensdiv.data.sources import DataSpec
 from lensdiv.models.load import resolve_spec
-from lensdiv.models.toy import ToySpec, cached_log, parse_toy
+from lensdiv.models.toy import ToySpec, parse_toy, trained_log
 from lensdiv.studies.crossmodel.models import resolve_models
 from lensdiv.studies.scaling.fit import Uncertainty
 from lensdiv.studies.scaling.law import parse_terms
@@ -134,12 +134,13 @@ def _toy(spec: str) -> ToySpec | None:
 
 
 def _tokens_trained(spec: str) -> float:
-    """Tokens a toy model was trained on (from its cached training log); NaN otherwise."""
+    """Tokens a toy model was trained on (from its training log, cached or shipped); NaN
+    otherwise."""
     toy = _toy(spec)
-    log = None if toy is None else cached_log(toy)
-    if log is None:
+    found = None if toy is None else trained_log(toy)
+    if found is None:
         return math.nan
-    recipe = log["recipe"]
+    recipe = found[1]["recipe"]
     return float(recipe["steps"] * recipe["batch_size"] * recipe["seq_len"])
 
 
