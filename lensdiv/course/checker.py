@@ -49,12 +49,14 @@ class Case:
         args: Positional arguments of the exercise's function.
         size: Orders the inputs: the smallest failing one is shown.
         headline: The input whose output the success line shows.
+        context: What :attr:`Exercise.measure` needs beyond the output (the tokens to run on).
     """
 
     label: str
     args: tuple[Any, ...]
     size: int = 0
     headline: bool = False
+    context: Any = None
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,8 @@ class Exercise:
         rtol, atol: How close an output must be (``torch.allclose``).
         grad: Run with autograd on (a loss to train).
         shape_hint: What the output's shape means, for a shape mismatch.
+        measure: Turns what the function returns into numbers, given the input (hooks into the
+            states of a run with them); applied to the reference and the mistakes alike.
     """
 
     name: str
@@ -128,6 +132,7 @@ class Exercise:
     atol: float = 1e-5
     grad: bool = False
     shape_hint: str = ""
+    measure: Callable[[Output, Case], Output] | None = None
     _cache: dict[str, Any] = field(default_factory=dict, repr=False)
 
     # -- inputs and the known outputs, computed once ------------------------------------------
@@ -139,26 +144,27 @@ class Exercise:
     def _expected(self) -> list[Output]:
         if "expected" not in self._cache:
             with torch.set_grad_enabled(self.grad):
-                self._cache["expected"] = [self.reference(*c.args) for c in self._inputs()]
+                self._cache["expected"] = [self._run(self.reference, c) for c in self._inputs()]
         return self._cache["expected"]
 
     def _mistaken(self, mistake: Mistake) -> list[Output]:
         key = "mistake:" + mistake.key
         if key not in self._cache:
             with torch.set_grad_enabled(self.grad):
-                self._cache[key] = [mistake.compute(*c.args) for c in self._inputs()]
+                self._cache[key] = [self._run(mistake.compute, c) for c in self._inputs()]
         return self._cache[key]
 
     # -- the verdict ------------------------------------------------------------------------
     def verdict(self, student: Callable[..., Output]) -> Verdict:
         """Run ``student`` on every input and say what it got right or wrong."""
-        cases, expected = self._inputs(), self._expected()
+        cases = self._inputs()
         try:
             got = [self._call(student, case) for case in cases]
         except NotImplementedError:
             return self._blank()
         except _StudentError as err:
             return Verdict(self.name, ERROR, _student_traceback(self.name, err.error))
+        expected = self._expected()
         if any(g is None for g in got):
             return self._blank("it returns None")
         failing = [i for i, (g, e) in enumerate(zip(got, expected)) if not self._close(g, e)]
@@ -193,11 +199,17 @@ class Exercise:
         more = f" ({why})" if why else ""
         return Verdict(self.name, NOT_DONE, f"… {self.name}: not done yet{more}.")
 
-    def _call(self, student: Callable[..., Output], case: Case) -> Output:
+    def _run(self, fn: Callable[..., Output], case: Case) -> Output:
         args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in case.args)
+        out = fn(*args)
+        if self.measure is not None and out is not None:
+            out = self.measure(out, case)
+        return out
+
+    def _call(self, student: Callable[..., Output], case: Case) -> Output:
         try:
             with torch.set_grad_enabled(self.grad):
-                return student(*args)
+                return self._run(student, case)
         except NotImplementedError:
             raise
         except Exception as err:
