@@ -35,7 +35,8 @@ Output = Any
 
 # Frames from these folders are lensdiv's, Python's or a library's: not the student's code.
 _LENSDIV = str(Path(__file__).resolve().parents[1])
-_HIDDEN = (_LENSDIV, os.path.dirname(os.__file__), "site-packages", "dist-packages")
+_HIDDEN = (_LENSDIV, os.path.dirname(os.__file__))
+_LIBRARIES = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
 
 PASSED, NOT_DONE, WRONG, ERROR = "passed", "not done", "wrong", "error"
 
@@ -163,6 +164,8 @@ class Exercise:
         except NotImplementedError:
             return self._blank()
         except _StudentError as err:
+            if "abstract method" in str(err.error):  # a class with a method still to write
+                return self._blank(str(err.error))
             return Verdict(self.name, ERROR, _student_traceback(self.name, err.error))
         expected = self._expected()
         if any(g is None for g in got):
@@ -290,7 +293,9 @@ def _show(value: Output) -> str:
 def _student_traceback(name: str, error: BaseException) -> str:
     """The traceback cut to the student's frames, ending with the error's own line."""
     frames = [
-        f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(_HIDDEN)
+        f
+        for f in traceback.extract_tb(error.__traceback__)
+        if not f.filename.startswith(_HIDDEN) and not any(lib in f.filename for lib in _LIBRARIES)
     ]
     lines = [f"✘ {name} raised an error in your code:"]
     for frame in frames:

@@ -82,7 +82,7 @@ def _cases() -> list[Case]:
     return [
         Case("3 members, 2 positions, a vocabulary of 5", (randn(3, 2, 5, seed=40), torch.tensor([1, 4])), 30),
         Case("3 identical members (diversity 0)", (same.clone(), torch.tensor([0, 2])), 31),
-        Case("5 members, 1 position, a vocabulary of 7", (randn(5, 1, 7, seed=42, scale=2), torch.tensor([3])), 35),
+        Case("5 members, 1 position, a vocabulary of 7", (randn(5, 1, 7, seed=42, scale=2.0), torch.tensor([3])), 35),
         Case(f"the toy's {f.shape[0]} members on {toy.PROMPTS[0]!r}", (f, y), 10**6, True),
     ]
 

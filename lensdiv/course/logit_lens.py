@@ -163,7 +163,7 @@ def _kl_cases() -> list[Case]:
     return [
         Case("2 rows over a vocabulary of 5", (randn(2, 5, seed=10), randn(2, 5, seed=11)), 10),
         Case("1 row: identical logits (KL must be 0)", (randn(1, 7, seed=12),) * 2, 7),
-        Case("8 rows of random logits over 260 tokens", (randn(8, 260, seed=13, scale=3), randn(8, 260, seed=14, scale=3)), 2080),
+        Case("8 rows of random logits over 260 tokens", (randn(8, 260, seed=13, scale=3.0), randn(8, 260, seed=14, scale=3.0)), 2080),
         Case("toy: h_0's lens logits against the output", (h0, logits), 10**6, True),
     ]
 
