@@ -302,9 +302,11 @@ def test_course_runs(tmp_path: Path) -> None:
     for cell, owner in zip(whole.cells, owners):
         for out in cell.outputs:
             text = out.get("text", "")
-            lines.setdefault(owner, []).extend(line for line in text.splitlines() if line[:1] in "✔✘…?")
+            lines.setdefault(owner, []).extend(line for line in text.splitlines() if line and line[0] in "✔✘…?")
             if "image/png" in out.get("data", {}):
                 images.add(owner)
+    for owner, found in lines.items():
+        print(owner, *found, sep="\n  ")
     for lesson, cells_ in LESSONS:
         n = sum(c.kind == "exercise" for c in cells_)
         blank, solved = lines.get(("blank", lesson), []), lines.get(("solved", lesson), [])

@@ -22,6 +22,7 @@ after an exercise run either way.
 from __future__ import annotations
 
 import linecache
+import re
 import os
 import traceback
 from collections.abc import Callable, Sequence
@@ -164,8 +165,9 @@ class Exercise:
         except NotImplementedError:
             return self._blank()
         except _StudentError as err:
-            if "abstract method" in str(err.error):  # a class with a method still to write
-                return self._blank(str(err.error))
+            missing = abstract_methods(err.error)
+            if missing:  # a class with a method still to write
+                return self._blank(f"{missing} still to write")
             return Verdict(self.name, ERROR, _student_traceback(self.name, err.error))
         expected = self._expected()
         if any(g is None for g in got):
@@ -288,6 +290,12 @@ def _show(value: Output) -> str:
         body = ", ".join(f"{float(v):.4g}" for v in flat[:8]) + (", …" if flat.numel() > 8 else "")
         shown.append(body if t.dim() == 0 else f"[{body}]")
     return shown[0] if len(shown) == 1 else "(" + "; ".join(shown) + ")"
+
+
+def abstract_methods(error: BaseException) -> str:
+    """The methods a class still lacks, when ``error`` says it cannot be instantiated for that."""
+    found = re.search(r"abstract methods? (.+)$", str(error)) if isinstance(error, TypeError) else None
+    return found.group(1).strip("'\"") if found else ""
 
 
 def _student_traceback(name: str, error: BaseException) -> str:

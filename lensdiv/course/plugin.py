@@ -17,7 +17,17 @@ from lensdiv.core.analyzer import Analyzer, ModelInfo, Step
 from lensdiv.core.results import Result, Table
 from lensdiv.core.stats import Stats
 from lensdiv.course import toy
-from lensdiv.course.checker import ERROR, PASSED, WRONG, Case, Exercise, Mistake, Verdict
+from lensdiv.course.checker import (
+    ERROR,
+    NOT_DONE,
+    PASSED,
+    WRONG,
+    Case,
+    Exercise,
+    Mistake,
+    Verdict,
+    abstract_methods,
+)
 from lensdiv.testing.contract import check_analyzer
 
 NAME = "resid-norms"
@@ -135,16 +145,18 @@ def contract_verdict(cls: Any, architectures: tuple[str, ...] = ("gpt2",)) -> Ve
     try:
         report = check_analyzer(cls, architectures=architectures)
     except NotImplementedError:
-        return Verdict(name, "not done", f"… {name}: not done yet.")
+        return Verdict(name, NOT_DONE, f"… {name}: not done yet.")
     except AssertionError as err:
         text = str(err)
         if "NotImplementedError" in text:
-            return Verdict(name, "not done", f"… {name}: not done yet.")
+            return Verdict(name, NOT_DONE, f"… {name}: not done yet.")
         for pattern, diagnosis in CONTRACT_DIAGNOSES:
             if re.search(pattern, text):
                 return Verdict(name, WRONG, f"✘ {name} breaks the contract: {diagnosis}\n  check_analyzer said: {text[:300]}", pattern)
         return Verdict(name, WRONG, f"✘ {name} breaks the contract: {text[:400]}")
     except Exception as err:  # raised by the student's class outside a run
+        if abstract_methods(err):
+            return Verdict(name, NOT_DONE, f"… {name}: not done yet ({abstract_methods(err)} still to write).")
         return Verdict(name, ERROR, f"✘ {name} raised {type(err).__name__}: {err}")
     return Verdict(name, PASSED, f"✔ {name} passes check_analyzer on {', '.join(report.checked)}: merge, padding, state on disk, result.")
 

@@ -686,14 +686,14 @@ class ResidNorms(Analyzer):
         return Result(self.name, tables={"resid_norms": table}, summary=f"‖h_L‖ = {mean[-1]:.2f}")
 ''',
     ),
-    code("from lensdiv.course import plugin as check\n\nResidNorms = check.check_plugin(ResidNorms)"),
+    code("from lensdiv.course import plugin as check\n\nNorms = check.check_plugin(ResidNorms)  # yours once it passes, lensdiv's until then"),
     md("## Exercise 7.2 — the contract\n\n`check_analyzer` runs your class on a tiny model: two halves of the data merged must equal one run, pads must never count, the state must survive a round trip to disk, the result must render. The check says in one line what broke."),
     code("check.check_contract(ResidNorms)"),
     md("## Beside the built-ins\n\n`lensdiv.analyze` (what `lensdiv analyze` calls) runs it in the same forward pass as `lens` and `contrib`:"),
     code('''
 import lensdiv
 
-run = lensdiv.analyze(model, plugins=[ResidNorms(), "lens", "contrib"], max_tokens=512 if FAST else 8192, progress=False)
+run = lensdiv.analyze(model, plugins=[Norms(), "lens", "contrib"], max_tokens=512 if FAST else 8192, progress=False)
 norms = run["resid-norms"].table()
 plt.figure(figsize=(5, 3)); plt.plot(norms["layer"], norms["mean_norm"], "o-"); plt.xlabel("h_l"); plt.ylabel("mean ‖h_l‖"); plt.show()
 print(run["lens"].summary)
