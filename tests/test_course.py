@@ -28,6 +28,7 @@ sys.path.insert(0, str(SOLUTIONS))
 import build  # noqa: E402  (tutorials/course/solutions/build.py)
 from lessons import LESSONS  # noqa: E402
 
+from tests.test_explore_browser import CHROMIUM, served, shots  # noqa: E402,F401  (fixtures)
 from lensdiv.course import (  # noqa: E402
     checker,
     ensemble,
@@ -152,6 +153,7 @@ MUTANTS = [
     ("patching_map", "unnormalised", "(m - m_corrupt) / (m_clean - m_corrupt)", "m - m_corrupt"),
     ("patching_map", "from_clean", "(m - m_corrupt) / (m_clean - m_corrupt)", "(m_clean - m) / (m_clean - m_corrupt)"),
     ("patching_map", "transposed", "return out", "return out.T"),
+    ("patching_map", "swapped", "patch_run(model, clean, corrupt, layer, pos)", "patch_run(model, corrupt, clean, layer, pos)"),
     ("squared_terms", "sum_members", "return ens, bias, div", "return ens, bias * f.shape[0], div * f.shape[0]"),
     ("squared_terms", "bias_of_mean", "return ens, bias, div", "return ens, ens, div"),
     ("squared_terms", "div_to_target", "div = (f - z)", "div = (f - onehot)"),
@@ -202,16 +204,16 @@ def test_every_mistake_has_a_mutant() -> None:
     for module in MODULES.values():
         for ex in module.EXERCISES:
             for mistake in ex.mistakes:
-                if (ex.name, mistake.key) in {("patching_map", "swapped"), ("angular_distance", "all_tokens")}:
-                    continue  # too slow / below: tested by the checker's own mistake function
+                if (ex.name, mistake.key) == ("angular_distance", "all_tokens"):
+                    continue  # below: tested by the checker's own mistake function
                 if ex.name == "lens_logits" and mistake.key.startswith("norm_"):
                     continue  # a mutant of final_norm under a correct lens_logits: below
                 assert (ex.name, mistake.key) in have, f"no mutant for {ex.name}: {mistake.key}"
 
 
 def test_mistakes_the_mutants_cannot_reach_are_still_diagnosed() -> None:
-    """The map's swap (a full patching sweep per input) and the all-token angle, by the
-    checker's own mistake functions."""
+    """The all-token angle (a mutant would rewrite the whole solution), by the checker's own
+    mistake function."""
     ex = removal.ANGULAR_DISTANCE
     wrong = next(m for m in ex.mistakes if m.key == "all_tokens")
     assert ex.verdict(wrong.compute).mistake == "all_tokens"
@@ -326,3 +328,29 @@ def kernel_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MPLBACKEND", raising=False)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("PATH", os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed")
+def test_explore_links_open_the_page_on_the_prompt(served: Any, shots: Path) -> None:
+    """The lessons' links: ``?text=…&skip=N`` opens the lens tab on the prompt with the block
+    skipped, ``?clean=…&corrupt=…&tab=patch`` the patch tab on the pair."""
+    from lensdiv.course import toy
+    from tests.browser import Browser
+    from tests.test_browser import not_blank
+    from tests.test_explore_browser import wait
+
+    app, _ = served
+    base = app.url.split("?")[0]
+    token = app.url.split("?")[1] if "?" in app.url else ""
+    text = toy.PROMPTS[1]
+    with Browser(CHROMIUM, width=1300, height=800) as page:
+        page.open(base + toy.explore_query(text, skip=1) + (f"&{token}" if token else ""))
+        wait(page, "!!document.querySelector('.panel.skip')")
+        assert page.evaluate("document.querySelector('#prompt').value") == text
+        not_blank(page.screenshot(shots / "course_link_skip.png"))
+        pair = toy.pair(toy.toy())["text"]
+        page.open(base + toy.explore_query(pair[0], corrupt=pair[1]) + (f"&{token}" if token else ""))
+        wait(page, "!!document.querySelector('#patch-table')")
+        assert page.evaluate("document.querySelector('#pane-patch').hidden") is False
+        assert page.evaluate("document.querySelector('#corrupt').value") == pair[1]
+        not_blank(page.screenshot(shots / "course_link_patch.png"))

@@ -43,43 +43,54 @@ def patch_run(model: Any, clean: Tensor, corrupt: Tensor, layer: int, pos: int) 
     return _patched(model, clean, corrupt, layer, pos)
 
 
-def patching_map(model: Any, clean: Tensor, corrupt: Tensor, target: int, foil: int) -> Tensor:
-    from transformer_lens import patching
-
+def _metric_of(target: int, foil: int) -> Any:
     def metric(logits: Tensor) -> Tensor:
         return logit_diff(logits, target, foil)[0]
 
-    with torch.no_grad():
-        m_clean = float(metric(model(clean)))
-        m_corrupt = float(metric(model(corrupt)))
-        _, cache = model.run_with_cache(clean)
-        with contextlib.redirect_stderr(io.StringIO()):  # its progress bar
-            raw = patching.get_act_patch_resid_pre(model, corrupt, cache, metric)
-    return (raw.double() - m_corrupt) / (m_clean - m_corrupt)
+    return metric
+
+
+# Every (layer, position) patch of one pair, once per process: the reference and the mistakes
+# are transforms of these two sweeps.
+_SWEEPS: dict[tuple[Any, ...], tuple[Tensor, float, float]] = {}
+
+
+def _sweep(model: Any, source: Tensor, into: Tensor, target: int, foil: int) -> tuple[Tensor, float, float]:
+    """TransformerLens' sweep of ``h_l`` patched from ``source`` into ``into`` at every position:
+    the raw metric ``[n_layers, pos]``, and the metric of ``source`` and of ``into``."""
+    from transformer_lens import patching
+
+    key = (id(model), tuple(source.flatten().tolist()), tuple(into.flatten().tolist()), target, foil)
+    if key not in _SWEEPS:
+        metric = _metric_of(target, foil)
+        with torch.no_grad():
+            _, cache = model.run_with_cache(source)
+            with contextlib.redirect_stderr(io.StringIO()):  # its progress bar
+                raw = patching.get_act_patch_resid_pre(model, into, cache, metric)
+            _SWEEPS[key] = (raw.double(), float(metric(model(source))), float(metric(model(into))))
+    return _SWEEPS[key]
+
+
+def patching_map(model: Any, clean: Tensor, corrupt: Tensor, target: int, foil: int) -> Tensor:
+    raw, m_clean, m_corrupt = _sweep(model, clean, corrupt, target, foil)
+    return (raw - m_corrupt) / (m_clean - m_corrupt)
 
 
 # -- the mistakes --------------------------------------------------------------------------------------
 
 
-def _map_with(score: Any, swap: bool = False) -> Any:
-    def compute(model: Any, clean: Tensor, corrupt: Tensor, target: int, foil: int) -> Tensor:
-        L, T = model.cfg.n_layers, clean.shape[1]
-        with torch.no_grad():
-            m_clean = float(logit_diff(model(clean), target, foil)[0])
-            m_corrupt = float(logit_diff(model(corrupt), target, foil)[0])
-        out = torch.zeros(L, T, dtype=torch.float64)
-        for layer in range(L):
-            for pos in range(T):
-                src, dst = (corrupt, clean) if swap else (clean, corrupt)
-                m = float(logit_diff(_patched(model, src, dst, layer, pos), target, foil)[0])
-                out[layer, pos] = score(m, m_clean, m_corrupt)
-        return out
-
-    return compute
+def _swapped_map(model: Any, clean: Tensor, corrupt: Tensor, target: int, foil: int) -> Tensor:
+    raw, m_corrupt, m_clean = _sweep(model, corrupt, clean, target, foil)
+    return (raw - m_corrupt) / (m_clean - m_corrupt)
 
 
-def _normalised(m: float, c: float, k: float) -> float:
-    return (m - k) / (c - k)
+def _unnormalised_map(model: Any, clean: Tensor, corrupt: Tensor, target: int, foil: int) -> Tensor:
+    raw, _, m_corrupt = _sweep(model, clean, corrupt, target, foil)
+    return raw - m_corrupt
+
+
+def _from_clean_map(model: Any, clean: Tensor, corrupt: Tensor, target: int, foil: int) -> Tensor:
+    return 1 - patching_map(model, clean, corrupt, target, foil)
 
 
 # -- the inputs ----------------------------------------------------------------------------------------
@@ -159,9 +170,9 @@ PATCHING_MAP = Exercise(
     patching_map,
     _map_cases,
     [
-        Mistake("swapped", "the clean and corrupt runs are swapped: patch clean activations into the corrupt run.", _map_with(_normalised, swap=True)),
-        Mistake("unnormalised", "not normalised: score (m_patched − m_corrupt) / (m_clean − m_corrupt), so 0 is no effect and 1 restores the clean answer.", _map_with(lambda m, c, k: m - k)),
-        Mistake("from_clean", "normalised from the clean end: (m_patched − m_corrupt) / (m_clean − m_corrupt) is 0 for no effect; yours gives 1 − that.", _map_with(lambda m, c, k: (c - m) / (c - k))),
+        Mistake("swapped", "the clean and corrupt runs are swapped: patch clean activations into the corrupt run.", _swapped_map),
+        Mistake("unnormalised", "not normalised: score (m_patched − m_corrupt) / (m_clean − m_corrupt), so 0 is no effect and 1 restores the clean answer.", _unnormalised_map),
+        Mistake("from_clean", "normalised from the clean end: (m_patched − m_corrupt) / (m_clean − m_corrupt) is 0 for no effect; yours gives 1 − that.", _from_clean_map),
         Mistake("transposed", "transposed: the map is [layer, position].", lambda *a: patching_map(*a).T),
     ],
     describe=_last,
