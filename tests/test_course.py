@@ -28,7 +28,6 @@ sys.path.insert(0, str(SOLUTIONS))
 import build  # noqa: E402  (tutorials/course/solutions/build.py)
 from lessons import LESSONS  # noqa: E402
 
-from tests.test_explore_browser import CHROMIUM, served, shots  # noqa: E402,F401  (fixtures)
 from lensdiv.course import (  # noqa: E402
     checker,
     ensemble,
@@ -39,6 +38,7 @@ from lensdiv.course import (  # noqa: E402
     skipping,
     translator,
 )
+from tests import test_explore_browser as explore_page  # noqa: E402
 
 MODULES = {
     "01_logit_lens": logit_lens,
@@ -104,7 +104,12 @@ def test_solution_passes_and_blank_is_not_done(name: str) -> None:
     verdict = ex.verdict(_define(name, source, _earlier(lesson)))
     assert verdict.passed, verdict.text
     assert "\n" not in verdict.text and verdict.text.startswith("✔")
-    cell = next(c for _, cells in LESSONS for c in cells if c.kind == "exercise" and c.text + c.solution == source)
+    cell = next(
+        c
+        for _, cells in LESSONS
+        for c in cells
+        if c.kind == "exercise" and c.text + c.solution == source
+    )
     blank = _define(name, cell.text + build.blank(cell.text), _earlier(lesson))
     verdict = ex.verdict(blank)
     assert verdict.status == checker.NOT_DONE, verdict.text
@@ -116,7 +121,12 @@ def test_solution_passes_and_blank_is_not_done(name: str) -> None:
 # (function, mistake key, text in the solution, what the student wrote instead)
 MUTANTS = [
     ("final_norm", "no_centre", "x = h - h.mean(-1, keepdim=True)", "x = h"),
-    ("final_norm", "unbiased", "(x.pow(2).mean(-1, keepdim=True) + eps)", "(x.var(-1, keepdim=True) + eps)"),
+    (
+        "final_norm",
+        "unbiased",
+        "(x.pow(2).mean(-1, keepdim=True) + eps)",
+        "(x.var(-1, keepdim=True) + eps)",
+    ),
     ("final_norm", "no_affine", " * w + b", ""),
     ("final_norm", "no_weight", " * w + b", " + b"),
     ("lens_logits", "norm_forgotten", "final_norm(h, ln_w, ln_b, eps) @ W_U", "h @ W_U"),
@@ -126,69 +136,216 @@ MUTANTS = [
     ("kl_to_output", "mean_vocab", ".sum(-1)", ".mean(-1)"),
     ("kl_to_output", "raw_logits", "(lp - lq)", "(logits - out_logits)"),
     ("mean_per_layer", "pads_counted", "keep = mask.clone()", "keep = torch.ones_like(mask)"),
-    ("mean_per_layer", "batch_mean", "return values[:, keep].mean(-1)", "return ((values * keep).sum(-1) / keep.sum(-1)).mean(-1)"),
+    (
+        "mean_per_layer",
+        "batch_mean",
+        "return values[:, keep].mean(-1)",
+        "return ((values * keep).sum(-1) / keep.sum(-1)).mean(-1)",
+    ),
     ("mean_per_layer", "bos_counted", "keep[:, 0] = False", "pass"),
     ("mean_per_layer", "bos_dropped", "if exclude_bos:", "if True:"),
-    ("mean_per_layer", "off_by_one", "keep[:, 0] = False", "keep[:, :-1] = mask[:, 1:]; keep[:, -1] = False"),
-    ("skip_hooks", "bos_skipped", "out[:, 1:] = saved[\"h\"][:, 1:]", "out[:] = saved[\"h\"]"),
-    ("skip_hooks", "nothing", "f\"blocks.{s}.hook_resid_pre\", save", "f\"blocks.{s}.hook_resid_post\", save"),
-    ("skip_hooks", "zeroed", "out[:, 1:] = saved[\"h\"][:, 1:]", "out[:, 1:] = 0"),
-    ("skip_hooks", "next_block", "return [(f\"blocks.{s}", "s = min(s + 1, 3)\n    return [(f\"blocks.{s}"),
+    (
+        "mean_per_layer",
+        "off_by_one",
+        "keep[:, 0] = False",
+        "keep[:, :-1] = mask[:, 1:]; keep[:, -1] = False",
+    ),
+    ("skip_hooks", "bos_skipped", 'out[:, 1:] = saved["h"][:, 1:]', 'out[:] = saved["h"]'),
+    (
+        "skip_hooks",
+        "nothing",
+        'f"blocks.{s}.hook_resid_pre", save',
+        'f"blocks.{s}.hook_resid_post", save',
+    ),
+    ("skip_hooks", "zeroed", 'out[:, 1:] = saved["h"][:, 1:]', "out[:, 1:] = 0"),
+    (
+        "skip_hooks",
+        "next_block",
+        'return [(f"blocks.{s}',
+        's = min(s + 1, 3)\n    return [(f"blocks.{s}',
+    ),
     ("update_effect", "mean_positions", ".amax(-1)", ".mean(-1)"),
-    ("update_effect", "relative_to_skipped", "d.norm(dim=-1).clamp_min", "e.norm(dim=-1).clamp_min"),
-    ("update_effect", "states", "d, e = clean[1:] - clean[:-1], skipped[1:] - skipped[:-1]", "d, e = clean[1:], skipped[1:]"),
+    (
+        "update_effect",
+        "relative_to_skipped",
+        "d.norm(dim=-1).clamp_min",
+        "e.norm(dim=-1).clamp_min",
+    ),
+    (
+        "update_effect",
+        "states",
+        "d, e = clean[1:] - clean[:-1], skipped[1:] - skipped[:-1]",
+        "d, e = clean[1:], skipped[1:]",
+    ),
     ("update_effect", "absolute", " / d.norm(dim=-1).clamp_min(1e-6)", ""),
-    ("output_effect", "logits", "p, q = clean_logits.softmax(-1), skipped_logits.softmax(-1)", "p, q = clean_logits, skipped_logits"),
+    (
+        "output_effect",
+        "logits",
+        "p, q = clean_logits.softmax(-1), skipped_logits.softmax(-1)",
+        "p, q = clean_logits, skipped_logits",
+    ),
     ("output_effect", "mean_positions", ".amax()", ".mean()"),
-    ("output_effect", "kl", "return (p - q).norm(dim=-1).amax()", "return (q * (q.log() - p.log())).sum(-1).amax()"),
-    ("logit_diff", "sign", "logits[:, -1, target] - logits[:, -1, foil]", "logits[:, -1, foil] - logits[:, -1, target]"),
-    ("logit_diff", "first_position", "logits[:, -1, target] - logits[:, -1, foil]", "logits[:, 0, target] - logits[:, 0, foil]"),
-    ("logit_diff", "off_by_one", "logits[:, -1, target] - logits[:, -1, foil]", "logits[:, -2, target] - logits[:, -2, foil]"),
-    ("logit_diff", "probs", "return logits[:, -1, target]", "logits = logits.softmax(-1)\n    return logits[:, -1, target]"),
+    (
+        "output_effect",
+        "kl",
+        "return (p - q).norm(dim=-1).amax()",
+        "return (q * (q.log() - p.log())).sum(-1).amax()",
+    ),
+    (
+        "logit_diff",
+        "sign",
+        "logits[:, -1, target] - logits[:, -1, foil]",
+        "logits[:, -1, foil] - logits[:, -1, target]",
+    ),
+    (
+        "logit_diff",
+        "first_position",
+        "logits[:, -1, target] - logits[:, -1, foil]",
+        "logits[:, 0, target] - logits[:, 0, foil]",
+    ),
+    (
+        "logit_diff",
+        "off_by_one",
+        "logits[:, -1, target] - logits[:, -1, foil]",
+        "logits[:, -2, target] - logits[:, -2, foil]",
+    ),
+    (
+        "logit_diff",
+        "probs",
+        "return logits[:, -1, target]",
+        "logits = logits.softmax(-1)\n    return logits[:, -1, target]",
+    ),
     ("patch_run", "nothing", "model.run_with_cache(clean)", "model.run_with_cache(corrupt)"),
-    ("patch_run", "swapped", ("model.run_with_cache(clean)", "model.run_with_hooks(corrupt,"), ("model.run_with_cache(corrupt)", "model.run_with_hooks(clean,")),
+    (
+        "patch_run",
+        "swapped",
+        ("model.run_with_cache(clean)", "model.run_with_hooks(corrupt,"),
+        ("model.run_with_cache(corrupt)", "model.run_with_hooks(clean,"),
+    ),
     ("patch_run", "all_positions", "out[:, pos] = cache[name][:, pos]", "out[:] = cache[name]"),
     ("patch_run", "resid_post", "hook_resid_pre", "hook_resid_post"),
-    ("patch_run", "off_by_one", "out[:, pos] = cache[name][:, pos]", "out[:, pos - 1] = cache[name][:, pos - 1]"),
+    (
+        "patch_run",
+        "off_by_one",
+        "out[:, pos] = cache[name][:, pos]",
+        "out[:, pos - 1] = cache[name][:, pos - 1]",
+    ),
     ("patching_map", "unnormalised", "(m - m_corrupt) / (m_clean - m_corrupt)", "m - m_corrupt"),
-    ("patching_map", "from_clean", "(m - m_corrupt) / (m_clean - m_corrupt)", "(m_clean - m) / (m_clean - m_corrupt)"),
+    (
+        "patching_map",
+        "from_clean",
+        "(m - m_corrupt) / (m_clean - m_corrupt)",
+        "(m_clean - m) / (m_clean - m_corrupt)",
+    ),
     ("patching_map", "transposed", "return out", "return out.T"),
-    ("patching_map", "swapped", "patch_run(model, clean, corrupt, layer, pos)", "patch_run(model, corrupt, clean, layer, pos)"),
-    ("squared_terms", "sum_members", "return ens, bias, div", "return ens, bias * f.shape[0], div * f.shape[0]"),
+    (
+        "patching_map",
+        "swapped",
+        "patch_run(model, clean, corrupt, layer, pos)",
+        "patch_run(model, corrupt, clean, layer, pos)",
+    ),
+    (
+        "squared_terms",
+        "sum_members",
+        "return ens, bias, div",
+        "return ens, bias * f.shape[0], div * f.shape[0]",
+    ),
     ("squared_terms", "bias_of_mean", "return ens, bias, div", "return ens, ens, div"),
     ("squared_terms", "div_to_target", "div = (f - z)", "div = (f - onehot)"),
-    ("squared_terms", "mean_vocab", "return ens, bias, div", "V = f.shape[-1]\n    return ens / V, bias / V, div / V"),
+    (
+        "squared_terms",
+        "mean_vocab",
+        "return ens, bias, div",
+        "V = f.shape[-1]\n    return ens / V, bias / V, div / V",
+    ),
     ("ce_terms", "kl_reversed", "(logp.exp() * (logp - logq))", "(logq.exp() * (logq - logp))"),
-    ("ce_terms", "mean_of_softmax", "logp = f.mean(0).log_softmax(-1)", "logp = f.softmax(-1).mean(0).log()"),
-    ("ce_terms", "log2", "return ens, ce, kl", "return ens / 0.6931471805599453, ce / 0.6931471805599453, kl / 0.6931471805599453"),
-    ("remove_hooks", "bos_kept", "return saved[\"h\"].clone()", "out = saved[\"h\"].clone(); out[:, 0] = resid[:, 0]; return out"),
-    ("remove_hooks", "one_too_many", "hook_resid_post\", replace", "hook_resid_post\".replace(str(start + n - 1), str(min(start + n, 3))), replace"),
-    ("remove_hooks", "one_too_few", "    saved = {}", "    n -= 1\n    if n == 0:\n        return []\n    saved = {}"),
+    (
+        "ce_terms",
+        "mean_of_softmax",
+        "logp = f.mean(0).log_softmax(-1)",
+        "logp = f.softmax(-1).mean(0).log()",
+    ),
+    (
+        "ce_terms",
+        "log2",
+        "return ens, ce, kl",
+        "return ens / 0.6931471805599453, ce / 0.6931471805599453, kl / 0.6931471805599453",
+    ),
+    (
+        "remove_hooks",
+        "bos_kept",
+        'return saved["h"].clone()',
+        'out = saved["h"].clone(); out[:, 0] = resid[:, 0]; return out',
+    ),
+    (
+        "remove_hooks",
+        "one_too_many",
+        'hook_resid_post", replace',
+        'hook_resid_post".replace(str(start + n - 1), str(min(start + n, 3))), replace',
+    ),
+    (
+        "remove_hooks",
+        "one_too_few",
+        "    saved = {}",
+        "    n -= 1\n    if n == 0:\n        return []\n    saved = {}",
+    ),
     ("block_influence", "cos", "return (1 - c)[:, mask]", "return c[:, mask]"),
     ("block_influence", "pads_counted", "[:, mask].mean(-1)", ".flatten(1).mean(-1)"),
-    ("block_influence", "batch_mean", "return (1 - c)[:, mask].mean(-1)", "return (((1 - c) * mask).sum(-1) / mask.sum(-1)).mean(-1)"),
+    (
+        "block_influence",
+        "batch_mean",
+        "return (1 - c)[:, mask].mean(-1)",
+        "return (((1 - c) * mask).sum(-1) / mask.sum(-1)).mean(-1)",
+    ),
     ("angular_distance", "no_pi", "/ torch.pi", ""),
-    ("angular_distance", "padded_last", "last = mask.sum(1) - 1", "last = torch.full_like(mask.sum(1), mask.shape[1] - 1)"),
+    (
+        "angular_distance",
+        "padded_last",
+        "last = mask.sum(1) - 1",
+        "last = torch.full_like(mask.sum(1), mask.shape[1] - 1)",
+    ),
     ("angular_distance", "cosine", "(torch.arccos(c) / torch.pi)", "c"),
-    ("fit_translator", "no_bias", "x = torch.cat([h, torch.ones(len(h), 1, dtype=h.dtype)], 1).double()", "x = torch.cat([h, torch.zeros(len(h), 1, dtype=h.dtype)], 1).double()"),
+    (
+        "fit_translator",
+        "no_bias",
+        "x = torch.cat([h, torch.ones(len(h), 1, dtype=h.dtype)], 1).double()",
+        "x = torch.cat([h, torch.zeros(len(h), 1, dtype=h.dtype)], 1).double()",
+    ),
     ("fit_translator", "transposed", "return sol[:-1], sol[-1]", "return sol[:-1].T, sol[-1]"),
-    ("fit_translator", "reversed", "def fit_translator(h, target):", "def fit_translator(target, h):"),
+    (
+        "fit_translator",
+        "reversed",
+        "def fit_translator(h, target):",
+        "def fit_translator(target, h):",
+    ),
     ("tuned_loss", "lens_direction", "(lp.exp() * (lp - lq))", "(lq.exp() * (lq - lp))"),
     ("tuned_loss", "no_residual", "lens_logits(h + h @ A + b", "lens_logits(h @ A + b"),
     ("tuned_loss", "sum", ".sum(-1).mean()", ".sum()"),
-    ("ResidNorms", "pads_counted", "keep = step.batch.positions(exclude_bos=self.exclude_bos)", "keep = torch.ones_like(step.batch.mask)\n        if self.exclude_bos:\n            keep[:, 0] = False"),
+    (
+        "ResidNorms",
+        "pads_counted",
+        "keep = step.batch.positions(exclude_bos=self.exclude_bos)",
+        "keep = torch.ones_like(step.batch.mask)\n        if self.exclude_bos:\n            keep[:, 0] = False",
+    ),
     ("ResidNorms", "bos_counted", "positions(exclude_bos=self.exclude_bos)", "positions()"),
-    ("ResidNorms", "batch_mean", ".norm(dim=-1).sum())\n        state.add(\"n\", keep.sum())", ".norm(dim=-1).mean())\n        state.add(\"n\", torch.tensor(1))"),
+    (
+        "ResidNorms",
+        "batch_mean",
+        '.norm(dim=-1).sum())\n        state.add("n", keep.sum())',
+        '.norm(dim=-1).mean())\n        state.add("n", torch.tensor(1))',
+    ),
 ]
 
 
 @pytest.mark.parametrize(
-    ("name", "mistake", "old", "new"), MUTANTS, ids=[f"{m[0]}-{m[1]}-{i}" for i, m in enumerate(MUTANTS)]
+    ("name", "mistake", "old", "new"),
+    MUTANTS,
+    ids=[f"{m[0]}-{m[1]}-{i}" for i, m in enumerate(MUTANTS)],
 )
 def test_mutant_gets_its_diagnosis(name: str, mistake: str, old: Any, new: Any) -> None:
     lesson, source = SOLVED[name]
     olds, news = (old, new) if isinstance(old, tuple) else ((old,), (new,))
-    for o, n in zip(olds, news):
+    for o, n in zip(olds, news, strict=True):
         assert o in source, f"the mutant's text is not in the solution of {name}: {o!r}"
         source = source.replace(o, n)
     mutant = _define(name, source, _earlier(lesson))
@@ -248,7 +405,9 @@ def test_unknown_mistake_shows_expected_and_got_on_the_smallest_input() -> None:
     assert "1 random vector of 16 numbers" in verdict.text  # the smallest input
 
 
-def test_check_returns_the_reference_until_the_exercise_passes(capsys: pytest.CaptureFixture[str]) -> None:
+def test_check_returns_the_reference_until_the_exercise_passes(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     header = "def final_norm(h, w, b, eps):\n"
     blank = _define("final_norm", header + build.blank(header))
     assert logit_lens.check_final_norm(blank) is logit_lens.final_norm
@@ -257,7 +416,9 @@ def test_check_returns_the_reference_until_the_exercise_passes(capsys: pytest.Ca
 
 def test_contract_diagnoses() -> None:
     assert plugin.contract_verdict(plugin.ResidNorms).passed
-    assert plugin.contract_verdict(plugin._PadsCounted).mistake == r"pad positions \(their content\)"
+    assert (
+        plugin.contract_verdict(plugin._PadsCounted).mistake == r"pad positions \(their content\)"
+    )
     assert plugin.contract_verdict(plugin._BatchMean).mistake == "rows cut"
 
 
@@ -297,14 +458,20 @@ def test_course_runs(tmp_path: Path) -> None:
     whole = nbformat.v4.new_notebook()
     whole.cells = cells
     started = time.perf_counter()
-    nbclient.NotebookClient(whole, kernel_name="python3", timeout=300, resources={"metadata": {"path": str(tmp_path)}}).execute()
-    print(f"the course: {len(LESSONS)} blank and {len(LESSONS)} solved notebooks in {time.perf_counter() - started:.1f} s")
+    nbclient.NotebookClient(
+        whole, kernel_name="python3", timeout=300, resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
+    print(
+        f"the course: {len(LESSONS)} blank and {len(LESSONS)} solved notebooks in {time.perf_counter() - started:.1f} s"
+    )
     lines: dict[tuple[str, str], list[str]] = {}
     images = set()
-    for cell, owner in zip(whole.cells, owners):
+    for cell, owner in zip(whole.cells, owners, strict=True):
         for out in cell.outputs:
             text = out.get("text", "")
-            lines.setdefault(owner, []).extend(line for line in text.splitlines() if line and line[0] in "✔✘…?")
+            lines.setdefault(owner, []).extend(
+                line for line in text.splitlines() if line and line[0] in "✔✘…?"
+            )
             if "image/png" in out.get("data", {}):
                 images.add(owner)
     for owner, found in lines.items():
@@ -313,9 +480,17 @@ def test_course_runs(tmp_path: Path) -> None:
         n = sum(c.kind == "exercise" for c in cells_)
         blank, solved = lines.get(("blank", lesson), []), lines.get(("solved", lesson), [])
         contract = 1 if lesson == "07_analyzer_plugin" else 0
-        assert len(blank) == n + contract and all("not done yet" in x for x in blank), (lesson, blank)
-        assert len(solved) == n + contract and all(x.startswith("✔") for x in solved), (lesson, solved)
-        assert ("solved", lesson) in images and ("blank", lesson) in images, f"{lesson} drew no figure"
+        assert len(blank) == n + contract and all("not done yet" in x for x in blank), (
+            lesson,
+            blank,
+        )
+        assert len(solved) == n + contract and all(x.startswith("✔") for x in solved), (
+            lesson,
+            solved,
+        )
+        assert ("solved", lesson) in images and ("blank", lesson) in images, (
+            f"{lesson} drew no figure"
+        )
 
 
 @pytest.fixture
@@ -327,29 +502,40 @@ def kernel_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.delenv("MPLBACKEND", raising=False)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setenv("PATH", os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+    monkeypatch.setenv(
+        "PATH", os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    )
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed")
+# The explore page's fixtures (the toy served once per module, the screenshots' folder).
+served = explore_page.served
+shots = explore_page.shots
+
+
+@pytest.mark.skipif(explore_page.CHROMIUM is None, reason="Chromium is not installed")
 def test_explore_links_open_the_page_on_the_prompt(served: Any, shots: Path) -> None:
     """The lessons' links: ``?text=…&skip=N`` opens the lens tab on the prompt with the block
     skipped, ``?clean=…&corrupt=…&tab=patch`` the patch tab on the pair."""
     from lensdiv.course import toy
     from tests.browser import Browser
     from tests.test_browser import not_blank
-    from tests.test_explore_browser import wait
+
+    wait = explore_page.wait
 
     app, _ = served
     base = app.url.split("?")[0]
     token = app.url.split("?")[1] if "?" in app.url else ""
     text = toy.PROMPTS[1]
-    with Browser(CHROMIUM, width=1300, height=800) as page:
+    assert explore_page.CHROMIUM is not None
+    with Browser(explore_page.CHROMIUM, width=1300, height=800) as page:
         page.open(base + toy.explore_query(text, skip=1) + (f"&{token}" if token else ""))
         wait(page, "!!document.querySelector('.panel.skip')")
         assert page.evaluate("document.querySelector('#prompt').value") == text
         not_blank(page.screenshot(shots / "course_link_skip.png"))
         pair = toy.pair(toy.toy())["text"]
-        page.open(base + toy.explore_query(pair[0], corrupt=pair[1]) + (f"&{token}" if token else ""))
+        page.open(
+            base + toy.explore_query(pair[0], corrupt=pair[1]) + (f"&{token}" if token else "")
+        )
         wait(page, "!!document.querySelector('#patch-table')")
         assert page.evaluate("document.querySelector('#pane-patch').hidden") is False
         assert page.evaluate("document.querySelector('#corrupt').value") == pair[1]

@@ -22,8 +22,8 @@ after an exercise run either way.
 from __future__ import annotations
 
 import linecache
-import re
 import os
+import re
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -172,7 +172,9 @@ class Exercise:
         expected = self._expected()
         if any(g is None for g in got):
             return self._blank("it returns None")
-        failing = [i for i, (g, e) in enumerate(zip(got, expected)) if not self._close(g, e)]
+        failing = [
+            i for i, (g, e) in enumerate(zip(got, expected, strict=True)) if not self._close(g, e)
+        ]
         if not failing:
             headline = next((i for i, c in enumerate(cases) if c.headline), len(cases) - 1)
             value = self.describe(got[headline])
@@ -261,7 +263,7 @@ def _close(got: Output, want: Output, rtol: float, atol: float) -> bool:
     a, b = _parts(got), _parts(want)
     if len(a) != len(b):
         return False
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         tx, ty = _tensor(x), _tensor(y)
         if tx is None or ty is None or tx.shape != ty.shape:
             return False
@@ -294,7 +296,9 @@ def _show(value: Output) -> str:
 
 def abstract_methods(error: BaseException) -> str:
     """The methods a class still lacks, when ``error`` says it cannot be instantiated for that."""
-    found = re.search(r"abstract methods? (.+)$", str(error)) if isinstance(error, TypeError) else None
+    found = (
+        re.search(r"abstract methods? (.+)$", str(error)) if isinstance(error, TypeError) else None
+    )
     return found.group(1).strip("'\"") if found else ""
 
 

@@ -80,9 +80,17 @@ def _cases() -> list[Case]:
     f, y = toy.member_predictions(model, toy.PROMPTS[0])
     same = randn(1, 2, 5, seed=41).expand(3, 2, 5)
     return [
-        Case("3 members, 2 positions, a vocabulary of 5", (randn(3, 2, 5, seed=40), torch.tensor([1, 4])), 30),
+        Case(
+            "3 members, 2 positions, a vocabulary of 5",
+            (randn(3, 2, 5, seed=40), torch.tensor([1, 4])),
+            30,
+        ),
         Case("3 identical members (diversity 0)", (same.clone(), torch.tensor([0, 2])), 31),
-        Case("5 members, 1 position, a vocabulary of 7", (randn(5, 1, 7, seed=42, scale=2.0), torch.tensor([3])), 35),
+        Case(
+            "5 members, 1 position, a vocabulary of 7",
+            (randn(5, 1, 7, seed=42, scale=2.0), torch.tensor([3])),
+            35,
+        ),
         Case(f"the toy's {f.shape[0]} members on {toy.PROMPTS[0]!r}", (f, y), 10**6, True),
     ]
 
@@ -99,10 +107,26 @@ SQUARED_TERMS = Exercise(
     squared_terms,
     _cases,
     [
-        Mistake("sum_members", "bias and diversity are summed over the members: both are means, (1/M) Σ_i.", _sq_sum_members),
-        Mistake("bias_of_mean", "the bias is the ensemble's error ‖z − y‖²: it is the members' mean error, (1/M) Σ_i ‖f_i − y‖².", _sq_bias_of_mean),
-        Mistake("div_to_target", "the diversity is measured against the target: it is the spread around the ensemble, (1/M) Σ_i ‖f_i − z‖² with z = mean_i f_i.", _sq_div_to_target),
-        Mistake("mean_vocab", "a mean over the vocabulary: ‖·‖² sums the squares over every token.", _sq_mean_vocab),
+        Mistake(
+            "sum_members",
+            "bias and diversity are summed over the members: both are means, (1/M) Σ_i.",
+            _sq_sum_members,
+        ),
+        Mistake(
+            "bias_of_mean",
+            "the bias is the ensemble's error ‖z − y‖²: it is the members' mean error, (1/M) Σ_i ‖f_i − y‖².",
+            _sq_bias_of_mean,
+        ),
+        Mistake(
+            "div_to_target",
+            "the diversity is measured against the target: it is the spread around the ensemble, (1/M) Σ_i ‖f_i − z‖² with z = mean_i f_i.",
+            _sq_div_to_target,
+        ),
+        Mistake(
+            "mean_vocab",
+            "a mean over the vocabulary: ‖·‖² sums the squares over every token.",
+            _sq_mean_vocab,
+        ),
     ],
     describe=_describe,
     shape_hint="three numbers: (ensemble error, bias, diversity)",
@@ -113,8 +137,16 @@ CE_TERMS = Exercise(
     ce_terms,
     _cases,
     [
-        Mistake("kl_reversed", "the diversity's KL is reversed: it is KL(softmax z ‖ q_i), the ensemble's distribution first.", _ce_kl_reversed),
-        Mistake("mean_of_softmax", "the ensemble's distribution is the mean of the members' softmaxes: it is softmax of the mean logits z (their normalised geometric mean), for which the identity holds.", _ce_mean_of_softmax),
+        Mistake(
+            "kl_reversed",
+            "the diversity's KL is reversed: it is KL(softmax z ‖ q_i), the ensemble's distribution first.",
+            _ce_kl_reversed,
+        ),
+        Mistake(
+            "mean_of_softmax",
+            "the ensemble's distribution is the mean of the members' softmaxes: it is softmax of the mean logits z (their normalised geometric mean), for which the identity holds.",
+            _ce_mean_of_softmax,
+        ),
         Mistake("log2", "logarithms in base 2: lensdiv reports nats.", _ce_log2),
     ],
     describe=_describe,

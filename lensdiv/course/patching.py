@@ -25,7 +25,9 @@ def logit_diff(logits: Tensor, target: int, foil: int) -> Tensor:
     return logits[:, -1, target] - logits[:, -1, foil]
 
 
-def _patched(model: Any, source: Tensor, into: Tensor, layer: int, pos: Any, site: str = "resid_pre") -> Tensor:
+def _patched(
+    model: Any, source: Tensor, into: Tensor, layer: int, pos: Any, site: str = "resid_pre"
+) -> Tensor:
     name = f"blocks.{layer}.hook_{site}"
     _, cache = model.run_with_cache(source, names_filter=name)
     h = cache[name]
@@ -55,12 +57,20 @@ def _metric_of(target: int, foil: int) -> Any:
 _SWEEPS: dict[tuple[Any, ...], tuple[Tensor, float, float]] = {}
 
 
-def _sweep(model: Any, source: Tensor, into: Tensor, target: int, foil: int) -> tuple[Tensor, float, float]:
+def _sweep(
+    model: Any, source: Tensor, into: Tensor, target: int, foil: int
+) -> tuple[Tensor, float, float]:
     """TransformerLens' sweep of ``h_l`` patched from ``source`` into ``into`` at every position:
     the raw metric ``[n_layers, pos]``, and the metric of ``source`` and of ``into``."""
     from transformer_lens import patching
 
-    key = (id(model), tuple(source.flatten().tolist()), tuple(into.flatten().tolist()), target, foil)
+    key = (
+        id(model),
+        tuple(source.flatten().tolist()),
+        tuple(into.flatten().tolist()),
+        target,
+        foil,
+    )
     if key not in _SWEEPS:
         metric = _metric_of(target, foil)
         with torch.no_grad():
@@ -102,9 +112,18 @@ def _diff_cases() -> list[Case]:
     with torch.no_grad():
         logits = model(torch.cat([p["clean"], p["corrupt"]])).float()
     return [
-        Case("1 row of 3 positions over a vocabulary of 5, target 1, foil 3", (randn(1, 3, 5, seed=30), 1, 3), 15),
+        Case(
+            "1 row of 3 positions over a vocabulary of 5, target 1, foil 3",
+            (randn(1, 3, 5, seed=30), 1, 3),
+            15,
+        ),
         Case("2 rows of 4 positions, target 0, foil 2", (randn(2, 4, 6, seed=31), 0, 2), 48),
-        Case(f"toy: the clean and corrupt prompts {p['text']}", (logits, p["target"], p["foil"]), 10**4, True),
+        Case(
+            f"toy: the clean and corrupt prompts {p['text']}",
+            (logits, p["target"], p["foil"]),
+            10**4,
+            True,
+        ),
     ]
 
 
@@ -125,7 +144,14 @@ def _map_cases() -> list[Case]:
     cases = []
     for i in (0,):
         p = toy.pair(model, i)
-        cases.append(Case(f"pair {p['text']}", (model, p["clean"], p["corrupt"], p["target"], p["foil"]), i, i == 0))
+        cases.append(
+            Case(
+                f"pair {p['text']}",
+                (model, p["clean"], p["corrupt"], p["target"], p["foil"]),
+                i,
+                i == 0,
+            )
+        )
     return cases
 
 
@@ -140,10 +166,26 @@ LOGIT_DIFF = Exercise(
     logit_diff,
     _diff_cases,
     [
-        Mistake("sign", "the sign is flipped: the metric is logit[target] − logit[foil].", lambda z, t, f: -logit_diff(z, t, f)),
-        Mistake("first_position", "read at the first position: the answer is predicted at the last one (logits[:, -1]).", lambda z, t, f: z[:, 0, t] - z[:, 0, f]),
-        Mistake("off_by_one", "positions off by one: read at the last position (-1), not the one before it.", lambda z, t, f: z[:, -2, t] - z[:, -2, f]),
-        Mistake("probs", "probabilities instead of logits: the metric is the difference of the logits.", lambda z, t, f: logit_diff(torch.softmax(z, -1), t, f)),
+        Mistake(
+            "sign",
+            "the sign is flipped: the metric is logit[target] − logit[foil].",
+            lambda z, t, f: -logit_diff(z, t, f),
+        ),
+        Mistake(
+            "first_position",
+            "read at the first position: the answer is predicted at the last one (logits[:, -1]).",
+            lambda z, t, f: z[:, 0, t] - z[:, 0, f],
+        ),
+        Mistake(
+            "off_by_one",
+            "positions off by one: read at the last position (-1), not the one before it.",
+            lambda z, t, f: z[:, -2, t] - z[:, -2, f],
+        ),
+        Mistake(
+            "probs",
+            "probabilities instead of logits: the metric is the difference of the logits.",
+            lambda z, t, f: logit_diff(torch.softmax(z, -1), t, f),
+        ),
     ],
     describe=lambda out: f"clean {float(out[0]):+.2f}, corrupt {float(out[1]):+.2f}",
     shape_hint="one number per row of the batch",
@@ -154,11 +196,31 @@ PATCH_RUN = Exercise(
     patch_run,
     _patch_cases,
     [
-        Mistake("swapped", "the clean and corrupt runs are swapped: run the corrupt prompt and copy the clean activation in.", lambda m, c, k, l, t: _patched(m, k, c, l, t)),
-        Mistake("all_positions", "every position is patched: copy the clean h_l in at position pos only.", lambda m, c, k, l, t: _patched(m, c, k, l, slice(None))),
-        Mistake("resid_post", "the wrong state: h_l is blocks.{l}.hook_resid_pre (block l's input); you patched hook_resid_post, h_{l+1}.", lambda m, c, k, l, t: _patched(m, c, k, l, t, "resid_post")),
-        Mistake("off_by_one", "positions off by one: patch position pos itself (index pos of the tokens, BOS is 0).", lambda m, c, k, l, t: _patched(m, c, k, l, t - 1)),
-        Mistake("nothing", "the patched run is the corrupt run unchanged: copy the activation from the clean run (run_with_cache(clean)), and return the modified tensor from the hook.", lambda m, c, k, l, t: _patched(m, k, k, l, t)),
+        Mistake(
+            "swapped",
+            "the clean and corrupt runs are swapped: run the corrupt prompt and copy the clean activation in.",
+            lambda m, c, k, layer, t: _patched(m, k, c, layer, t),
+        ),
+        Mistake(
+            "all_positions",
+            "every position is patched: copy the clean h_l in at position pos only.",
+            lambda m, c, k, layer, t: _patched(m, c, k, layer, slice(None)),
+        ),
+        Mistake(
+            "resid_post",
+            "the wrong state: h_l is blocks.{l}.hook_resid_pre (block l's input); you patched hook_resid_post, h_{l+1}.",
+            lambda m, c, k, layer, t: _patched(m, c, k, layer, t, "resid_post"),
+        ),
+        Mistake(
+            "off_by_one",
+            "positions off by one: patch position pos itself (index pos of the tokens, BOS is 0).",
+            lambda m, c, k, layer, t: _patched(m, c, k, layer, t - 1),
+        ),
+        Mistake(
+            "nothing",
+            "the patched run is the corrupt run unchanged: copy the activation from the clean run (run_with_cache(clean)), and return the modified tensor from the hook.",
+            lambda m, c, k, layer, t: _patched(m, k, k, layer, t),
+        ),
     ],
     describe=lambda out: f"logits of shape {list(out.shape)}",
     atol=1e-4,
@@ -170,10 +232,24 @@ PATCHING_MAP = Exercise(
     patching_map,
     _map_cases,
     [
-        Mistake("swapped", "the clean and corrupt runs are swapped: patch clean activations into the corrupt run.", _swapped_map),
-        Mistake("unnormalised", "not normalised: score (m_patched − m_corrupt) / (m_clean − m_corrupt), so 0 is no effect and 1 restores the clean answer.", _unnormalised_map),
-        Mistake("from_clean", "normalised from the clean end: (m_patched − m_corrupt) / (m_clean − m_corrupt) is 0 for no effect; yours gives 1 − that.", _from_clean_map),
-        Mistake("transposed", "transposed: the map is [layer, position].", lambda *a: patching_map(*a).T),
+        Mistake(
+            "swapped",
+            "the clean and corrupt runs are swapped: patch clean activations into the corrupt run.",
+            _swapped_map,
+        ),
+        Mistake(
+            "unnormalised",
+            "not normalised: score (m_patched − m_corrupt) / (m_clean − m_corrupt), so 0 is no effect and 1 restores the clean answer.",
+            _unnormalised_map,
+        ),
+        Mistake(
+            "from_clean",
+            "normalised from the clean end: (m_patched − m_corrupt) / (m_clean − m_corrupt) is 0 for no effect; yours gives 1 − that.",
+            _from_clean_map,
+        ),
+        Mistake(
+            "transposed", "transposed: the map is [layer, position].", lambda *a: patching_map(*a).T
+        ),
     ],
     describe=_last,
     atol=1e-4,

@@ -101,14 +101,26 @@ SEQ_LEN, MAX_TOKENS = 32, 32 * 5 + 9  # 3 batches of 2 rows, the last row padded
 def _measure(analyzer: Any, case: Case) -> Any:
     from lensdiv.run.runner import analyze
 
-    run = analyze(toy.toy(), plugins=[analyzer], seq_len=SEQ_LEN, max_tokens=MAX_TOKENS, batch_size=2, progress=False)
+    run = analyze(
+        toy.toy(),
+        plugins=[analyzer],
+        seq_len=SEQ_LEN,
+        max_tokens=MAX_TOKENS,
+        batch_size=2,
+        progress=False,
+    )
     result = run[NAME] if NAME in run.results else next(iter(run.results.values()))
     return torch.as_tensor(result.table()["mean_norm"])
 
 
 def _cases() -> list[Case]:
     return [
-        Case(f"the toy on {MAX_TOKENS} tokens of the built-in corpus (the last row padded)", (), 1, True),
+        Case(
+            f"the toy on {MAX_TOKENS} tokens of the built-in corpus (the last row padded)",
+            (),
+            1,
+            True,
+        ),
         Case("the same, exclude_bos=False", (False,), 2),
     ]
 
@@ -118,9 +130,21 @@ PLUGIN = Exercise(
     ResidNorms,
     _cases,
     [
-        Mistake("pads_counted", "pad positions are counted: keep = step.batch.positions(exclude_bos=...) is True only at real tokens.", _PadsCounted),
-        Mistake("bos_counted", "BOS is counted although exclude_bos=True: pass exclude_bos=self.exclude_bos to step.batch.positions.", _BosCounted),
-        Mistake("batch_mean", "a mean of the batches' means: add sums and a count to the state, divide once in finalize (batches of different sizes then weigh right, and shards merge).", _BatchMean),
+        Mistake(
+            "pads_counted",
+            "pad positions are counted: keep = step.batch.positions(exclude_bos=...) is True only at real tokens.",
+            _PadsCounted,
+        ),
+        Mistake(
+            "bos_counted",
+            "BOS is counted although exclude_bos=True: pass exclude_bos=self.exclude_bos to step.batch.positions.",
+            _BosCounted,
+        ),
+        Mistake(
+            "batch_mean",
+            "a mean of the batches' means: add sums and a count to the state, divide once in finalize (batches of different sizes then weigh right, and shards merge).",
+            _BatchMean,
+        ),
     ],
     describe=lambda out: "mean ‖h_l‖ " + ", ".join(f"{float(v):.2f}" for v in out),
     shape_hint="the table 'resid_norms' with one row per state h_0 .. h_L and a column 'mean_norm'",
@@ -130,12 +154,27 @@ PLUGIN = Exercise(
 )
 
 CONTRACT_DIAGNOSES = (
-    (r"rows cut", "the numbers depend on how rows are batched: a padded batch must give what its rows cut to their real tokens give. Add sums and counts per token (never a mean per batch), over real tokens only."),
-    (r"halves merged|merge", "the state does not merge: two halves of the data merged must give the state of the whole. Keep sums, counts, maxima in the state (state.add / state.max), never a mean; divide in finalize."),
-    (r"pad positions \(their content\)", "pad positions enter a statistic: select positions with step.batch.positions(...), True at real tokens only."),
-    (r"changed itself", "the analyzer changes itself during the run: data goes in the state, never on self."),
+    (
+        r"rows cut",
+        "the numbers depend on how rows are batched: a padded batch must give what its rows cut to their real tokens give. Add sums and counts per token (never a mean per batch), over real tokens only.",
+    ),
+    (
+        r"halves merged|merge",
+        "the state does not merge: two halves of the data merged must give the state of the whole. Keep sums, counts, maxima in the state (state.add / state.max), never a mean; divide in finalize.",
+    ),
+    (
+        r"pad positions \(their content\)",
+        "pad positions enter a statistic: select positions with step.batch.positions(...), True at real tokens only.",
+    ),
+    (
+        r"changed itself",
+        "the analyzer changes itself during the run: data goes in the state, never on self.",
+    ),
     (r"frozen|dataclass", "an analyzer is a @dataclass(frozen=True): its fields are its options."),
-    (r"docstring", "every option needs its line under Args: in the class docstring (what lensdiv plugins show prints)."),
+    (
+        r"docstring",
+        "every option needs its line under Args: in the class docstring (what lensdiv plugins show prints).",
+    ),
 )
 
 
@@ -152,13 +191,24 @@ def contract_verdict(cls: Any, architectures: tuple[str, ...] = ("gpt2",)) -> Ve
             return Verdict(name, NOT_DONE, f"… {name}: not done yet.")
         for pattern, diagnosis in CONTRACT_DIAGNOSES:
             if re.search(pattern, text):
-                return Verdict(name, WRONG, f"✘ {name} breaks the contract: {diagnosis}\n  check_analyzer said: {text[:300]}", pattern)
+                return Verdict(
+                    name,
+                    WRONG,
+                    f"✘ {name} breaks the contract: {diagnosis}\n  check_analyzer said: {text[:300]}",
+                    pattern,
+                )
         return Verdict(name, WRONG, f"✘ {name} breaks the contract: {text[:400]}")
     except Exception as err:  # raised by the student's class outside a run
         if abstract_methods(err):
-            return Verdict(name, NOT_DONE, f"… {name}: not done yet ({abstract_methods(err)} still to write).")
+            return Verdict(
+                name, NOT_DONE, f"… {name}: not done yet ({abstract_methods(err)} still to write)."
+            )
         return Verdict(name, ERROR, f"✘ {name} raised {type(err).__name__}: {err}")
-    return Verdict(name, PASSED, f"✔ {name} passes check_analyzer on {', '.join(report.checked)}: merge, padding, state on disk, result.")
+    return Verdict(
+        name,
+        PASSED,
+        f"✔ {name} passes check_analyzer on {', '.join(report.checked)}: merge, padding, state on disk, result.",
+    )
 
 
 def check_contract(cls: Any) -> bool:

@@ -37,7 +37,10 @@ def _hooks(start: int, end: int, keep_bos: bool = False) -> list[Hook]:
 
     if end <= start:
         return []
-    return [(f"blocks.{start}.hook_resid_pre", save), (f"blocks.{end - 1}.hook_resid_post", replace)]
+    return [
+        (f"blocks.{start}.hook_resid_pre", save),
+        (f"blocks.{end - 1}.hook_resid_post", replace),
+    ]
 
 
 def remove_hooks(start: int, n: int) -> list[Hook]:
@@ -119,7 +122,11 @@ def _signal_cases() -> list[Case]:
     rand = randn(3, 2, 4, 5, seed=50)
     rmask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]], dtype=torch.bool)
     return [
-        Case("random states: 2 blocks, 2 rows of 4 positions (the second padded), d_model 5", (rand, rmask), 120),
+        Case(
+            "random states: 2 blocks, 2 rows of 4 positions (the second padded), d_model 5",
+            (rand, rmask),
+            120,
+        ),
         Case("3 padded toy prompts", (states, mask), 10**6, True),
     ]
 
@@ -140,9 +147,21 @@ REMOVE_HOOKS = Exercise(
     remove_hooks,
     _hook_cases,
     [
-        Mistake("bos_kept", "BOS is left in place: removed blocks are gone at every position, the first included (unlike skip, which never skips BOS).", lambda s, n: _hooks(s, s + n, keep_bos=True)),
-        Mistake("one_too_many", "one block too many removed: blocks ℓ..ℓ+n−1 go, so h_{ℓ+n} (blocks.{ℓ+n−1}.hook_resid_post) := h_ℓ.", lambda s, n: _hooks(s, min(s + n + 1, _n_layers()))),
-        Mistake("one_too_few", "one block too few removed: blocks ℓ..ℓ+n−1 go, so the last one replaced is blocks.{ℓ+n−1}.hook_resid_post.", lambda s, n: _hooks(s, s + n - 1)),
+        Mistake(
+            "bos_kept",
+            "BOS is left in place: removed blocks are gone at every position, the first included (unlike skip, which never skips BOS).",
+            lambda s, n: _hooks(s, s + n, keep_bos=True),
+        ),
+        Mistake(
+            "one_too_many",
+            "one block too many removed: blocks ℓ..ℓ+n−1 go, so h_{ℓ+n} (blocks.{ℓ+n−1}.hook_resid_post) := h_ℓ.",
+            lambda s, n: _hooks(s, min(s + n + 1, _n_layers())),
+        ),
+        Mistake(
+            "one_too_few",
+            "one block too few removed: blocks ℓ..ℓ+n−1 go, so the last one replaced is blocks.{ℓ+n−1}.hook_resid_post.",
+            lambda s, n: _hooks(s, s + n - 1),
+        ),
     ],
     describe=lambda out: f"states of shape {list(out.shape)}",
     measure=_run_hooks,
@@ -154,9 +173,19 @@ BLOCK_INFLUENCE = Exercise(
     block_influence,
     _signal_cases,
     [
-        Mistake("cos", "this is the cosine itself: block influence is 1 − cos(h_j, h_{j+1}) (0 for a block that changes nothing).", _bi_cos),
-        Mistake("pads_counted", "pad positions are counted: average only where mask is True.", _bi_pads),
-        Mistake("batch_mean", "a mean over the batch of each row's mean: average over all real tokens at once.", _bi_batch),
+        Mistake(
+            "cos",
+            "this is the cosine itself: block influence is 1 − cos(h_j, h_{j+1}) (0 for a block that changes nothing).",
+            _bi_cos,
+        ),
+        Mistake(
+            "pads_counted", "pad positions are counted: average only where mask is True.", _bi_pads
+        ),
+        Mistake(
+            "batch_mean",
+            "a mean over the batch of each row's mean: average over all real tokens at once.",
+            _bi_batch,
+        ),
     ],
     describe=lambda out: "BI per block " + ", ".join(f"{float(v):.3f}" for v in out),
     shape_hint="one number per block",
@@ -167,10 +196,24 @@ ANGULAR_DISTANCE = Exercise(
     angular_distance,
     _angle_cases,
     [
-        Mistake("no_pi", "the angle is in radians: the angular distance divides arccos(cos) by π (between 0 and 1).", _ang_no_pi),
-        Mistake("padded_last", "read at the row's last position, a pad in a padded row: use each row's last real token (the last True of mask).", _ang_padded_last),
-        Mistake("all_tokens", "averaged over every token: Gromov et al.'s distance is read at the last real token of each row (prune calls the all-token one angular_all).", _ang_all),
-        Mistake("cosine", "the cosine, not the angle: d = arccos(cos(h_ℓ, h_{ℓ+n})) / π.", _ang_cos),
+        Mistake(
+            "no_pi",
+            "the angle is in radians: the angular distance divides arccos(cos) by π (between 0 and 1).",
+            _ang_no_pi,
+        ),
+        Mistake(
+            "padded_last",
+            "read at the row's last position, a pad in a padded row: use each row's last real token (the last True of mask).",
+            _ang_padded_last,
+        ),
+        Mistake(
+            "all_tokens",
+            "averaged over every token: Gromov et al.'s distance is read at the last real token of each row (prune calls the all-token one angular_all).",
+            _ang_all,
+        ),
+        Mistake(
+            "cosine", "the cosine, not the angle: d = arccos(cos(h_ℓ, h_{ℓ+n})) / π.", _ang_cos
+        ),
     ],
     describe=lambda out: f"d(1, 2) = {float(out):.3f}",
     shape_hint="one number",

@@ -22,7 +22,9 @@ Hook = tuple[str, Callable[..., Any]]
 # -- the references ----------------------------------------------------------------------------------
 
 
-def _replace_hooks(save_at: str, replace_at: str, how: Callable[[Tensor, Tensor], Tensor]) -> list[Hook]:
+def _replace_hooks(
+    save_at: str, replace_at: str, how: Callable[[Tensor, Tensor], Tensor]
+) -> list[Hook]:
     saved: dict[str, Tensor] = {}
 
     def save(resid: Tensor, hook: Any) -> Tensor:
@@ -61,7 +63,9 @@ def output_effect(clean_logits: Tensor, skipped_logits: Tensor) -> Tensor:
 
 
 def _bos_skipped(s: int) -> list[Hook]:
-    return _replace_hooks(f"blocks.{s}.hook_resid_pre", f"blocks.{s}.hook_resid_post", lambda r, h: h)
+    return _replace_hooks(
+        f"blocks.{s}.hook_resid_pre", f"blocks.{s}.hook_resid_post", lambda r, h: h
+    )
 
 
 def _nothing(s: int) -> list[Hook]:
@@ -131,8 +135,8 @@ def _hook_cases() -> list[Case]:
     L = model.cfg.n_layers
     return [
         Case("a one-token prompt (BOS only), s = 0", (0,), 1, context=one),
-        Case(f"2 toy prompts, s = 0", (0,), 10, context=two),
-        Case(f"2 toy prompts, s = 1", (1,), 11, context=two, headline=True),
+        Case("2 toy prompts, s = 0", (0,), 10, context=two),
+        Case("2 toy prompts, s = 1", (1,), 11, context=two, headline=True),
         Case(f"2 toy prompts, s = {L - 1} (the last block)", (L - 1,), 12, context=two),
     ]
 
@@ -173,10 +177,26 @@ SKIP_HOOKS = Exercise(
     skip_hooks,
     _hook_cases,
     [
-        Mistake("bos_skipped", "BOS is skipped too: the skip convention leaves position 0 alone (h_{s+1} := h_s at positions 1, 2, …).", _bos_skipped),
-        Mistake("nothing", "nothing was skipped: the states equal the clean run's. Save h_s at blocks.{s}.hook_resid_pre, and return the new tensor from the hook at blocks.{s}.hook_resid_post.", _nothing),
-        Mistake("zeroed", "h_{s+1} is set to zero: skipping a block means it adds nothing, h_{s+1} := h_s.", _zeroed),
-        Mistake("next_block", "the wrong block is skipped (s + 1, off by one): block s reads blocks.{s}.hook_resid_pre and writes blocks.{s}.hook_resid_post.", _next_block),
+        Mistake(
+            "bos_skipped",
+            "BOS is skipped too: the skip convention leaves position 0 alone (h_{s+1} := h_s at positions 1, 2, …).",
+            _bos_skipped,
+        ),
+        Mistake(
+            "nothing",
+            "nothing was skipped: the states equal the clean run's. Save h_s at blocks.{s}.hook_resid_pre, and return the new tensor from the hook at blocks.{s}.hook_resid_post.",
+            _nothing,
+        ),
+        Mistake(
+            "zeroed",
+            "h_{s+1} is set to zero: skipping a block means it adds nothing, h_{s+1} := h_s.",
+            _zeroed,
+        ),
+        Mistake(
+            "next_block",
+            "the wrong block is skipped (s + 1, off by one): block s reads blocks.{s}.hook_resid_pre and writes blocks.{s}.hook_resid_post.",
+            _next_block,
+        ),
     ],
     describe=lambda out: f"states of shape {list(out.shape)}",
     measure=_run_hooks,
@@ -188,9 +208,21 @@ UPDATE_EFFECT = Exercise(
     update_effect,
     _effect_cases,
     [
-        Mistake("mean_positions", "a mean over positions: E[s, l] is the maximum over the measured positions.", _mean_positions),
-        Mistake("relative_to_skipped", "divided by the skipped run's update: the effect is relative to the clean update, ‖Δ_l − Δ̃_l‖ / ‖Δ_l‖.", _relative_to_skipped),
-        Mistake("states", "states compared instead of updates: E compares what block l writes, Δ_l = h_{l+1} − h_l, in the two runs.", _states),
+        Mistake(
+            "mean_positions",
+            "a mean over positions: E[s, l] is the maximum over the measured positions.",
+            _mean_positions,
+        ),
+        Mistake(
+            "relative_to_skipped",
+            "divided by the skipped run's update: the effect is relative to the clean update, ‖Δ_l − Δ̃_l‖ / ‖Δ_l‖.",
+            _relative_to_skipped,
+        ),
+        Mistake(
+            "states",
+            "states compared instead of updates: E compares what block l writes, Δ_l = h_{l+1} − h_l, in the two runs.",
+            _states,
+        ),
         Mistake("absolute", "not relative: divide ‖Δ_l − Δ̃_l‖ by max(‖Δ_l‖, 1e-6).", _absolute),
     ],
     describe=lambda out: "E[1, l] = " + ", ".join(f"{float(v):.2f}" for v in out),
@@ -202,9 +234,19 @@ OUTPUT_EFFECT = Exercise(
     output_effect,
     _output_cases,
     [
-        Mistake("logits", "the distance of logits: O[s] compares the output distributions, ‖softmax(z) − softmax(z̃)‖₂.", _logits_distance),
-        Mistake("mean_positions", "a mean over positions: O[s] is the maximum over them.", _output_mean),
-        Mistake("kl", "a KL: O[s] is the L2 distance of the two distributions (between 0 and √2).", _output_kl),
+        Mistake(
+            "logits",
+            "the distance of logits: O[s] compares the output distributions, ‖softmax(z) − softmax(z̃)‖₂.",
+            _logits_distance,
+        ),
+        Mistake(
+            "mean_positions", "a mean over positions: O[s] is the maximum over them.", _output_mean
+        ),
+        Mistake(
+            "kl",
+            "a KL: O[s] is the L2 distance of the two distributions (between 0 and √2).",
+            _output_kl,
+        ),
     ],
     describe=lambda out: f"O[1] = {float(out):.3f}",
     shape_hint="one number",

@@ -120,3 +120,21 @@ def explore(text: str, *, skip: int | None = None, corrupt: str | None = None) -
         f"In a terminal: lensdiv explore {MODEL}   then open "
         f"http://127.0.0.1:{EXPLORE_PORT}/{query}"
     )
+
+
+def member_predictions(model: Any, text: str) -> tuple[Tensor, Tensor]:
+    """``(f, y)`` on one prompt: ``f[i]`` the logits member ``i`` predicts at every position that
+    has a next token, ``[M, n, d_vocab]`` (``M = 2L + 1``: the embedding, then each block's
+    attention and MLP writes, read on the final residual's scale, so that ``f.mean(0)`` is the
+    model's logits); ``y`` the next tokens ``[n]`` (docs/science.md#bias)."""
+    from lensdiv.core.analyzer import ModelInfo
+    from lensdiv.ops.members import member_hooks, member_logits
+
+    info = ModelInfo.from_model(model)
+    ids, _ = tokens(model, text)
+    with torch.no_grad():
+        _, cache = capture(model, ids, member_hooks(info), need_logits=False)
+    keep = torch.zeros_like(ids, dtype=torch.bool)
+    keep[:, :-1] = True
+    z = member_logits(model, cache, info, keep)  # Σ_i z_i = the logits
+    return z * z.shape[0], ids[0, 1:]

@@ -26,7 +26,9 @@ def fit_translator(h: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
     return maps[:-1], maps[-1]
 
 
-def tuned_loss(A: Tensor, b: Tensor, h: Tensor, out_logits: Tensor, params: dict[str, Any]) -> Tensor:
+def tuned_loss(
+    A: Tensor, b: Tensor, h: Tensor, out_logits: Tensor, params: dict[str, Any]
+) -> Tensor:
     logits = lens_logits(h + h @ A + b, **params)
     logp = torch.log_softmax(out_logits.double(), -1)
     logq = torch.log_softmax(logits.double(), -1)
@@ -50,18 +52,24 @@ def _reversed(h: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
     return fit_translator(target, h)
 
 
-def _loss_lens_direction(A: Tensor, b: Tensor, h: Tensor, out_logits: Tensor, params: dict[str, Any]) -> Tensor:
+def _loss_lens_direction(
+    A: Tensor, b: Tensor, h: Tensor, out_logits: Tensor, params: dict[str, Any]
+) -> Tensor:
     logits = lens_logits(h + h @ A + b, **params)
     logq = torch.log_softmax(out_logits.double(), -1)
     logp = torch.log_softmax(logits.double(), -1)
     return (logp.exp() * (logp - logq)).sum(-1).mean()
 
 
-def _loss_no_residual(A: Tensor, b: Tensor, h: Tensor, out_logits: Tensor, params: dict[str, Any]) -> Tensor:
+def _loss_no_residual(
+    A: Tensor, b: Tensor, h: Tensor, out_logits: Tensor, params: dict[str, Any]
+) -> Tensor:
     return tuned_loss(A - torch.eye(A.shape[0]), b, h, out_logits, params)
 
 
-def _loss_sum(A: Tensor, b: Tensor, h: Tensor, out_logits: Tensor, params: dict[str, Any]) -> Tensor:
+def _loss_sum(
+    A: Tensor, b: Tensor, h: Tensor, out_logits: Tensor, params: dict[str, Any]
+) -> Tensor:
     return tuned_loss(A, b, h, out_logits, params) * h.shape[0]
 
 
@@ -120,9 +128,21 @@ FIT_TRANSLATOR = Exercise(
     fit_translator,
     _fit_cases,
     [
-        Mistake("no_bias", "no constant term: fit h W + c with c free (append a column of ones to h, or centre both sides).", _no_bias),
-        Mistake("transposed", "W is transposed: the translator is h @ W + c with W[d_in, d_out] (lstsq's solution as it comes).", _transposed),
-        Mistake("reversed", "the map goes the wrong way: fit h_l → h_L (from the layer to the last state), not back.", _reversed),
+        Mistake(
+            "no_bias",
+            "no constant term: fit h W + c with c free (append a column of ones to h, or centre both sides).",
+            _no_bias,
+        ),
+        Mistake(
+            "transposed",
+            "W is transposed: the translator is h @ W + c with W[d_in, d_out] (lstsq's solution as it comes).",
+            _transposed,
+        ),
+        Mistake(
+            "reversed",
+            "the map goes the wrong way: fit h_l → h_L (from the layer to the last state), not back.",
+            _reversed,
+        ),
     ],
     describe=lambda out: f"h_L predicted from h_1 at {out.shape[0]} positions",
     measure=_predict,
@@ -136,8 +156,16 @@ TUNED_LOSS = Exercise(
     tuned_loss,
     _loss_cases,
     [
-        Mistake("lens_direction", "the KL's direction: the tuned lens trains KL(p_out ‖ p_translated), the output first (the logit lens reports the other one).", _loss_lens_direction),
-        Mistake("no_residual", "the translator misses its residual form: T(h) = h + h A + b, so A = 0, b = 0 is the logit lens.", _loss_no_residual),
+        Mistake(
+            "lens_direction",
+            "the KL's direction: the tuned lens trains KL(p_out ‖ p_translated), the output first (the logit lens reports the other one).",
+            _loss_lens_direction,
+        ),
+        Mistake(
+            "no_residual",
+            "the translator misses its residual form: T(h) = h + h A + b, so A = 0, b = 0 is the logit lens.",
+            _loss_no_residual,
+        ),
         Mistake("sum", "summed over positions: the loss is the mean KL per position.", _loss_sum),
     ],
     describe=lambda out: f"loss {float(out):.3f} nats",

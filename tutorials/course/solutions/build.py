@@ -65,7 +65,7 @@ def head(number: int, title: str, goal: str, reading: str, minutes: str, level: 
     )
 
 
-SETUP = '''
+SETUP = """
 import os
 import warnings
 
@@ -81,7 +81,8 @@ FAST = toy.fast()  # set by the tests (LENSDIV_TUTORIAL_FAST=1): tiny sizes, num
 model = toy.toy()  # the 4-block toy model (trained and cached on first use)
 L = model.cfg.n_layers
 print(f"toy model: {L} blocks, d_model {model.cfg.d_model}, vocabulary {model.cfg.d_vocab} (bytes)")
-'''
+"""
+
 
 def notebook(cells: list[Cell], solved: bool) -> nbformat.NotebookNode:
     nb = nbformat.v4.new_notebook()

@@ -30,12 +30,12 @@ residual states `states[l] = h_l`, `[L + 1, batch, pos, d_model]`: `h_0` the emb
 input of block `l`, `h_L` the last block's output **before** the final norm. The prompts are
 packed as lensdiv packs text: BOS first, rows right-padded, `mask` True at real tokens.
 """),
-    code('''
+    code("""
 ids, mask = toy.tokens(model, toy.PROMPTS)
 logits, states = toy.residual_states(model, ids)
 params = toy.readout_params(model)  # ln_w, ln_b, eps (the final LayerNorm), W_U, b_U
 print("states", tuple(states.shape), "| logits", tuple(logits.shape), "| real tokens per row", mask.sum(1).tolist())
-'''),
+"""),
     md(f"""
 ## Exercise 1.1 — the final norm
 
@@ -49,12 +49,14 @@ with the mean and variance over the last axis (`d_model`). Write it for any lead
 def final_norm(h, w, b, eps):
     """LayerNorm of the last axis of h, then scale w and shift b."""
 ''',
-        '''
+        """
     x = h - h.mean(-1, keepdim=True)
     return x / (x.pow(2).mean(-1, keepdim=True) + eps).sqrt() * w + b
-''',
+""",
     ),
-    code("from lensdiv.course import logit_lens as check\n\nfinal_norm = check.check_final_norm(final_norm)"),
+    code(
+        "from lensdiv.course import logit_lens as check\n\nfinal_norm = check.check_final_norm(final_norm)"
+    ),
     md(f"""
 ## Exercise 1.2 — the lens' logits
 
@@ -68,9 +70,9 @@ def final_norm(h, w, b, eps):
 def lens_logits(h, ln_w, ln_b, eps, W_U, b_U):
     """Logits [..., d_vocab] of residual states h [..., d_model] through the final norm and unembedding."""
 ''',
-        '''
+        """
     return final_norm(h, ln_w, ln_b, eps) @ W_U + b_U
-''',
+""",
     ),
     code("lens_logits = check.check_lens_logits(lens_logits)"),
     md(f"""
@@ -86,10 +88,10 @@ the vocabulary), in nats. At `h_L` it is 0.
 def kl_to_output(logits, out_logits):
     """KL(p_l || p_out) per row, from the lens' logits and the model's output logits."""
 ''',
-        '''
+        """
     lp, lq = logits.log_softmax(-1), out_logits.log_softmax(-1)
     return (lp.exp() * (lp - lq)).sum(-1)
-''',
+""",
     ),
     code("kl_to_output = check.check_kl_to_output(kl_to_output)"),
     md(f"""
@@ -106,12 +108,12 @@ all kept tokens of the batch, not a mean of the rows' means.
 def mean_per_layer(values, mask, exclude_bos):
     """Mean of values [layer, batch, pos] over the kept positions: one number per layer."""
 ''',
-        '''
+        """
     keep = mask.clone()
     if exclude_bos:
         keep[:, 0] = False
     return values[:, keep].mean(-1)
-''',
+""",
     ),
     code("mean_per_layer = check.check_mean_per_layer(mean_per_layer)"),
     md("""
@@ -120,7 +122,7 @@ def mean_per_layer(values, mask, exclude_bos):
 Your functions, per layer, against `lensdiv.analyze(..., plugins="lens")` on the same prompts
 (`lens` keeps BOS by default). The two columns should agree to float precision.
 """),
-    code('''
+    code("""
 out = logits.unsqueeze(0).expand(L + 1, *logits.shape)
 kl = kl_to_output(lens_logits(states, **params), out)  # [L + 1, batch, pos]
 mine = mean_per_layer(kl, mask, exclude_bos=False)
@@ -135,7 +137,7 @@ plt.figure(figsize=(5, 3))
 plt.plot(range(L + 1), mine.tolist(), "o-", label="yours")
 plt.plot(range(L + 1), list(theirs), "x--", label="lensdiv lens")
 plt.xlabel("residual state h_l"); plt.ylabel("KL(p_l ‖ p_out), nats"); plt.legend(); plt.show()
-'''),
+"""),
     md("**See it per position:** the same grid, every cell a layer and a position, live:"),
     code("print(toy.explore(toy.PROMPTS[0]))"),
 ]
@@ -167,7 +169,7 @@ skipped). `toy.residual_states(model, ids, hooks)` runs with them.
 def skip_hooks(s):
     """[(hook name, fn), ...] that set h_{s+1} := h_s at every position but the first."""
 ''',
-        '''
+        """
     saved = {}
 
     def save(resid, hook):
@@ -180,9 +182,11 @@ def skip_hooks(s):
         return out
 
     return [(f"blocks.{s}.hook_resid_pre", save), (f"blocks.{s}.hook_resid_post", replace)]
-''',
+""",
     ),
-    code("from lensdiv.course import skipping as check\n\nskip_hooks = check.check_skip_hooks(skip_hooks)"),
+    code(
+        "from lensdiv.course import skipping as check\n\nskip_hooks = check.check_skip_hooks(skip_hooks)"
+    ),
     md(f"""
 ## Exercise 2.2 — the effect on later blocks
 
@@ -197,10 +201,10 @@ Block `l`'s update is `Δ_l = h_{{l+1}} − h_l`. Return, for every block `l`,
 def update_effect(clean, skipped):
     """E[l] for every block l: the largest relative change of its update over positions."""
 ''',
-        '''
+        """
     d, e = clean[1:] - clean[:-1], skipped[1:] - skipped[:-1]
     return ((d - e).norm(dim=-1) / d.norm(dim=-1).clamp_min(1e-6)).amax(-1)
-''',
+""",
     ),
     code("update_effect = check.check_update_effect(update_effect)"),
     md(f"""
@@ -216,10 +220,10 @@ and √2), from the two runs' logits `[pos, d_vocab]`.
 def output_effect(clean_logits, skipped_logits):
     """The largest L2 distance between the two runs' output distributions."""
 ''',
-        '''
+        """
     p, q = clean_logits.softmax(-1), skipped_logits.softmax(-1)
     return (p - q).norm(dim=-1).amax()
-''',
+""",
     ),
     code("output_effect = check.check_output_effect(output_effect)"),
     md("""
@@ -229,7 +233,7 @@ Skip every block in turn on one prompt: the matrix `E[s, l]` (which later blocks
 output effect per skipped block. Zero below the diagonal: skipping `s` cannot change earlier
 blocks; one on it: the skipped update is gone.
 """),
-    code('''
+    code("""
 ids, _ = toy.tokens(model, toy.PROMPTS[0])
 logits, clean = toy.residual_states(model, ids)
 E = torch.zeros(L, L)
@@ -242,8 +246,10 @@ fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3))
 a.imshow(E, cmap="viridis"); a.set(xlabel="later block l", ylabel="skipped block s", title="E[s, l]")
 b.bar(range(L), O.tolist()); b.set(xlabel="skipped block s", ylabel="‖p − p̃‖₂", title="output effect")
 plt.tight_layout(); plt.show()
-'''),
-    md("**See it live:** the explore page reads the model with a block skipped (pick it in *skip*):"),
+"""),
+    md(
+        "**See it live:** the explore page reads the model with a block skipped (pick it in *skip*):"
+    ),
     code("print(toy.explore(toy.PROMPTS[0], skip=1))"),
 ]
 
@@ -258,11 +264,11 @@ LESSON_3 = [
         "★★☆ (hooks, caches)",
     ),
     code(SETUP),
-    code('''
+    code("""
 pair = toy.pair(model)  # a fact of the toy's knowledge base and a corrupted one
 clean, corrupt, target, foil = pair["clean"], pair["corrupt"], pair["target"], pair["foil"]
 print(pair["text"], "| answer token", target, "| foil", foil, "| tokens", clean.shape[1])
-'''),
+"""),
     md(f"""
 ## Exercise 3.1 — the metric
 
@@ -276,11 +282,13 @@ number per row of `logits [batch, pos, d_vocab]`.
 def logit_diff(logits, target, foil):
     """logit[target] - logit[foil] at the last position, per row."""
 ''',
-        '''
+        """
     return logits[:, -1, target] - logits[:, -1, foil]
-''',
+""",
     ),
-    code("from lensdiv.course import patching as check\n\nlogit_diff = check.check_logit_diff(logit_diff)"),
+    code(
+        "from lensdiv.course import patching as check\n\nlogit_diff = check.check_logit_diff(logit_diff)"
+    ),
     md(f"""
 ## Exercise 3.2 — one patch
 
@@ -294,7 +302,7 @@ replaced by the **clean** run's; return the patched run's logits.
 def patch_run(model, clean, corrupt, layer, pos):
     """Logits of the corrupt run with the clean h_layer patched in at position pos."""
 ''',
-        '''
+        """
     name = f"blocks.{layer}.hook_resid_pre"
     _, cache = model.run_with_cache(clean)
 
@@ -304,7 +312,7 @@ def patch_run(model, clean, corrupt, layer, pos):
         return out
 
     return model.run_with_hooks(corrupt, fwd_hooks=[(name, patch)])
-''',
+""",
     ),
     code("patch_run = check.check_patch_run(patch_run)"),
     md(f"""
@@ -321,7 +329,7 @@ the logit difference. 0: the patch changes nothing; 1: it restores the clean ans
 def patching_map(model, clean, corrupt, target, foil):
     """The normalised patching score of h_l at every (layer, position): [n_layers, pos]."""
 ''',
-        '''
+        """
     m_clean = float(logit_diff(model(clean), target, foil)[0])
     m_corrupt = float(logit_diff(model(corrupt), target, foil)[0])
     out = torch.zeros(model.cfg.n_layers, clean.shape[1])
@@ -330,10 +338,10 @@ def patching_map(model, clean, corrupt, target, foil):
             m = float(logit_diff(patch_run(model, clean, corrupt, layer, pos), target, foil)[0])
             out[layer, pos] = (m - m_corrupt) / (m_clean - m_corrupt)
     return out
-''',
+""",
     ),
     code("patching_map = check.check_patching_map(patching_map)"),
-    code('''
+    code("""
 with torch.no_grad():
     scores = patching_map(model, clean, corrupt, target, foil)
 labels = [model.tokenizer.decode([t]) for t in clean[0].tolist()]
@@ -341,7 +349,7 @@ plt.figure(figsize=(6, 2.8))
 plt.imshow(scores, cmap="RdBu", vmin=-1, vmax=1)
 plt.xticks(range(len(labels)), labels); plt.xlabel("position"); plt.ylabel("h_l")
 plt.colorbar(label="restored"); plt.title("patching clean → corrupt"); plt.show()
-'''),
+"""),
     md("**See it live:** the explore page's *Patch* tab draws the same map for any pair:"),
     code('print(toy.explore(pair["text"][0], corrupt=pair["text"][1]))'),
 ]
@@ -358,10 +366,10 @@ LESSON_4 = [
         "★★☆",
     ),
     code(SETUP),
-    code('''
+    code("""
 f, y = toy.member_predictions(model, toy.PROMPTS[0])  # [M, n, d_vocab] and the next tokens [n]
 print("members", f.shape[0], "| positions", f.shape[1], "| their mean is the model's logits")
-'''),
+"""),
     md(f"""
 ## Exercise 4.1 — the squared-error form
 
@@ -375,16 +383,18 @@ With `z = mean_i f_i` and `y` one-hot: return the means over positions of the en
 def squared_terms(f, y):
     """(ensemble error, bias, diversity) of the squared error, each a mean over positions."""
 ''',
-        '''
+        """
     z = f.mean(0)
     onehot = torch.nn.functional.one_hot(y, f.shape[-1]).to(f.dtype)
     ens = (z - onehot).pow(2).sum(-1).mean()
     bias = (f - onehot).pow(2).sum(-1).mean()
     div = (f - z).pow(2).sum(-1).mean()
     return ens, bias, div
-''',
+""",
     ),
-    code("from lensdiv.course import ensemble as check\n\nsquared_terms = check.check_squared_terms(squared_terms)"),
+    code(
+        "from lensdiv.course import ensemble as check\n\nsquared_terms = check.check_squared_terms(squared_terms)"
+    ),
     md(f"""
 ## Exercise 4.2 — the cross-entropy form
 
@@ -398,7 +408,7 @@ With `q_i = softmax(f_i)` and `p = softmax(z)`: the ensemble's `CE(y, p)`, the m
 def ce_terms(f, y):
     """(ensemble CE, mean member CE, mean KL(p || q_i)), each a mean over positions."""
 ''',
-        '''
+        """
     logq = f.log_softmax(-1)
     logp = f.mean(0).log_softmax(-1)
     rows = torch.arange(len(y))
@@ -406,17 +416,19 @@ def ce_terms(f, y):
     ce = -logq[:, rows, y].mean()
     kl = (logp.exp() * (logp - logq)).sum(-1).mean()
     return ens, ce, kl
-''',
+""",
     ),
     code("ce_terms = check.check_ce_terms(ce_terms)"),
-    md("## The identity\n\nBoth forms: the ensemble's error is exactly the members' mean error minus their diversity."),
-    code('''
+    md(
+        "## The identity\n\nBoth forms: the ensemble's error is exactly the members' mean error minus their diversity."
+    ),
+    code("""
 for name, terms in (("squared", squared_terms(f, y)), ("cross-entropy", ce_terms(f, y))):
     ens, bias, div = (float(t) for t in terms)
     print(f"{name:14} ensemble {ens:10.4f} = bias {bias:10.4f} − diversity {div:10.4f}  (gap {ens - (bias - div):+.1e})")
 sq = [float(t) for t in squared_terms(f, y)]
 plt.figure(figsize=(4, 3)); plt.bar(["ensemble", "bias", "diversity"], sq); plt.title("squared error"); plt.show()
-'''),
+"""),
 ]
 
 LESSON_5 = [
@@ -444,7 +456,7 @@ compare lesson 2's skip, which spares BOS).
 def remove_hooks(start, n):
     """Hooks that remove blocks start .. start + n - 1 at every position."""
 ''',
-        '''
+        """
     saved = {}
 
     def save(resid, hook):
@@ -455,9 +467,11 @@ def remove_hooks(start, n):
         return saved["h"].clone()
 
     return [(f"blocks.{start}.hook_resid_pre", save), (f"blocks.{start + n - 1}.hook_resid_post", replace)]
-''',
+""",
     ),
-    code("from lensdiv.course import removal as check\n\nremove_hooks = check.check_remove_hooks(remove_hooks)"),
+    code(
+        "from lensdiv.course import removal as check\n\nremove_hooks = check.check_remove_hooks(remove_hooks)"
+    ),
     md(f"""
 ## Exercise 5.2 — block influence (ShortGPT)
 
@@ -471,10 +485,10 @@ from `states [L + 1, batch, pos, d_model]` and `mask`.
 def block_influence(states, mask):
     """1 - cos(h_j, h_{j+1}) averaged over real tokens, per block j."""
 ''',
-        '''
+        """
     c = torch.nn.functional.cosine_similarity(states[:-1].double(), states[1:].double(), dim=-1)
     return (1 - c)[:, mask].mean(-1)
-''',
+""",
     ),
     code("block_influence = check.check_block_influence(block_influence)"),
     md(f"""
@@ -490,13 +504,13 @@ rows.
 def angular_distance(states, mask, start, n):
     """arccos(cos(h_start, h_{start+n})) / pi at each row's last real token, mean over rows."""
 ''',
-        '''
+        """
     rows = torch.arange(mask.shape[0])
     last = mask.sum(1) - 1
     a, b = states[start][rows, last].double(), states[start + n][rows, last].double()
     c = torch.nn.functional.cosine_similarity(a, b, dim=-1).clamp(-1, 1)
     return (torch.arccos(c) / torch.pi).mean()
-''',
+""",
     ),
     code("angular_distance = check.check_angular_distance(angular_distance)"),
     md("""
@@ -506,7 +520,7 @@ For every single block (`n = 1`): the true KL of the output after removing it (l
 here with lensdiv's readout), its block influence and its angular distance. A signal is right
 when its smallest value marks the block that truly costs least.
 """),
-    code('''
+    code("""
 from lensdiv.course.logit_lens import kl_to_output
 
 ids, mask = toy.tokens(model, toy.PROMPTS)
@@ -524,8 +538,10 @@ fig, axes = plt.subplots(1, 3, figsize=(11, 2.8))
 for ax, (title, v) in zip(axes, (("true KL", true), ("block influence", bi.tolist()), ("angular distance", ang))):
     ax.bar(range(L), v); ax.set(title=title, xlabel="block removed")
 plt.tight_layout(); plt.show()
-'''),
-    md("**Why a proxy can pick wrong:** BI and the angle look at the state's *direction* only; the readout also depends on what the later blocks do with the changed state. `lensdiv analyze toy --plugins prune` measures every range and reports each signal's regret."),
+"""),
+    md(
+        "**Why a proxy can pick wrong:** BI and the angle look at the state's *direction* only; the readout also depends on what the later blocks do with the changed state. `lensdiv analyze toy --plugins prune` measures every range and reports each signal's regret."
+    ),
 ]
 
 LESSON_6 = [
@@ -540,7 +556,7 @@ LESSON_6 = [
         "★★★ (least squares, autograd)",
     ),
     code(SETUP),
-    code('''
+    code("""
 from lensdiv.course.logit_lens import kl_to_output, lens_logits
 from lensdiv.course.translator import TEXTS
 
@@ -551,7 +567,7 @@ keep = mask.clone(); keep[:, 0] = False  # real tokens, BOS left out
 h, h_last, out = states[LAYER][keep], states[-1][keep], logits[keep]
 params = toy.readout_params(model)
 print(f"{h.shape[0]} positions of h_{LAYER}")
-'''),
+"""),
     md(f"""
 ## Exercise 6.1 — the affine translator by least squares
 
@@ -564,13 +580,15 @@ Find `W [d, d]` and `c [d]` minimising `Σ ‖h W + c − h_L‖²` over the pos
 def fit_translator(h, target):
     """(W, c) minimising the squared error of h @ W + c against target."""
 ''',
-        '''
+        """
     x = torch.cat([h, torch.ones(len(h), 1, dtype=h.dtype)], 1).double()
     sol = torch.linalg.lstsq(x, target.double()).solution
     return sol[:-1], sol[-1]
-''',
+""",
     ),
-    code("from lensdiv.course import translator as check\n\nfit_translator = check.check_fit_translator(fit_translator)"),
+    code(
+        "from lensdiv.course import translator as check\n\nfit_translator = check.check_fit_translator(fit_translator)"
+    ),
     md(f"""
 ## Exercise 6.2 — the tuned lens' loss
 
@@ -586,15 +604,17 @@ above).
 def tuned_loss(A, b, h, out_logits, params):
     """Mean KL(p_out || p_T) of the translator T(h) = h + h @ A + b."""
 ''',
-        '''
+        """
     logits = lens_logits(h + h @ A + b, **params)
     lp, lq = out_logits.log_softmax(-1), logits.log_softmax(-1)
     return (lp.exp() * (lp - lq)).sum(-1).mean()
-''',
+""",
     ),
     code("tuned_loss = check.check_tuned_loss(tuned_loss)"),
-    md("## Three readings of one layer\n\nThe logit lens, the least-squares translator, and a few SGD steps on your loss (from the identity), each as the KL the logit lens reports, `KL(p_T ‖ p_out)`, on the fitted positions."),
-    code('''
+    md(
+        "## Three readings of one layer\n\nThe logit lens, the least-squares translator, and a few SGD steps on your loss (from the identity), each as the KL the logit lens reports, `KL(p_T ‖ p_out)`, on the fitted positions."
+    ),
+    code("""
 def reported_kl(states_in):
     return float(kl_to_output(lens_logits(states_in, **params), out).mean())
 
@@ -621,8 +641,10 @@ fig, (a, b_) = plt.subplots(1, 2, figsize=(9, 3))
 a.plot(losses); a.set(xlabel="step", ylabel="tuned loss (nats)")
 b_.bar(list(readings), list(readings.values())); b_.set(ylabel="KL(p_T ‖ p_out)")
 plt.tight_layout(); plt.show()
-'''),
-    md("`lensdiv lenses fit toy --kind tuned` trains every layer's translator this way (from the least-squares start, by SGD with Nesterov momentum); `--lens tuned:OUT` reads any analysis through it."),
+"""),
+    md(
+        "`lensdiv lenses fit toy --kind tuned` trains every layer's translator this way (from the least-squares start, by SGD with Nesterov momentum); `--lens tuned:OUT` reads any analysis through it."
+    ),
 ]
 
 LESSON_7 = [
@@ -673,7 +695,7 @@ class ResidNorms(Analyzer):
 
     def update(self, state, step):
 ''',
-        '''
+        """
         keep = step.batch.positions(exclude_bos=self.exclude_bos)
         for layer in range(step.info.n_layers + 1):
             state.add(f"sum{layer}", step.resid(layer)[keep].double().norm(dim=-1).sum())
@@ -684,20 +706,26 @@ class ResidNorms(Analyzer):
         mean = [float(state[f"sum{layer}"] / state["n"]) for layer in layers]
         table = Table("resid_norms", {"layer": layers, "mean_norm": mean})
         return Result(self.name, tables={"resid_norms": table}, summary=f"‖h_L‖ = {mean[-1]:.2f}")
-''',
+""",
     ),
-    code("from lensdiv.course import plugin as check\n\nNorms = check.check_plugin(ResidNorms)  # yours once it passes, lensdiv's until then"),
-    md("## Exercise 7.2 — the contract\n\n`check_analyzer` runs your class on a tiny model: two halves of the data merged must equal one run, pads must never count, the state must survive a round trip to disk, the result must render. The check says in one line what broke."),
+    code(
+        "from lensdiv.course import plugin as check\n\nNorms = check.check_plugin(ResidNorms)  # yours once it passes, lensdiv's until then"
+    ),
+    md(
+        "## Exercise 7.2 — the contract\n\n`check_analyzer` runs your class on a tiny model: two halves of the data merged must equal one run, pads must never count, the state must survive a round trip to disk, the result must render. The check says in one line what broke."
+    ),
     code("check.check_contract(ResidNorms)"),
-    md("## Beside the built-ins\n\n`lensdiv.analyze` (what `lensdiv analyze` calls) runs it in the same forward pass as `lens` and `contrib`:"),
-    code('''
+    md(
+        "## Beside the built-ins\n\n`lensdiv.analyze` (what `lensdiv analyze` calls) runs it in the same forward pass as `lens` and `contrib`:"
+    ),
+    code("""
 import lensdiv
 
 run = lensdiv.analyze(model, plugins=[Norms(), "lens", "contrib"], max_tokens=512 if FAST else 8192, progress=False)
 norms = run["resid-norms"].table()
 plt.figure(figsize=(5, 3)); plt.plot(norms["layer"], norms["mean_norm"], "o-"); plt.xlabel("h_l"); plt.ylabel("mean ‖h_l‖"); plt.show()
 print(run["lens"].summary)
-'''),
+"""),
     md("""
 **On the command line.** A plugin is a package with one entry point: `lensdiv plugins new
 resid-norms` scaffolds it (put your class in its module), `pip install -e` it, and then
