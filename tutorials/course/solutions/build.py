@@ -66,16 +66,15 @@ def head(number: int, title: str, goal: str, reading: str, minutes: str, level: 
 
 
 SETUP = """
-import os
 import warnings
 
 import matplotlib.pyplot as plt
 import torch
 
+from lensdiv.course import toy
+
 %matplotlib inline
 warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm, without ipywidgets
-
-from lensdiv.course import toy
 
 FAST = toy.fast()  # set by the tests (LENSDIV_TUTORIAL_FAST=1): tiny sizes, numbers mean nothing
 model = toy.toy()  # the 4-block toy model (trained and cached on first use)

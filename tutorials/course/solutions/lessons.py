@@ -119,24 +119,29 @@ def mean_per_layer(values, mask, exclude_bos):
     md("""
 ## Putting it together: the logit lens of the toy
 
-Your functions, per layer, against `lensdiv.analyze(..., plugins="lens")` on the same prompts
-(`lens` keeps BOS by default). The two columns should agree to float precision.
+Your functions, per layer, against `lensdiv.analyze(..., plugins="lens")` on each prompt
+(`lens` keeps BOS by default): the two lines should agree to float precision.
 """),
     code("""
-out = logits.unsqueeze(0).expand(L + 1, *logits.shape)
-kl = kl_to_output(lens_logits(states, **params), out)  # [L + 1, batch, pos]
-mine = mean_per_layer(kl, mask, exclude_bos=False)
-
 import lensdiv
 
-run = lensdiv.analyze(model, plugins="lens", data=list(toy.PROMPTS), seq_len=ids.shape[1], progress=False)
-theirs = run["lens"].table()["kl"]
-for layer in range(L + 1):
-    print(f"h_{layer}: yours {float(mine[layer]):.4f}   lensdiv {float(theirs[layer]):.4f}")
+out = logits.unsqueeze(0).expand(L + 1, *logits.shape)
+kl = kl_to_output(lens_logits(states, **params), out)  # [L + 1, batch, pos]
+mine = mean_per_layer(kl, mask, exclude_bos=False)  # over the real tokens of all 3 prompts
+for row, text in enumerate(toy.PROMPTS):
+    n = int(mask[row].sum())
+    # A token tensor is analysed row by row as given: this prompt's real tokens, BOS first.
+    run = lensdiv.analyze(model, plugins="lens", data=ids[row : row + 1, :n], progress=False)
+    yours = mean_per_layer(kl[:, row : row + 1], mask[row : row + 1], exclude_bos=False)
+    print(f"{text!r}")
+    print("  yours  ", " ".join(f"{float(v):.4f}" for v in yours))
+    print("  lensdiv", " ".join(f"{float(v):.4f}" for v in run["lens"].table()["kl"]))
 plt.figure(figsize=(5, 3))
-plt.plot(range(L + 1), mine.tolist(), "o-", label="yours")
-plt.plot(range(L + 1), list(theirs), "x--", label="lensdiv lens")
-plt.xlabel("residual state h_l"); plt.ylabel("KL(p_l ‖ p_out), nats"); plt.legend(); plt.show()
+plt.plot(range(L + 1), mine.tolist(), "o-")
+plt.xlabel("residual state h_l")
+plt.ylabel("KL(p_l ‖ p_out), nats")
+plt.title("the logit lens of the toy, by hand")
+plt.show()
 """),
     md("**See it per position:** the same grid, every cell a layer and a position, live:"),
     code("print(toy.explore(toy.PROMPTS[0]))"),
@@ -237,15 +242,18 @@ blocks; one on it: the skipped update is gone.
 ids, _ = toy.tokens(model, toy.PROMPTS[0])
 logits, clean = toy.residual_states(model, ids)
 E = torch.zeros(L, L)
-O = torch.zeros(L)
+out_effect = torch.zeros(L)
 for s in range(L):
     skipped_logits, skipped = toy.residual_states(model, ids, skip_hooks(s))
     E[s] = update_effect(clean[:, 0], skipped[:, 0])
-    O[s] = output_effect(logits[0], skipped_logits[0])
+    out_effect[s] = output_effect(logits[0], skipped_logits[0])
 fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3))
-a.imshow(E, cmap="viridis"); a.set(xlabel="later block l", ylabel="skipped block s", title="E[s, l]")
-b.bar(range(L), O.tolist()); b.set(xlabel="skipped block s", ylabel="‖p − p̃‖₂", title="output effect")
-plt.tight_layout(); plt.show()
+a.imshow(E, cmap="viridis")
+a.set(xlabel="later block l", ylabel="skipped block s", title="E[s, l]")
+b.bar(range(L), out_effect.tolist())
+b.set(xlabel="skipped block s", ylabel="‖p − p̃‖₂", title="output effect")
+plt.tight_layout()
+plt.show()
 """),
     md(
         "**See it live:** the explore page reads the model with a block skipped (pick it in *skip*):"
@@ -347,8 +355,12 @@ with torch.no_grad():
 labels = [model.tokenizer.decode([t]) for t in clean[0].tolist()]
 plt.figure(figsize=(6, 2.8))
 plt.imshow(scores, cmap="RdBu", vmin=-1, vmax=1)
-plt.xticks(range(len(labels)), labels); plt.xlabel("position"); plt.ylabel("h_l")
-plt.colorbar(label="restored"); plt.title("patching clean → corrupt"); plt.show()
+plt.xticks(range(len(labels)), labels)
+plt.xlabel("position")
+plt.ylabel("h_l")
+plt.colorbar(label="restored")
+plt.title("patching clean → corrupt")
+plt.show()
 """),
     md("**See it live:** the explore page's *Patch* tab draws the same map for any pair:"),
     code('print(toy.explore(pair["text"][0], corrupt=pair["text"][1]))'),
@@ -427,7 +439,10 @@ for name, terms in (("squared", squared_terms(f, y)), ("cross-entropy", ce_terms
     ens, bias, div = (float(t) for t in terms)
     print(f"{name:14} ensemble {ens:10.4f} = bias {bias:10.4f} − diversity {div:10.4f}  (gap {ens - (bias - div):+.1e})")
 sq = [float(t) for t in squared_terms(f, y)]
-plt.figure(figsize=(4, 3)); plt.bar(["ensemble", "bias", "diversity"], sq); plt.title("squared error"); plt.show()
+plt.figure(figsize=(4, 3))
+plt.bar(["ensemble", "bias", "diversity"], sq)
+plt.title("squared error")
+plt.show()
 """),
 ]
 
@@ -535,9 +550,12 @@ print("true KL   ", [round(v, 3) for v in true], "→ remove block", min(range(L
 print("BI        ", [round(float(v), 3) for v in bi], "→ picks block", int(bi.argmin()))
 print("angular   ", [round(v, 3) for v in ang], "→ picks block", min(range(L), key=ang.__getitem__))
 fig, axes = plt.subplots(1, 3, figsize=(11, 2.8))
-for ax, (title, v) in zip(axes, (("true KL", true), ("block influence", bi.tolist()), ("angular distance", ang))):
-    ax.bar(range(L), v); ax.set(title=title, xlabel="block removed")
-plt.tight_layout(); plt.show()
+panels = (("true KL", true), ("block influence", bi.tolist()), ("angular distance", ang))
+for ax, (title, v) in zip(axes, panels, strict=True):
+    ax.bar(range(L), v)
+    ax.set(title=title, xlabel="block removed")
+plt.tight_layout()
+plt.show()
 """),
     md(
         "**Why a proxy can pick wrong:** BI and the angle look at the state's *direction* only; the readout also depends on what the later blocks do with the changed state. `lensdiv analyze toy --plugins prune` measures every range and reports each signal's regret."
@@ -563,7 +581,8 @@ from lensdiv.course.translator import TEXTS
 LAYER = 1
 ids, mask = toy.tokens(model, TEXTS)
 logits, states = toy.residual_states(model, ids)
-keep = mask.clone(); keep[:, 0] = False  # real tokens, BOS left out
+keep = mask.clone()
+keep[:, 0] = False  # real tokens, BOS left out
 h, h_last, out = states[LAYER][keep], states[-1][keep], logits[keep]
 params = toy.readout_params(model)
 print(f"{h.shape[0]} positions of h_{LAYER}")
@@ -623,7 +642,7 @@ A = torch.zeros(h.shape[1], h.shape[1], requires_grad=True)
 b = torch.zeros(h.shape[1], requires_grad=True)
 opt = torch.optim.Adam([A, b], lr=1e-2)
 losses = []
-for step in range(10 if FAST else 200):
+for _ in range(10 if FAST else 200):
     opt.zero_grad()
     loss = tuned_loss(A, b, h, out, params)
     loss.backward()
@@ -638,9 +657,12 @@ with torch.no_grad():
 for name, v in readings.items():
     print(f"{name:22} KL {v:.4f} nats")
 fig, (a, b_) = plt.subplots(1, 2, figsize=(9, 3))
-a.plot(losses); a.set(xlabel="step", ylabel="tuned loss (nats)")
-b_.bar(list(readings), list(readings.values())); b_.set(ylabel="KL(p_T ‖ p_out)")
-plt.tight_layout(); plt.show()
+a.plot(losses)
+a.set(xlabel="step", ylabel="tuned loss (nats)")
+b_.bar(list(readings), list(readings.values()))
+b_.set(ylabel="KL(p_T ‖ p_out)")
+plt.tight_layout()
+plt.show()
 """),
     md(
         "`lensdiv lenses fit toy --kind tuned` trains every layer's translator this way (from the least-squares start, by SGD with Nesterov momentum); `--lens tuned:OUT` reads any analysis through it."
@@ -675,7 +697,7 @@ when `exclude_bos`), as a table `resid_norms` with columns `layer` and `mean_nor
         '''
 from dataclasses import dataclass
 
-from lensdiv import Analyzer, Result, Stats, Table
+from lensdiv import Analyzer, Result, Table
 
 
 @dataclass(frozen=True)
@@ -723,7 +745,11 @@ import lensdiv
 
 run = lensdiv.analyze(model, plugins=[Norms(), "lens", "contrib"], max_tokens=512 if FAST else 8192, progress=False)
 norms = run["resid-norms"].table()
-plt.figure(figsize=(5, 3)); plt.plot(norms["layer"], norms["mean_norm"], "o-"); plt.xlabel("h_l"); plt.ylabel("mean ‖h_l‖"); plt.show()
+plt.figure(figsize=(5, 3))
+plt.plot(norms["layer"], norms["mean_norm"], "o-")
+plt.xlabel("h_l")
+plt.ylabel("mean ‖h_l‖")
+plt.show()
 print(run["lens"].summary)
 """),
     md("""
