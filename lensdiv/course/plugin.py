@@ -28,6 +28,7 @@ from lensdiv.course.checker import (
     Verdict,
     abstract_methods,
 )
+from lensdiv.run.runner import analyze
 from lensdiv.testing.contract import check_analyzer
 
 NAME = "resid-norms"
@@ -99,8 +100,6 @@ SEQ_LEN, MAX_TOKENS = 32, 32 * 5 + 9  # 3 batches of 2 rows, the last row padded
 
 
 def _measure(analyzer: Any, case: Case) -> Any:
-    from lensdiv.run.runner import analyze
-
     run = analyze(
         toy.toy(),
         plugins=[analyzer],

@@ -17,8 +17,11 @@ from urllib.parse import quote
 import torch
 from torch import Tensor
 
+from lensdiv.core.analyzer import ModelInfo
 from lensdiv.data.pairs import answer_token, builtin_pairs
+from lensdiv.models.load import load_model
 from lensdiv.ops.capture import capture
+from lensdiv.ops.members import member_hooks, member_logits
 from lensdiv.ops.readout import final_readout
 
 Hook = tuple[str, Callable[..., Any]]
@@ -40,8 +43,6 @@ def fast() -> bool:
 @cache
 def toy(name: str = MODEL) -> Any:
     """The toy model (a ``TransformerBridge``), loaded once per process; trained on first use."""
-    from lensdiv.models.load import load_model
-
     model = load_model(name)
     model.eval()
     return model
@@ -127,9 +128,6 @@ def member_predictions(model: Any, text: str) -> tuple[Tensor, Tensor]:
     has a next token, ``[M, n, d_vocab]`` (``M = 2L + 1``: the embedding, then each block's
     attention and MLP writes, read on the final residual's scale, so that ``f.mean(0)`` is the
     model's logits); ``y`` the next tokens ``[n]`` (docs/science.md#bias)."""
-    from lensdiv.core.analyzer import ModelInfo
-    from lensdiv.ops.members import member_hooks, member_logits
-
     info = ModelInfo.from_model(model)
     ids, _ = tokens(model, text)
     with torch.no_grad():
