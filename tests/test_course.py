@@ -540,3 +540,42 @@ def test_explore_links_open_the_page_on_the_prompt(served: Any, shots: Path) -> 
         assert page.evaluate("document.querySelector('#pane-patch').hidden") is False
         assert page.evaluate("document.querySelector('#corrupt').value") == pair[1]
         not_blank(page.screenshot(shots / "course_link_patch.png"))
+
+
+def test_references_agree_with_lensdiv_analyzers() -> None:
+    """The course's hook-based skip and removal give the ``skip`` analyzer's current mode and
+    ``prune``'s true KL on the same token row (a token tensor is analysed as given)."""
+    import lensdiv
+
+    toy = skipping.toy
+    model = toy.toy()
+    ids, _ = toy.tokens(model, toy.PROMPTS[0])
+    logits, clean = toy.residual_states(model, ids)
+    options = {
+        "skip": {"mode": "current"},
+        "prune": {"max_n": 1, "curves": False, "linearity": False},
+    }
+    run = lensdiv.analyze(model, plugins="skip,prune", data=ids, options=options, progress=False)
+    L = model.cfg.n_layers
+    effect, output, kl = torch.zeros(L, L, dtype=torch.float64), [], []
+    for s in range(L):
+        skipped_logits, skipped = toy.residual_states(model, ids, skipping.skip_hooks(s))
+        effect[s] = skipping.update_effect(clean[:, 0], skipped[:, 0])
+        output.append(float(skipping.output_effect(logits[0], skipped_logits[0])))
+        removed_logits, _ = toy.residual_states(model, ids, removal.remove_hooks(s, 1))
+        kl.append(float(logit_lens.kl_to_output(removed_logits, logits).mean()))
+    later = torch.triu(torch.ones(L, L, dtype=torch.bool), diagonal=1)  # skip reports l > s
+    theirs = torch.as_tensor(run["skip"].arrays["effect_max"], dtype=torch.float64)
+    torch.testing.assert_close(theirs[later], effect[later], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        torch.as_tensor(run["skip"].arrays["output_max"], dtype=torch.float64),
+        torch.tensor(output, dtype=torch.float64),
+        rtol=1e-4,
+        atol=1e-5,
+    )
+    torch.testing.assert_close(
+        torch.as_tensor(run["prune"].arrays["true_kl"][:, 0], dtype=torch.float64),
+        torch.tensor(kl, dtype=torch.float64),
+        rtol=1e-4,
+        atol=1e-6,
+    )
