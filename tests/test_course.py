@@ -308,8 +308,11 @@ MUTANTS = [
     (
         "fit_translator",
         "no_bias",
-        "x = torch.cat([h, torch.ones(len(h), 1, dtype=h.dtype)], 1).double()",
-        "x = torch.cat([h, torch.zeros(len(h), 1, dtype=h.dtype)], 1).double()",
+        (
+            "x = torch.cat([h, torch.ones(len(h), 1, dtype=h.dtype)], 1).double()",
+            "return sol[:-1], sol[-1]",
+        ),
+        ("x = h.double()", "return sol, torch.zeros(sol.shape[1])"),
     ),
     ("fit_translator", "transposed", "return sol[:-1], sol[-1]", "return sol[:-1].T, sol[-1]"),
     (

@@ -55,7 +55,7 @@ def hints(*texts: str) -> str:
 
 def head(number: int, title: str, goal: str, reading: str, minutes: str, level: str) -> Cell:
     return md(
-        f"# Course {number} · {title}\n\n**Goal.** {goal}\n\n**Read first.** {reading}\n\n"
+        f"# Course {number} · {title}\n\n**Goal.** {goal[0].upper() + goal[1:]}\n\n**Read first.** {reading}\n\n"
         f"**Time:** {minutes} · **Difficulty:** {level}\n\n"
         "Each exercise is a function to complete where it says `# your code here`; the cell after "
         "it checks it against lensdiv's own computation on several inputs (random ones, real "
