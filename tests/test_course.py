@@ -25,8 +25,8 @@ nbclient = pytest.importorskip("nbclient")
 COURSE = Path(__file__).resolve().parents[1] / "tutorials" / "course"
 SOLUTIONS = COURSE / "solutions"
 sys.path.insert(0, str(SOLUTIONS))
-import build  # noqa: E402  (tutorials/course/solutions/build.py)
-from lessons import LESSONS  # noqa: E402
+import course_build as build  # noqa: E402  (tutorials/course/solutions/course_build.py)
+from course_lessons import LESSONS  # noqa: E402
 
 from lensdiv.course import (  # noqa: E402
     checker,
@@ -430,8 +430,12 @@ def test_contract_diagnoses() -> None:
 
 def test_notebooks_are_built_from_the_lessons() -> None:
     for path, text in build.build().items():
-        assert path.exists(), f"{path} missing: run python tutorials/course/solutions/build.py"
-        assert path.read_text(encoding="utf-8") == text, f"{path.name} is stale: run build.py"
+        assert path.exists(), (
+            f"{path} missing: run python tutorials/course/solutions/course_build.py"
+        )
+        assert path.read_text(encoding="utf-8") == text, (
+            f"{path.name} is stale: run course_build.py"
+        )
 
 
 def test_exercises_hide_the_solutions() -> None:
@@ -510,8 +514,20 @@ def kernel_env(monkeypatch: pytest.MonkeyPatch) -> None:
     )
 
 
-# The explore page's fixtures (the toy served once per module, the screenshots' folder).
-served = explore_page.served
+@pytest.fixture(scope="module")
+def served() -> Any:
+    """The explore page on the toy model (no runs folder), for the links' test."""
+    pytest.importorskip("starlette", reason="the explore extra is a dev dependency")
+    pytest.importorskip("uvicorn", reason="the explore extra is a dev dependency")
+    pytest.importorskip("websocket", reason="websocket-client is a dev dependency")
+    import lensdiv
+
+    app = lensdiv.explore(skipping.toy.toy())
+    yield app, None
+    app.stop()
+
+
+# Screenshots go where the explore page's tests put theirs ($LENSDIV_SCREENSHOTS when set).
 shots = explore_page.shots
 
 

@@ -1,6 +1,6 @@
 """Writes the course's notebooks: each lesson's exercise notebook (``tutorials/course/``) and
 its solution notebook (``tutorials/course/solutions/``) from the one source below, so the two
-never drift apart. Run ``python tutorials/course/solutions/build.py`` after editing; the tests
+never drift apart. Run ``python tutorials/course/solutions/course_build.py`` after editing; the tests
 check the committed notebooks equal what this writes.
 
 An exercise cell is a function's header (signature and docstring) followed by either
@@ -107,7 +107,7 @@ def notebook(cells: list[Cell], solved: bool) -> nbformat.NotebookNode:
 def build() -> dict[Path, str]:
     """Every notebook's path and its text."""
     sys.path.insert(0, str(HERE))
-    from lessons import LESSONS  # the lessons' text, beside this file
+    from course_lessons import LESSONS  # the lessons' text, beside this file
 
     files = {}
     for name, cells in LESSONS:

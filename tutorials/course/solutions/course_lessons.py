@@ -1,11 +1,11 @@
 """The course's text: seven lessons of markdown, given code and exercises (with their solutions).
 
-``build.py`` writes each lesson as an exercise notebook and a solution notebook.
+``course_build.py`` writes each lesson as an exercise notebook and a solution notebook.
 """
 
 from __future__ import annotations
 
-from build import SETUP, code, exercise, head, hints, md
+from course_build import SETUP, code, exercise, head, hints, md
 
 SCIENCE = "../../docs/science.md"
 
