@@ -13,6 +13,7 @@ import linecache
 import re
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ sys.path.insert(0, str(SOLUTIONS))
 import course_build as build  # noqa: E402  (tutorials/course/solutions/course_build.py)
 from course_lessons import LESSONS  # noqa: E402
 
+from lensdiv import Analyzer  # noqa: E402
 from lensdiv.course import (  # noqa: E402
     checker,
     ensemble,
@@ -417,12 +419,68 @@ def test_check_returns_the_reference_until_the_exercise_passes(
     assert "not done yet" in capsys.readouterr().out
 
 
-def test_contract_diagnoses() -> None:
+@dataclass(frozen=True)
+class _FixedPerBatch(plugin.ResidNorms):
+    def update(self, state: Any, step: Any) -> None:
+        super().update(state, step)
+        state.fix("rows", torch.tensor(step.batch.tokens.shape[0]))  # differs in the last batch
+
+
+@dataclass(frozen=True)
+class _Undocumented(plugin.ResidNorms):
+    """Mean norms."""
+
+    scale: float = 1.0
+
+
+@dataclass
+class _NotFrozen(Analyzer):
+    """Mean norms.
+
+    Args:
+        exclude_bos: Leave BOS out.
+    """
+
+    name = "not-frozen"
+    description = "not frozen"
+    exclude_bos: bool = True
+
+    def hooks(self, info: Any) -> list[str]:
+        return [info.resid(0)]
+
+    def update(self, state: Any, step: Any) -> None:
+        state.add("n", step.batch.mask.sum())
+
+    def finalize(self, state: Any, info: Any) -> Any:
+        return plugin.ResidNorms().finalize(state, info)
+
+
+@pytest.mark.parametrize(
+    ("cls", "pattern"),
+    [
+        (plugin._PadsCounted, r"pad positions \(their content\)"),
+        (plugin._BatchMean, "rows cut"),
+        (_FixedPerBatch, "fixed statistic"),
+        (_Undocumented, "docstring"),
+        (_NotFrozen, "frozen|dataclass"),
+    ],
+    ids=["pads", "batch-mean", "fixed", "undocumented", "not-frozen"],
+)
+def test_contract_diagnoses(cls: Any, pattern: str) -> None:
+    """Each way to break the contract that the course names, by a plugin that breaks it."""
+    verdict = plugin.contract_verdict(cls)
+    assert verdict.status == checker.WRONG and verdict.mistake == pattern, verdict.text
+    assert {p for p, _ in plugin.CONTRACT_DIAGNOSES} == {
+        r"pad positions \(their content\)",
+        "rows cut",
+        "fixed statistic",
+        "docstring",
+        "frozen|dataclass",
+    }
+
+
+def test_contract_passes_the_reference() -> None:
     assert plugin.contract_verdict(plugin.ResidNorms).passed
-    assert (
-        plugin.contract_verdict(plugin._PadsCounted).mistake == r"pad positions \(their content\)"
-    )
-    assert plugin.contract_verdict(plugin._BatchMean).mistake == "rows cut"
 
 
 # -- the notebooks ------------------------------------------------------------------------------------

@@ -158,18 +158,17 @@ CONTRACT_DIAGNOSES = (
         "the numbers depend on how rows are batched: a padded batch must give what its rows cut to their real tokens give. Add sums and counts per token (never a mean per batch), over real tokens only.",
     ),
     (
-        r"halves merged|merge",
-        "the state does not merge: two halves of the data merged must give the state of the whole. Keep sums, counts, maxima in the state (state.add / state.max), never a mean; divide in finalize.",
-    ),
-    (
         r"pad positions \(their content\)",
         "pad positions enter a statistic: select positions with step.batch.positions(...), True at real tokens only.",
     ),
     (
-        r"changed itself",
-        "the analyzer changes itself during the run: data goes in the state, never on self.",
+        r"fixed statistic",
+        "state.fix holds a value every batch and shard must agree on (a setting, a shape); what accumulates over the data goes in state.add (sums, counts) or state.max / state.min.",
     ),
-    (r"frozen|dataclass", "an analyzer is a @dataclass(frozen=True): its fields are its options."),
+    (
+        r"frozen|dataclass",
+        "an analyzer is a @dataclass(frozen=True): its fields are its options.",
+    ),
     (
         r"docstring",
         "every option needs its line under Args: in the class docstring (what lensdiv plugins show prints).",
