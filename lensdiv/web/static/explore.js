@@ -356,7 +356,15 @@
     document.querySelectorAll(".tab").forEach((b) => b.addEventListener("click", () => tab(b.dataset.tab)));
     $("#patch-map").addEventListener("click", patchMap);
     ["#clean", "#corrupt", "#target"].forEach((s) => $(s).addEventListener("change", patchSetup));
+    // A link may open the page on a prompt (the course prints such links): ?text=…&skip=N for the
+    // lens tab, ?clean=…&corrupt=…&tab=patch for the patch tab.
+    const ask = new URLSearchParams(location.search);
+    if (ask.has("text")) $("#prompt").value = ask.get("text");
+    if (ask.has("skip")) $("#skip-block").value = ask.get("skip");
+    if (ask.has("clean")) $("#clean").value = ask.get("clean");
+    if (ask.has("corrupt")) $("#corrupt").value = ask.get("corrupt");
     refresh();
+    if (["patch", "runs"].includes(ask.get("tab"))) tab(ask.get("tab"));
   }
   start();
 })();
