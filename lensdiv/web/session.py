@@ -380,11 +380,20 @@ _TYPES = {str: "a string", int: "an integer", bool: "true or false"}
 
 
 def _field(request: Mapping[str, Any], name: str, kind: type, default: Any) -> Any:
+    """``request[name]`` when it is a ``kind`` (a string: text that encodes as UTF-8), else one
+    :class:`RequestError` line; every field of every request is read here."""
     value = request.get(name, default)
     if value is None or value is default:
         return value
     if kind is int and isinstance(value, bool) or not isinstance(value, kind):
         raise RequestError(f"{name} must be {_TYPES[kind]}, got {json.dumps(value)[:40]}")
+    if kind is str:
+        try:
+            value.encode("utf-8")  # JSON's "\ud800" escapes decode to lone surrogates
+        except UnicodeEncodeError as err:
+            raise RequestError(
+                f"{name} is not valid text: {err.reason} at character {err.start}"
+            ) from None
     return value
 
 
