@@ -72,8 +72,9 @@ def floor(model: Any, text: str, bf16: bool = False) -> Callable[[], None]:
 
 def time_model(model: Any, repeats: int, with_map: bool = True) -> dict[str, Any]:
     session = Session(model)
-    client = TestClient(make_app(session))
-    exact = TestClient(make_app(Session(model, products="float32")))
+    local = "http://127.0.0.1"  # a loopback Host (no token)
+    client = TestClient(make_app(session), base_url=local)
+    exact = TestClient(make_app(Session(model, products="float32")), base_url=local)
     L = int(model.cfg.n_layers)
     n_tokens = int(model.to_tokens(CLEAN).shape[1])
     assert n_tokens == 64 == model.to_tokens(CORRUPT).shape[1], n_tokens

@@ -34,6 +34,7 @@ from lensdiv.web.session import Session  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = "The happy dog runs"
 CLEAN, CORRUPT = "The happy dog", "The angry cat"
+LOCAL = "http://127.0.0.1:8765"  # a loopback Host: a server without a token answers only that
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +74,7 @@ def session(native_model: Any, tuned: str, runs: Path) -> Session:
 
 @pytest.fixture(scope="module")
 def client(session: Session) -> TestClient:
-    return TestClient(make_app(session))
+    return TestClient(make_app(session), base_url=LOCAL)
 
 
 def same_view(got: dict[str, Any], view: Any) -> None:
@@ -257,11 +258,20 @@ def test_token_and_host(session: Session) -> None:
     first = guarded.get("/?token=s3cret")
     assert first.status_code == 200 and "lensdiv_token" in first.headers["set-cookie"]
     assert guarded.get("/api/runs").status_code == 200  # the cookie from now on
-    loopback = TestClient(make_app(session), base_url="http://evil.example")
-    refused = loopback.get("/api/info")  # DNS rebinding: a loopback server answers loopback
-    assert refused.status_code == 403 and "Host" in refused.json()["error"]
-    assert TestClient(make_app(session), base_url="http://127.0.0.1:8765").get(
-        "/api/info").status_code == 200
+    fresh = TestClient(make_app(session, token="s3cret"))  # no cookie: the bare URL
+    bare = fresh.get("/", headers={"Accept": "text/html,application/xhtml+xml"})
+    assert bare.status_code == 403 and bare.headers["content-type"].startswith("text/html")
+    assert "?token=" in bare.text and "open that url" in bare.text.lower()
+    api = fresh.get("/api/info", headers={"Accept": "text/html"})
+    assert api.status_code == 403 and "token" in api.json()["error"]  # the API: JSON
+    for host in ("evil.example", "testserver", "127.0.0.1.evil.example"):
+        # DNS rebinding: without a token, a loopback server answers loopback names only
+        refused = TestClient(make_app(session), base_url=f"http://{host}").get("/api/info")
+        assert refused.status_code == 403, host
+        assert refused.json()["error"].startswith(f"Host {host!r} refused")
+    for host in ("127.0.0.1:8765", "localhost", "[::1]:8765", "[::1]"):
+        answered = TestClient(make_app(session), base_url=f"http://{host}").get("/api/info")
+        assert answered.status_code == 200, (host, answered.text)
 
 
 def test_missing_extra_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -278,15 +288,21 @@ def test_notebook_server(native_model: Any) -> None:
 
     app = lensdiv.explore(native_model)
     try:
-        assert app.url.startswith("http://127.0.0.1:") and app.running
-        with urllib.request.urlopen(app.url + "api/info", timeout=30) as r:
+        assert re.fullmatch(r"http://127\.0\.0\.1:\d+/\?token=[\w-]{20,}", app.url), app.url
+        assert app.running
+        base, token = app.url.split("?token=")
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(base + "api/info", timeout=30)  # the token is required
+        assert refused.value.code == 403
+        request = urllib.request.Request(base + "api/info", headers={"X-Lensdiv-Token": token})
+        with urllib.request.urlopen(request, timeout=30) as r:
             assert json.load(r)["n_layers"] == ModelInfo.from_model(native_model).n_layers
-        assert f'<iframe src="{app.url}"' in app._repr_html_()
+        assert f'<iframe src="{app.url}"' in app._repr_html_()  # the page, with its token
     finally:
         app.stop()
     assert not app.running
     with pytest.raises(urllib.error.URLError):
-        urllib.request.urlopen(app.url + "api/info", timeout=5)
+        urllib.request.urlopen(base + "api/info", timeout=5)
 
 
 # -- the command, under load ------------------------------------------------------------------
@@ -299,7 +315,7 @@ def rss_kb(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
-def ask(base: str, i: int) -> tuple[int, bool]:
+def ask(base: str, i: int, token: str = "") -> tuple[int, bool]:
     """One request of a mix: (status, whether it was meant to be bad)."""
     kinds = [
         ("api/grid", {"text": f"The dog {i}"}, False),
@@ -315,7 +331,8 @@ def ask(base: str, i: int) -> tuple[int, bool]:
     path, body, bad = kinds[i % len(kinds)]
     data = None if body is None else (body if isinstance(body, str) else json.dumps(body))
     request = urllib.request.Request(base + path, data=None if data is None else data.encode(),
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json",
+                                              "X-Lensdiv-Token": token})
     try:
         with urllib.request.urlopen(request, timeout=120) as r:
             json.load(r)
@@ -337,9 +354,9 @@ def test_command_under_load_then_ctrl_c(tiny_dirs: dict[str, Path], runs: Path) 
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
-        found = re.search(r"http://127\.0\.0\.1:\d+/", line)
+        found = re.search(r"(http://127\.0\.0\.1:\d+/)\?token=([\w-]+)", line)
         assert found, line + (proc.stderr.read() if proc.stderr and proc.poll() else "")
-        base = found.group(0)
+        base, token = found.groups()
         clients, per_client = 20, 20
 
         def round_of_load() -> list[tuple[int, bool]]:
@@ -348,7 +365,7 @@ def test_command_under_load_then_ctrl_c(tiny_dirs: dict[str, Path], runs: Path) 
 
             def client(c: int) -> None:
                 for r in range(per_client):
-                    got = ask(base, c * per_client + r)
+                    got = ask(base, c * per_client + r, token)
                     with lock:
                         answers.append(got)
 
@@ -360,7 +377,7 @@ def test_command_under_load_then_ctrl_c(tiny_dirs: dict[str, Path], runs: Path) 
             return answers
 
         for i in range(16):  # warm: every kind of request once, buffers allocated
-            ask(base, i)
+            ask(base, i, token)
         before = rss_kb(proc.pid)
         answers = round_of_load()
         middle = rss_kb(proc.pid)
@@ -411,7 +428,7 @@ def test_products_setting(native_model: Any, client: TestClient) -> None:
     from lensdiv.cli import app
 
     assert Session(native_model).products == "float32"
-    fast = TestClient(make_app(Session(native_model, products="bf16")))
+    fast = TestClient(make_app(Session(native_model, products="bf16")), base_url=LOCAL)
     got = fast.post("/api/grid", json={"text": TEXT}).json()
     exact = client.post("/api/grid", json={"text": TEXT}).json()
     assert "bf16 products" in got["meta"]["readout"] and "bf16" not in exact["meta"]["readout"]

@@ -387,7 +387,7 @@ def _field(request: Mapping[str, Any], name: str, kind: type, default: Any) -> A
         return value
     if kind is int and isinstance(value, bool) or not isinstance(value, kind):
         raise RequestError(f"{name} must be {_TYPES[kind]}, got {json.dumps(value)[:40]}")
-    if kind is str:
+    if isinstance(value, str):
         try:
             value.encode("utf-8")  # JSON's "\ud800" escapes decode to lone surrogates
         except UnicodeEncodeError as err:
