@@ -148,9 +148,8 @@ def test_patch_matches_a_hooked_pass(client: TestClient, native_model: Any) -> N
             (want - base["corrupt_prob"]) / (base["clean_prob"] - base["corrupt_prob"]), rel=1e-3)
 
 
-def test_patching_map(client: TestClient, native_model: Any) -> None:
-    got = client.post("/api/patch", json={"clean": CLEAN, "corrupt": CORRUPT, "target": "g",
-                                          "map": True}).json()
+def test_patching_map(client: TestClient, session: Session, native_model: Any) -> None:
+    got = session.patch_map({"clean": CLEAN, "corrupt": CORRUPT, "target": "g"})
     target = got["target_id"]
     assert got["target"] == "g"
     rows = got["map"]
@@ -161,6 +160,40 @@ def test_patching_map(client: TestClient, native_model: Any) -> None:
         assert rows[0][t] == pytest.approx(got["corrupt_prob"], rel=1e-4)
     assert rows[L][-1] == pytest.approx(got["clean_prob"], rel=1e-4)  # the clean output itself
     assert rows[2][6] == pytest.approx(hooked_patch(native_model, 2, 6, target), rel=1e-4)
+
+
+def test_map_pieces_are_the_whole_map(client: TestClient, session: Session,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pieces the page asks for one by one (each short: here one batch, MAP_SECONDS = 0)
+    cover every (layer, position) once, in order, and equal the map computed in one go."""
+    import lensdiv.web.session as module
+
+    monkeypatch.setattr(module, "MAP_SECONDS", 0.0)
+    session._map_step = 3
+    ask: dict[str, Any] = {"clean": CLEAN, "corrupt": CORRUPT, "map": True}
+    rows: dict[int, list[float]] = {}
+    pieces = 0
+    while True:
+        piece = client.post("/api/patch", json=ask).json()
+        assert piece["start"] == len(rows.setdefault(piece["layer"], []))  # in order, no gap
+        rows[piece["layer"]] += piece["probs"]
+        pieces += 1
+        if piece["next"] is None:
+            break
+        ask.update(piece["next"])
+    L, n_pos = session.info.n_layers, len(piece["corrupt_tokens"])
+    assert sorted(rows) == list(range(L + 1)) and all(len(r) == n_pos for r in rows.values())
+    assert pieces > L + 1  # rows in several pieces
+    clean, corrupt = session._tokens(CLEAN), session._tokens(CORRUPT)
+    with torch.no_grad():  # the whole map at once: every position of a row in one batch
+        states = session._states(clean, corrupt)
+        whole = [session._patched(corrupt, states, layer, range(n_pos), piece["target_id"])
+                 for layer in range(L + 1)]
+    for layer in range(L + 1):
+        assert rows[layer] == pytest.approx(whole[layer], rel=1e-5, abs=1e-8), layer
+    assembled = session.patch_map({"clean": CLEAN, "corrupt": CORRUPT})
+    for layer in range(L + 1):
+        assert assembled["map"][layer] == pytest.approx(whole[layer], rel=1e-5, abs=1e-8)
 
 
 LONG = "x" * 200  # the tiny model reads 128 tokens
@@ -200,6 +233,10 @@ LONG = "x" * 200  # the tiny model reads 128 tokens
         ("/api/patch", {"clean": CLEAN, "corrupt": CORRUPT, "layer": 0, "position": 99}, 400,
          "position 99 is outside"),
         ("/api/patch", {"clean": CLEAN, "corrupt": CORRUPT}, 400, "give layer and position"),
+        ("/api/patch", {"clean": CLEAN, "corrupt": CORRUPT, "map": True, "start": 99}, 400,
+         "position 99 is outside"),
+        ("/api/patch", {"clean": CLEAN, "corrupt": CORRUPT, "map": True, "layer": -1}, 400,
+         "layer -1 is outside"),
         ("/api/patch", {"clean": LONG, "corrupt": LONG, "map": True}, 400, "at most 128"),
     ],
 )

@@ -203,6 +203,11 @@ def explore(
     server, sock, url = prepare(
         model, lenses, runs, host=host, port=port, products=products, token=token, **load
     )
+    return start(server, sock, url)
+
+
+def start(server: Any, sock: socket.socket, url: str) -> Explorer:
+    """Run the uvicorn ``server`` on ``sock`` from a daemon thread, once it listens."""
     thread = threading.Thread(
         target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="lensdiv-explore"
     )
