@@ -281,9 +281,17 @@ def test_runs_are_listed_and_served(client: TestClient, runs: Path) -> None:
 def test_page_and_its_files(client: TestClient) -> None:
     page = client.get("/")
     assert page.status_code == 200 and "explore.js" in page.text
-    assert "default-src 'self'" in page.headers["content-security-policy"]
+    policy = page.headers["content-security-policy"]
+    assert "default-src 'self'" in policy
+    # only local pages (a notebook's) may frame it
+    framed_by = re.search(r"frame-ancestors ([^;]*)", policy)
+    assert framed_by and framed_by.group(1).split() == [
+        "'self'", "http://127.0.0.1:*", "http://localhost:*", "http://[::1]:*"]
     for name in ("/explore.js", "/explore.css"):
-        assert client.get(name).status_code == 200
+        got = client.get(name)
+        assert got.status_code == 200 and got.headers["content-security-policy"] == policy
+        assert got.headers["cache-control"] == "no-store"
+    assert client.post("/explore.js").status_code == 405
     assert not re.search(r"(src|href)=\"(https?:)?//", page.text)  # nothing from elsewhere
 
 
@@ -309,6 +317,35 @@ def test_token_and_host(session: Session) -> None:
     for host in ("127.0.0.1:8765", "localhost", "[::1]:8765", "[::1]"):
         answered = TestClient(make_app(session), base_url=f"http://{host}").get("/api/info")
         assert answered.status_code == 200, (host, answered.text)
+
+
+def test_token_by_default(native_model: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """The URL carries a fresh token (on loopback too); --no-token says so on stderr and serves
+    loopback only; bound to every interface, the URL names this machine."""
+    import socket
+
+    from lensdiv.core.errors import OptionError
+    from lensdiv.web.serve import NO_TOKEN_WARNING, prepare, url_of
+
+    urls = []
+    for _ in range(2):
+        server, sock, url = prepare(native_model)
+        sock.close()
+        urls.append(url)
+        assert server.config.app.state.token == url.split("?token=")[1]
+    assert urls[0] != urls[1] and all("?token=" in u for u in urls)
+    assert capsys.readouterr().err == ""
+    server, sock, url = prepare(native_model, token=False)
+    sock.close()
+    assert "?token=" not in url and server.config.app.state.token is None
+    assert capsys.readouterr().err.strip() == NO_TOKEN_WARNING
+    with pytest.raises(OptionError, match="--no-token serves a loopback address only"):
+        prepare(native_model, host="0.0.0.0", token=False)
+    for host in ("0.0.0.0", "::"):
+        named = url_of(host, 8765, "abc")
+        assert named == f"http://{socket.getfqdn() or socket.gethostname()}:8765/?token=abc"
+        assert "0.0.0.0" not in named and "[::]" not in named
+    assert url_of("::1", 8765, None) == "http://[::1]:8765/"
 
 
 def test_missing_extra_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -443,8 +480,10 @@ def test_command_help_and_taken_port() -> None:
     from lensdiv.cli import app
     from lensdiv.web.serve import bind
 
-    result = CliRunner().invoke(app, ["explore", "--help"])
+    result = CliRunner().invoke(app, ["explore", "--help"], terminal_width=200)
     assert result.exit_code == 0 and "Example: lensdiv explore" in result.output
+    assert "pip install 'lensdiv[explore]'" in " ".join(result.output.split())  # not eaten
+    assert "--no-token" in result.output
     taken = bind("127.0.0.1", 0)
     try:
         port = taken.getsockname()[1]

@@ -35,6 +35,9 @@ MAX_CONNECTIONS = 512
 READ_TIMEOUT = 10.0  # seconds for a request's head and body to arrive
 HEAD_BYTES = 16 * 1024  # the most a request's line and headers may take
 LOG_WINDOW = 60.0  # seconds between two lines of the same kind
+# The listening socket's queue, and how many connections asyncio accepts at a time: a request
+# waits behind at most about twice this many (a flood of them included) before it is read.
+BACKLOG = 256
 QUIETED = ("asyncio", "uvicorn.error", "lensdiv.explore")
 log = logging.getLogger("lensdiv.explore")
 
@@ -173,7 +176,7 @@ def uvicorn_settings(limits: Limits) -> dict[str, Any]:
         "timeout_keep_alive": 5,
         "h11_max_incomplete_event_size": HEAD_BYTES,
         "timeout_graceful_shutdown": 2,
-        "backlog": 2048,
+        "backlog": BACKLOG,
     }
 
 

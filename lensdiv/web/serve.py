@@ -51,7 +51,7 @@ def bind(host: str, port: int) -> socket.socket:
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
-        sock.listen(2048)
+        sock.listen(256)  # limits.BACKLOG (uvicorn listens again with it)
     except OSError as err:
         raise OptionError(
             f"cannot listen on {host}:{port}: {err.strerror or err}",
