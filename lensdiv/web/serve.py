@@ -61,7 +61,8 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 class Explorer:
-    """A running explore server: :attr:`url`, :meth:`stop`; shows the page inline in a notebook.
+    """A running explore server: :attr:`url` (with its token), :meth:`url_for` a path of its API,
+    :meth:`stop`; shows the page inline in a notebook.
 
     Made by :func:`explore`; also a context manager (stops on exit).
     """
@@ -75,6 +76,11 @@ class Explorer:
         if self.thread is not None:
             self.thread.join(timeout)
         self.socket.close()
+
+    def url_for(self, path: str) -> str:
+        """The URL of ``path`` on this server (``"api/grid"``), with its token."""
+        base, _, query = self.url.partition("?")
+        return base + path.lstrip("/") + (f"?{query}" if query else "")
 
     @property
     def running(self) -> bool:

@@ -52,8 +52,9 @@ HEADER = "x-lensdiv-token"
 STATIC = Path(__file__).parent / "static"
 PAGE = "explore.html"
 # The page loads nothing from anywhere else (no CDN); the runs' pages are self-contained. Only
-# local pages (a notebook's) may show it in a frame.
-FRAMED_BY = "'self' http://127.0.0.1:* http://localhost:* http://[::1]:*"
+# local pages (a notebook's) may show it in a frame. (CSP has no syntax for an IPv6 address:
+# browsers drop "http://[::1]:*" with a console error, so a notebook at [::1] cannot frame it.)
+FRAMED_BY = "'self' http://127.0.0.1:* http://localhost:*"
 _CSP = (
     "default-src 'self'; img-src 'self' data:; style-src 'self' 'unsafe-inline'; "
     f"script-src 'self' 'unsafe-inline'; frame-ancestors {FRAMED_BY}"
