@@ -307,6 +307,9 @@ def test_token_and_host(session: Session) -> None:
     bare = fresh.get("/", headers={"Accept": "text/html,application/xhtml+xml"})
     assert bare.status_code == 403 and bare.headers["content-type"].startswith("text/html")
     assert "?token=" in bare.text and "open that url" in bare.text.lower()
+    for name in ("/explore.js", "/explore.css"):  # the package's files: no token needed
+        assert fresh.get(name).status_code == 200  # (a notebook's frame sends no cookie)
+    assert fresh.post("/explore.js").status_code == 403
     api = fresh.get("/api/info", headers={"Accept": "text/html"})
     assert api.status_code == 403 and "token" in api.json()["error"]  # the API: JSON
     for host in ("evil.example", "testserver", "127.0.0.1.evil.example"):

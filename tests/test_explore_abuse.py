@@ -127,6 +127,7 @@ def test_half_open_connections_keep_no_request_out(served: Any) -> None:
 def test_unfinished_requests_are_closed(served: Any) -> None:
     _, limits, lines = served
     port, start_line = port_of(served), len(lines.records)
+    late = sum(n for why, n in limits.closed.items() if "did not arrive" in why)
     head = socket.create_connection(("127.0.0.1", port))
     body = socket.create_connection(("127.0.0.1", port))
     try:
@@ -144,6 +145,7 @@ def test_unfinished_requests_are_closed(served: Any) -> None:
         head.close()
         body.close()
     time.sleep(0.2)
+    assert sum(n for why, n in limits.closed.items() if "did not arrive" in why) >= late + 2
     logged = lines.since(start_line)
     assert not any(r.levelno >= logging.ERROR for r in lines.records[start_line:]), logged
     assert ask(port, "GET", "/api/info")[0] == 200

@@ -15,7 +15,9 @@ accepts, so :class:`Bounded` — uvicorn's h11 protocol with two additions — d
   keep a real request out (a request whose head has arrived is never closed for this).
 
 What they close is logged at most once a minute (:class:`OncePerWindow`, which also quiets
-asyncio's and uvicorn's own repeated lines such as "Too many open files").
+asyncio's and uvicorn's own repeated lines such as "Too many open files"): a warning past the cap,
+an info line (not shown by default) for a deadline, which browsers' unused spare connections
+reach too.
 """
 
 from __future__ import annotations
@@ -96,12 +98,12 @@ class Limits:
     idle: dict[Any, None] = field(default_factory=dict)  # oldest first
     closed: dict[str, int] = field(default_factory=dict)  # why → how many (for tests, logs)
 
-    def close(self, protocol: Any, why: str) -> None:
+    def close(self, protocol: Any, why: str, level: int = logging.WARNING) -> None:
         self.closed[why] = self.closed.get(why, 0) + 1
         self.idle.pop(protocol, None)
         protocol.transport.close()
         # One line a minute per reason (OncePerWindow on this logger).
-        log.warning("explore: closing connections " + why + " (%s so far)", self.closed[why])
+        log.log(level, "explore: closing connections " + why + " (%s so far)", self.closed[why])
 
     def oldest_idle(self, besides: Any) -> Iterator[Any]:
         return (p for p in self.idle if p is not besides)
@@ -159,7 +161,8 @@ class Bounded(H11Protocol):
         self.deadline = None
         if not self.transport.is_closing() and self.conn.their_state in (h11.IDLE, h11.SEND_BODY):
             why = f"whose request did not arrive within {self.limits.read_timeout:g} s"
-            self.limits.close(self, why)
+            # INFO: browsers open connections ahead of need and leave some unused
+            self.limits.close(self, why, logging.INFO)
 
 
 def protocol(limits: Limits) -> type[Bounded]:

@@ -51,6 +51,9 @@ COOKIE = "lensdiv_token"
 HEADER = "x-lensdiv-token"
 STATIC = Path(__file__).parent / "static"
 PAGE = "explore.html"
+# The page's CSS and JS (the package's own files: no secret, nothing local) load without the
+# token: a notebook shows the page in a frame of another site, where the cookie is not sent.
+PUBLIC = frozenset(f"/{p.name}" for p in STATIC.iterdir() if p.is_file() and p.name != PAGE)
 # The page loads nothing from anywhere else (no CDN); the runs' pages are self-contained. Only
 # local pages (a notebook's) may show it in a frame. (CSP has no syntax for an IPv6 address:
 # browsers drop "http://[::1]:*" with a console error, so a notebook at [::1] cannot frame it.)
@@ -122,13 +125,16 @@ class Guard:
                 or request.cookies.get(COOKIE)
                 or request.query_params.get("token")
             )
-            if not given or not hmac.compare_digest(given, token):
+            public = scope["path"] in PUBLIC and scope["method"] in ("GET", "HEAD")
+            if (not given or not hmac.compare_digest(given, token)) and not public:
                 message = "missing or wrong token: open the URL lensdiv explore printed"
                 await refuse(request, message)(scope, receive, send)
                 return
             # The URL's token becomes a cookie (the page's later requests carry it).
-            set_cookie = request.query_params.get("token") == token and (
-                request.cookies.get(COOKIE) != token
+            set_cookie = (
+                given is not None
+                and request.query_params.get("token") == token
+                and (request.cookies.get(COOKIE) != token)
             )
         length = request.headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > MAX_BODY):
