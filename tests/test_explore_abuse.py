@@ -269,6 +269,9 @@ def test_a_grid_during_a_map_is_answered_at_once(served: Any, native_model: Any)
                 return
             ask_map.update(piece["next"])
 
+    alone = time.perf_counter()
+    assert ask(port, "POST", "/api/grid", {"text": clean})[0] == 200
+    alone = time.perf_counter() - alone  # the grid on an idle server
     walker = threading.Thread(target=walk)
     walker.start()
     while not pieces:
@@ -278,8 +281,11 @@ def test_a_grid_during_a_map_is_answered_at_once(served: Any, native_model: Any)
     took = time.perf_counter() - begun
     during = not mapped.is_set()
     walker.join(300)
-    print(f"grid during a map: {took:.3f} s; {len(pieces)} pieces, longest {max(pieces):.0f} ms, "
-          f"map {sum(pieces) / 1000:.1f} s")
+    longest, whole = max(pieces) / 1000, sum(pieces) / 1000
+    print(f"grid during a map: {took:.3f} s (alone {alone:.3f} s); {len(pieces)} pieces, longest "
+          f"{1000 * longest:.0f} ms, map {whole:.1f} s")
     assert status == 200 and mapped.is_set()
     assert during, "the map ended before the grid was answered: nothing was measured"
-    assert took < 1.0
+    # It waits for one piece at most, never for the map (on a quiet machine: < 1 s).
+    assert took < alone + 2 * longest + 0.5
+    assert took < whole / 3

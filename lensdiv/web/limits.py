@@ -129,6 +129,8 @@ class Bounded(H11Protocol):
         self._arm()
 
     def data_received(self, data: bytes) -> None:
+        if self.transport.is_closing():  # closed by the cap or the deadline: nothing to read
+            return
         super().data_received(data)
         state = self.conn.their_state
         if state is h11.IDLE:  # the head of a request, not complete yet

@@ -6,7 +6,8 @@ Routes (JSON in, JSON out; every error is a 4xx with ``{"error": "one line"}``):
 ``GET /``                   the page (``static/explore.html``; its CSS and JS from ``static/``)
 ``GET /api/info``           the model, its lenses, whether a runs folder is served
 ``POST /api/grid``          ``{text, lens, skip, part, top_k}`` → the prompt view
-``POST /api/patch``         ``{clean, corrupt, target, layer, position}`` or ``{..., map: true}``
+``POST /api/patch``         ``{clean, corrupt, target, layer, position}``, or a piece of the map:
+                            ``{clean, corrupt, target, map: true, layer, start}``
 ``GET /api/runs``           the runs and studies under ``--runs``
 ``GET /runs/{path}``        a run's ``report.html`` or a study's ``study.html`` under ``--runs``
 ==========================  ===============================================================
@@ -16,9 +17,12 @@ The endpoints are module-level functions; what they share lives on ``app.state``
 ``token``. Requests to the model wait on that lock, first come first served; a request whose
 client went away while it waited (the page aborts a superseded one) is dropped before it reaches
 the model, and past :data:`MAX_WAITING` waiting requests a new one is answered 503 at once.
-Bound to a loopback address the server checks the ``Host`` header (no DNS rebinding); bound
-elsewhere it requires its token on every request (``?token=`` once, then a cookie, or the
-``X-Lensdiv-Token`` header), as Jupyter does.
+With a token (the default, as Jupyter does) every request but the page's CSS and JS must carry
+it (``?token=`` once, then a cookie, or the ``X-Lensdiv-Token`` header); a browser opening a
+page without it gets a short page saying to open the printed URL, the API a JSON 403. Without a
+token (``--no-token``, loopback only) the server answers only a loopback ``Host`` (no DNS
+rebinding). A body is read up to :data:`MAX_BODY` and refused (413, the connection closed) as
+soon as it passes it; a client that hangs up mid-request is not an error.
 """
 
 from __future__ import annotations
