@@ -328,7 +328,7 @@ def test_token_by_default(native_model: Any, capsys: pytest.CaptureFixture[str])
     import socket
 
     from lensdiv.core.errors import OptionError
-    from lensdiv.web.serve import NO_TOKEN_WARNING, prepare, url_of
+    from lensdiv.web.serve import NO_TOKEN_WARNING, machine_name, prepare, url_of
 
     urls = []
     for _ in range(2):
@@ -346,8 +346,11 @@ def test_token_by_default(native_model: Any, capsys: pytest.CaptureFixture[str])
         prepare(native_model, host="0.0.0.0", token=False)
     for host in ("0.0.0.0", "::"):
         named = url_of(host, 8765, "abc")
-        assert named == f"http://{socket.getfqdn() or socket.gethostname()}:8765/?token=abc"
+        assert named == f"http://{machine_name()}:8765/?token=abc"
+        assert machine_name() in (socket.getfqdn(), socket.gethostname())
         assert "0.0.0.0" not in named and "[::]" not in named
+    if socket.gethostname() not in ("localhost", "127.0.0.1"):  # never a loopback name
+        assert not machine_name().startswith("localhost")
     assert url_of("::1", 8765, None) == "http://[::1]:8765/"
 
 

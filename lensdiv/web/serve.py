@@ -162,11 +162,20 @@ def prepare(
     return server, sock, url_of(host, sock.getsockname()[1], secret)
 
 
+def machine_name() -> str:
+    """This machine's name as others reach it: its fully qualified name, or its host name where
+    that resolves to loopback only (``localhost`` in many containers)."""
+    for name in (socket.getfqdn(), socket.gethostname()):
+        if name and not name.startswith(("localhost", "127.")) and name not in LOOPBACK:
+            return name
+    return socket.gethostname() or "localhost"
+
+
 def url_of(host: str, port: int, token: str | None) -> str:
     """The URL to open: bound to every interface, this machine's name (reachable from
     elsewhere, unlike ``0.0.0.0``); the token in its query."""
     if host in ANY:
-        host = socket.getfqdn() or socket.gethostname()
+        host = machine_name()
     shown = f"[{host}]" if ":" in host else host
     return f"http://{shown}:{port}/" + (f"?token={token}" if token else "")
 
