@@ -34,6 +34,7 @@ from lensdiv.web.session import TOY_EXAMPLE, Session, patch_example  # noqa: E40
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = "The happy dog runs"
 CLEAN, CORRUPT = "The happy dog", "The angry cat"
+LOCAL = "http://127.0.0.1:8765"  # a loopback Host: a server without a token answers only that
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +74,7 @@ def session(native_model: Any, tuned: str, runs: Path) -> Session:
 
 @pytest.fixture(scope="module")
 def client(session: Session) -> TestClient:
-    return TestClient(make_app(session))
+    return TestClient(make_app(session), base_url=LOCAL)
 
 
 def same_view(got: dict[str, Any], view: Any) -> None:
@@ -147,9 +148,8 @@ def test_patch_matches_a_hooked_pass(client: TestClient, native_model: Any) -> N
             (want - base["corrupt_prob"]) / (base["clean_prob"] - base["corrupt_prob"]), rel=1e-3)
 
 
-def test_patching_map(client: TestClient, native_model: Any) -> None:
-    got = client.post("/api/patch", json={"clean": CLEAN, "corrupt": CORRUPT, "target": "g",
-                                          "map": True}).json()
+def test_patching_map(client: TestClient, session: Session, native_model: Any) -> None:
+    got = session.patch_map({"clean": CLEAN, "corrupt": CORRUPT, "target": "g"})
     target = got["target_id"]
     assert got["target"] == "g"
     rows = got["map"]
@@ -169,7 +169,7 @@ def check_example(model: Any, example: dict[str, str]) -> dict[str, Any]:
     assert clean.shape == corrupt.shape
     session = Session(model)
     assert session.describe()["patch_example"] == example
-    out = session.patch({**example, "map": True})
+    out = session.patch_map(example)
     if example["target"]:
         assert out["target"] == example["target"]
     return out
@@ -235,6 +235,40 @@ def test_toy_patch_example_moves_the_answer(monkeypatch: pytest.MonkeyPatch) -> 
     assert out["map"][0][-1] == pytest.approx(out["corrupt_prob"], rel=1e-4)
 
 
+def test_map_pieces_are_the_whole_map(client: TestClient, session: Session,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pieces the page asks for one by one (each short: here one batch, MAP_SECONDS = 0)
+    cover every (layer, position) once, in order, and equal the map computed in one go."""
+    import lensdiv.web.session as module
+
+    monkeypatch.setattr(module, "MAP_SECONDS", 0.0)
+    session._map_step = 3
+    ask: dict[str, Any] = {"clean": CLEAN, "corrupt": CORRUPT, "map": True}
+    rows: dict[int, list[float]] = {}
+    pieces = 0
+    while True:
+        piece = client.post("/api/patch", json=ask).json()
+        assert piece["start"] == len(rows.setdefault(piece["layer"], []))  # in order, no gap
+        rows[piece["layer"]] += piece["probs"]
+        pieces += 1
+        if piece["next"] is None:
+            break
+        ask.update(piece["next"])
+    L, n_pos = session.info.n_layers, len(piece["corrupt_tokens"])
+    assert sorted(rows) == list(range(L + 1)) and all(len(r) == n_pos for r in rows.values())
+    assert pieces > L + 1  # rows in several pieces
+    clean, corrupt = session._tokens(CLEAN), session._tokens(CORRUPT)
+    with torch.no_grad():  # the whole map at once: every position of a row in one batch
+        states = session._states(clean, corrupt)
+        whole = [session._patched(corrupt, states, layer, range(n_pos), piece["target_id"])
+                 for layer in range(L + 1)]
+    for layer in range(L + 1):
+        assert rows[layer] == pytest.approx(whole[layer], rel=1e-5, abs=1e-8), layer
+    assembled = session.patch_map({"clean": CLEAN, "corrupt": CORRUPT})
+    for layer in range(L + 1):
+        assert assembled["map"][layer] == pytest.approx(whole[layer], rel=1e-5, abs=1e-8)
+
+
 LONG = "x" * 200  # the tiny model reads 128 tokens
 
 
@@ -256,6 +290,14 @@ LONG = "x" * 200  # the tiny model reads 128 tokens
         ("/api/grid", "[1, 2]", 400, "JSON object"),
         ("/api/grid", b"\xff\xfe", 400, "malformed JSON"),
         ("/api/grid", "x" * 300_000, 413, "over 256 KiB"),
+        ("/api/grid", '{"text": "ab\\ud800cd"}', 400, "text is not valid text"),
+        ("/api/grid", '{"text": "ok", "lens": "\\udfff"}', 400, "lens is not valid text"),
+        ("/api/patch", '{"clean": "ab\\ud800cd", "corrupt": "abcd", "map": true}', 400,
+         "clean is not valid text"),
+        ("/api/patch", '{"clean": "abcd", "corrupt": "ab\\ud800cd", "layer": 0, "position": 0}',
+         400, "corrupt is not valid text"),
+        ("/api/patch", '{"clean": "abcd", "corrupt": "abce", "target": "\\ud800", "map": true}',
+         400, "target is not valid text"),
         ("/api/patch", {"clean": CLEAN, "corrupt": "The cat"}, 400, "same length"),
         ("/api/patch", {"clean": CLEAN, "corrupt": CORRUPT, "target": "dog", "map": True}, 400,
          "not one"),
@@ -264,6 +306,10 @@ LONG = "x" * 200  # the tiny model reads 128 tokens
         ("/api/patch", {"clean": CLEAN, "corrupt": CORRUPT, "layer": 0, "position": 99}, 400,
          "position 99 is outside"),
         ("/api/patch", {"clean": CLEAN, "corrupt": CORRUPT}, 400, "give layer and position"),
+        ("/api/patch", {"clean": CLEAN, "corrupt": CORRUPT, "map": True, "start": 99}, 400,
+         "position 99 is outside"),
+        ("/api/patch", {"clean": CLEAN, "corrupt": CORRUPT, "map": True, "layer": -1}, 400,
+         "layer -1 is outside"),
         ("/api/patch", {"clean": LONG, "corrupt": LONG, "map": True}, 400, "at most 128"),
     ],
 )
@@ -308,9 +354,17 @@ def test_runs_are_listed_and_served(client: TestClient, runs: Path) -> None:
 def test_page_and_its_files(client: TestClient) -> None:
     page = client.get("/")
     assert page.status_code == 200 and "explore.js" in page.text
-    assert "default-src 'self'" in page.headers["content-security-policy"]
+    policy = page.headers["content-security-policy"]
+    assert "default-src 'self'" in policy
+    # only local pages (a notebook's) may frame it
+    framed_by = re.search(r"frame-ancestors ([^;]*)", policy)
+    assert framed_by and framed_by.group(1).split() == [
+        "'self'", "http://127.0.0.1:*", "http://localhost:*"]
     for name in ("/explore.js", "/explore.css"):
-        assert client.get(name).status_code == 200
+        got = client.get(name)
+        assert got.status_code == 200 and got.headers["content-security-policy"] == policy
+        assert got.headers["cache-control"] == "no-store"
+    assert client.post("/explore.js").status_code == 405
     assert not re.search(r"(src|href)=\"(https?:)?//", page.text)  # nothing from elsewhere
 
 
@@ -322,11 +376,55 @@ def test_token_and_host(session: Session) -> None:
     first = guarded.get("/?token=s3cret")
     assert first.status_code == 200 and "lensdiv_token" in first.headers["set-cookie"]
     assert guarded.get("/api/runs").status_code == 200  # the cookie from now on
-    loopback = TestClient(make_app(session), base_url="http://evil.example")
-    refused = loopback.get("/api/info")  # DNS rebinding: a loopback server answers loopback
-    assert refused.status_code == 403 and "Host" in refused.json()["error"]
-    assert TestClient(make_app(session), base_url="http://127.0.0.1:8765").get(
-        "/api/info").status_code == 200
+    fresh = TestClient(make_app(session, token="s3cret"))  # no cookie: the bare URL
+    bare = fresh.get("/", headers={"Accept": "text/html,application/xhtml+xml"})
+    assert bare.status_code == 403 and bare.headers["content-type"].startswith("text/html")
+    assert "?token=" in bare.text and "open that url" in bare.text.lower()
+    for name in ("/explore.js", "/explore.css"):  # the package's files: no token needed
+        assert fresh.get(name).status_code == 200  # (a notebook's frame sends no cookie)
+    assert fresh.post("/explore.js").status_code == 403
+    api = fresh.get("/api/info", headers={"Accept": "text/html"})
+    assert api.status_code == 403 and "token" in api.json()["error"]  # the API: JSON
+    for host in ("evil.example", "testserver", "127.0.0.1.evil.example"):
+        # DNS rebinding: without a token, a loopback server answers loopback names only
+        refused = TestClient(make_app(session), base_url=f"http://{host}").get("/api/info")
+        assert refused.status_code == 403, host
+        assert refused.json()["error"].startswith(f"Host {host!r} refused")
+    for host in ("127.0.0.1:8765", "localhost", "[::1]:8765", "[::1]"):
+        answered = TestClient(make_app(session), base_url=f"http://{host}").get("/api/info")
+        assert answered.status_code == 200, (host, answered.text)
+
+
+def test_token_by_default(native_model: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """The URL carries a fresh token (on loopback too); --no-token says so on stderr and serves
+    loopback only; bound to every interface, the URL names this machine."""
+    import socket
+
+    from lensdiv.core.errors import OptionError
+    from lensdiv.web.serve import NO_TOKEN_WARNING, machine_name, prepare, url_of
+
+    urls = []
+    for _ in range(2):
+        server, sock, url = prepare(native_model)
+        sock.close()
+        urls.append(url)
+        assert server.config.app.state.token == url.split("?token=")[1]
+    assert urls[0] != urls[1] and all("?token=" in u for u in urls)
+    assert capsys.readouterr().err == ""
+    server, sock, url = prepare(native_model, token=False)
+    sock.close()
+    assert "?token=" not in url and server.config.app.state.token is None
+    assert capsys.readouterr().err.strip() == NO_TOKEN_WARNING
+    with pytest.raises(OptionError, match="--no-token serves a loopback address only"):
+        prepare(native_model, host="0.0.0.0", token=False)
+    for host in ("0.0.0.0", "::"):
+        named = url_of(host, 8765, "abc")
+        assert named == f"http://{machine_name()}:8765/?token=abc"
+        assert machine_name() in (socket.getfqdn(), socket.gethostname())
+        assert "0.0.0.0" not in named and "[::]" not in named
+    if socket.gethostname() not in ("localhost", "127.0.0.1"):  # never a loopback name
+        assert not machine_name().startswith("localhost")
+    assert url_of("::1", 8765, None) == "http://[::1]:8765/"
 
 
 def test_missing_extra_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -343,15 +441,21 @@ def test_notebook_server(native_model: Any) -> None:
 
     app = lensdiv.explore(native_model)
     try:
-        assert app.url.startswith("http://127.0.0.1:") and app.running
-        with urllib.request.urlopen(app.url + "api/info", timeout=30) as r:
+        assert re.fullmatch(r"http://127\.0\.0\.1:\d+/\?token=[\w-]{20,}", app.url), app.url
+        assert app.running
+        base, token = app.url.split("?token=")
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(base + "api/info", timeout=30)  # the token is required
+        assert refused.value.code == 403
+        request = urllib.request.Request(base + "api/info", headers={"X-Lensdiv-Token": token})
+        with urllib.request.urlopen(request, timeout=30) as r:
             assert json.load(r)["n_layers"] == ModelInfo.from_model(native_model).n_layers
-        assert f'<iframe src="{app.url}"' in app._repr_html_()
+        assert f'<iframe src="{app.url}"' in app._repr_html_()  # the page, with its token
     finally:
         app.stop()
     assert not app.running
     with pytest.raises(urllib.error.URLError):
-        urllib.request.urlopen(app.url + "api/info", timeout=5)
+        urllib.request.urlopen(base + "api/info", timeout=5)
 
 
 # -- the command, under load ------------------------------------------------------------------
@@ -364,7 +468,7 @@ def rss_kb(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
-def ask(base: str, i: int) -> tuple[int, bool]:
+def ask(base: str, i: int, token: str = "") -> tuple[int, bool]:
     """One request of a mix: (status, whether it was meant to be bad)."""
     kinds = [
         ("api/grid", {"text": f"The dog {i}"}, False),
@@ -380,7 +484,8 @@ def ask(base: str, i: int) -> tuple[int, bool]:
     path, body, bad = kinds[i % len(kinds)]
     data = None if body is None else (body if isinstance(body, str) else json.dumps(body))
     request = urllib.request.Request(base + path, data=None if data is None else data.encode(),
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json",
+                                              "X-Lensdiv-Token": token})
     try:
         with urllib.request.urlopen(request, timeout=120) as r:
             json.load(r)
@@ -402,9 +507,9 @@ def test_command_under_load_then_ctrl_c(tiny_dirs: dict[str, Path], runs: Path) 
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
-        found = re.search(r"http://127\.0\.0\.1:\d+/", line)
+        found = re.search(r"(http://127\.0\.0\.1:\d+/)\?token=([\w-]+)", line)
         assert found, line + (proc.stderr.read() if proc.stderr and proc.poll() else "")
-        base = found.group(0)
+        base, token = found.groups()
         clients, per_client = 20, 20
 
         def round_of_load() -> list[tuple[int, bool]]:
@@ -413,7 +518,7 @@ def test_command_under_load_then_ctrl_c(tiny_dirs: dict[str, Path], runs: Path) 
 
             def client(c: int) -> None:
                 for r in range(per_client):
-                    got = ask(base, c * per_client + r)
+                    got = ask(base, c * per_client + r, token)
                     with lock:
                         answers.append(got)
 
@@ -425,7 +530,7 @@ def test_command_under_load_then_ctrl_c(tiny_dirs: dict[str, Path], runs: Path) 
             return answers
 
         for i in range(16):  # warm: every kind of request once, buffers allocated
-            ask(base, i)
+            ask(base, i, token)
         before = rss_kb(proc.pid)
         answers = round_of_load()
         middle = rss_kb(proc.pid)
@@ -454,8 +559,10 @@ def test_command_help_and_taken_port() -> None:
     from lensdiv.cli import app
     from lensdiv.web.serve import bind
 
-    result = CliRunner().invoke(app, ["explore", "--help"])
+    result = CliRunner().invoke(app, ["explore", "--help"], terminal_width=200)
     assert result.exit_code == 0 and "Example: lensdiv explore" in result.output
+    assert "pip install 'lensdiv[explore]'" in " ".join(result.output.split())  # not eaten
+    assert "--no-token" in result.output
     taken = bind("127.0.0.1", 0)
     try:
         port = taken.getsockname()[1]
@@ -476,7 +583,7 @@ def test_products_setting(native_model: Any, client: TestClient) -> None:
     from lensdiv.cli import app
 
     assert Session(native_model).products == "float32"
-    fast = TestClient(make_app(Session(native_model, products="bf16")))
+    fast = TestClient(make_app(Session(native_model, products="bf16")), base_url=LOCAL)
     got = fast.post("/api/grid", json={"text": TEXT}).json()
     exact = client.post("/api/grid", json={"text": TEXT}).json()
     assert "bf16 products" in got["meta"]["readout"] and "bf16" not in exact["meta"]["readout"]

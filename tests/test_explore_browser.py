@@ -110,10 +110,10 @@ def grid_of(page: Browser, lens: str) -> list[list[str]]:
 
 def test_explore_in_a_browser(served: Any, shots: Path) -> None:
     app, model = served
-    base = app.url
+    base = app.url.split("?")[0]  # the URL carries the token
     assert CHROMIUM is not None
     with Browser(CHROMIUM, width=1500, height=950) as page:
-        page.open(base)
+        page.open(app.url)
         wait(page, "document.querySelectorAll('#grids td').length > 0")
         # 1. type a prompt (several quick edits: the superseded requests are aborted)
         page.evaluate("(p => { p.focus(); p.select(); })(document.querySelector('#prompt'))")

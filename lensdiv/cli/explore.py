@@ -33,8 +33,18 @@ def explore(
     port: Annotated[int, typer.Option(help="Port to listen on (0: a free one).")] = 8765,
     host: Annotated[
         str,
-        typer.Option(help="Address to listen on; any but 127.0.0.1 requires the printed token."),
+        typer.Option(
+            help="Address to listen on (0.0.0.0: every interface; the URL names this machine)."
+        ),
     ] = "127.0.0.1",
+    token: Annotated[
+        bool,
+        typer.Option(
+            "--token/--no-token",
+            help="Require the secret token the printed URL carries (as Jupyter does: on a "
+            "shared machine every user can reach 127.0.0.1); --no-token: none, loopback only.",
+        ),
+    ] = True,
     products: Annotated[
         str,
         typer.Option(
@@ -50,11 +60,12 @@ def explore(
     settings: RunSettings = DEFAULTS,
     trust_remote_code: TrustRemoteCode = False,
 ) -> None:
-    """Explore MODEL in a browser: type a prompt and watch every layer's guess, switch lenses,
+    r"""Explore MODEL in a browser: type a prompt and watch every layer's guess, switch lenses,
     skip a block, patch a corrupt prompt, open saved runs.
 
     Loads the model once and serves a page on 127.0.0.1 (offline: nothing is fetched from
-    elsewhere). Needs the explore extra: pip install 'lensdiv[explore]'. Ctrl-C stops it.
+    elsewhere) at the printed URL, which carries a secret token. Needs the explore extra:
+    pip install 'lensdiv\[explore]'. Ctrl-C stops it.
 
     Example: lensdiv explore toy --lens tuned:lenses/toy --runs runs
     """
@@ -72,6 +83,7 @@ def explore(
             dtype=settings.dtype,
             trust_remote_code=trust_remote_code,
             products=products,
+            token=token,
         )
     term = console()
     term.print(f"lensdiv explore: [bold]{url}[/bold]  (Ctrl-C stops it)", soft_wrap=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import html
 import secrets
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -16,6 +17,10 @@ from lensdiv.core.errors import LensdivError, OptionError
 
 EXTRA = "explore"  # pip install 'lensdiv[explore]'
 LOOPBACK = ("127.0.0.1", "localhost", "::1")  # the host names a loopback server answers
+ANY = ("0.0.0.0", "::", "")  # every interface: the URL names this machine instead
+NO_TOKEN_WARNING = (
+    "lensdiv explore: --no-token: any user or program on this machine can use this server"
+)
 
 
 def require() -> None:
@@ -46,7 +51,7 @@ def bind(host: str, port: int) -> socket.socket:
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
-        sock.listen(128)
+        sock.listen(256)  # limits.BACKLOG (uvicorn listens again with it)
     except OSError as err:
         raise OptionError(
             f"cannot listen on {host}:{port}: {err.strerror or err}",
@@ -56,7 +61,8 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 class Explorer:
-    """A running explore server: :attr:`url`, :meth:`stop`; shows the page inline in a notebook.
+    """A running explore server: :attr:`url` (with its token), :meth:`url_for` a path of its API,
+    :meth:`stop`; shows the page inline in a notebook.
 
     Made by :func:`explore`; also a context manager (stops on exit).
     """
@@ -70,6 +76,11 @@ class Explorer:
         if self.thread is not None:
             self.thread.join(timeout)
         self.socket.close()
+
+    def url_for(self, path: str) -> str:
+        """The URL of ``path`` on this server (``"api/grid"``), with its token."""
+        base, _, query = self.url.partition("?")
+        return base + path.lstrip("/") + (f"?{query}" if query else "")
 
     @property
     def running(self) -> bool:
@@ -104,15 +115,22 @@ def prepare(
     dtype: Any = None,
     trust_remote_code: bool = False,
     products: str = "auto",
+    token: bool = True,
     log_level: str = "warning",
 ) -> tuple[Any, socket.socket, str]:
-    """Load the model and lenses, bind the socket: the uvicorn server, its socket and URL."""
+    """Load the model and lenses, bind the socket: the uvicorn server, its socket and URL.
+
+    ``token``: every request must carry a fresh secret token (the URL's ``?token=``), as in
+    Jupyter; ``False`` (``--no-token``, loopback only) says on stderr that anyone on this machine
+    can use the server.
+    """
     require()
     import uvicorn
 
     # start-up: starlette, uvicorn and torch load only when a server starts (lensdiv.explore
     # is a public name of `import lensdiv`, which must stay cheap).
     from lensdiv.models.load import load_model  # start-up: torch
+    from lensdiv.web.limits import bounded, uvicorn_settings  # start-up: uvicorn
     from lensdiv.web.server import make_app  # start-up: starlette
     from lensdiv.web.session import Session  # start-up: torch
 
@@ -120,6 +138,11 @@ def prepare(
     folder = Path(runs) if runs is not None else None
     if folder is not None and not folder.is_dir():
         raise OptionError(f"--runs {str(folder)!r} is not a folder")
+    if not token and host not in LOOPBACK:
+        raise OptionError(
+            f"--no-token serves a loopback address only, not {host!r}",
+            hint="drop --no-token (the printed URL carries the token) or use --host 127.0.0.1",
+        )
     sock = bind(host, port)  # before the model loads: a taken port fails at once
     try:
         if isinstance(model, str):
@@ -130,13 +153,31 @@ def prepare(
     except BaseException:
         sock.close()
         raise
-    token = None if host in LOOPBACK else secrets.token_urlsafe(24)
-    app = make_app(session, token=token)
-    config = uvicorn.Config(app, log_level=log_level, lifespan="off", timeout_graceful_shutdown=2)
+    secret = secrets.token_urlsafe(24) if token else None
+    if secret is None:
+        print(NO_TOKEN_WARNING, file=sys.stderr)
+    app = make_app(session, token=secret)
+    config = uvicorn.Config(app, log_level=log_level, lifespan="off", **uvicorn_settings(bounded()))
     server = uvicorn.Server(config)
+    return server, sock, url_of(host, sock.getsockname()[1], secret)
+
+
+def machine_name() -> str:
+    """This machine's name as others reach it: its fully qualified name, or its host name where
+    that resolves to loopback only (``localhost`` in many containers)."""
+    for name in (socket.getfqdn(), socket.gethostname()):
+        if name and not name.startswith(("localhost", "127.")) and name not in LOOPBACK:
+            return name
+    return socket.gethostname() or "localhost"
+
+
+def url_of(host: str, port: int, token: str | None) -> str:
+    """The URL to open: bound to every interface, this machine's name (reachable from
+    elsewhere, unlike ``0.0.0.0``); the token in its query."""
+    if host in ANY:
+        host = machine_name()
     shown = f"[{host}]" if ":" in host else host
-    url = f"http://{shown}:{sock.getsockname()[1]}/" + (f"?token={token}" if token else "")
-    return server, sock, url
+    return f"http://{shown}:{port}/" + (f"?token={token}" if token else "")
 
 
 def explore(
@@ -147,6 +188,7 @@ def explore(
     host: str = "127.0.0.1",
     port: int = 0,
     products: str = "auto",
+    token: bool = True,
     **load: Any,
 ) -> Explorer:
     """Serve the explore page for ``model`` from a background thread (for notebooks).
@@ -155,12 +197,13 @@ def explore(
         model: A loaded ``TransformerBridge`` or a model spec (``"toy"``, a hub name, a folder).
         lenses: Fitted lenses to offer beside the logit lens (``"tuned:PATH"`` ...).
         runs: A folder whose saved runs and studies the page lists.
-        host, port: Where to listen (port 0: a free one; another host than loopback requires
-            the token in the URL).
+        host, port: Where to listen (port 0: a free one).
         products: The grid's unembedding products: ``"auto"`` (bfloat16 for the
             vocabulary-wide sums where the hardware has fast bfloat16 and the unembedding is
             large; every number shown re-read in float32), ``"float32"`` (all exact) or
             ``"bf16"`` (:mod:`lensdiv.ops.cells`).
+        token: Every request carries a secret token (in :attr:`Explorer.url`, which the inline
+            page opens); ``False``: none (loopback only; anyone on this machine can use it).
         load: ``device``, ``dtype``, ``trust_remote_code`` when ``model`` is a spec.
 
     Returns:
@@ -173,8 +216,13 @@ def explore(
         >>> app.stop()
     """
     server, sock, url = prepare(
-        model, lenses, runs, host=host, port=port, products=products, **load
+        model, lenses, runs, host=host, port=port, products=products, token=token, **load
     )
+    return start(server, sock, url)
+
+
+def start(server: Any, sock: socket.socket, url: str) -> Explorer:
+    """Run the uvicorn ``server`` on ``sock`` from a daemon thread, once it listens."""
     thread = threading.Thread(
         target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="lensdiv-explore"
     )

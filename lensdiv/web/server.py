@@ -6,7 +6,8 @@ Routes (JSON in, JSON out; every error is a 4xx with ``{"error": "one line"}``):
 ``GET /``                   the page (``static/explore.html``; its CSS and JS from ``static/``)
 ``GET /api/info``           the model, its lenses, whether a runs folder is served
 ``POST /api/grid``          ``{text, lens, skip, part, top_k}`` → the prompt view
-``POST /api/patch``         ``{clean, corrupt, target, layer, position}`` or ``{..., map: true}``
+``POST /api/patch``         ``{clean, corrupt, target, layer, position}``, or a piece of the map:
+                            ``{clean, corrupt, target, map: true, layer, start}``
 ``GET /api/runs``           the runs and studies under ``--runs``
 ``GET /runs/{path}``        a run's ``report.html`` or a study's ``study.html`` under ``--runs``
 ==========================  ===============================================================
@@ -16,9 +17,12 @@ The endpoints are module-level functions; what they share lives on ``app.state``
 ``token``. Requests to the model wait on that lock, first come first served; a request whose
 client went away while it waited (the page aborts a superseded one) is dropped before it reaches
 the model, and past :data:`MAX_WAITING` waiting requests a new one is answered 503 at once.
-Bound to a loopback address the server checks the ``Host`` header (no DNS rebinding); bound
-elsewhere it requires its token on every request (``?token=`` once, then a cookie, or the
-``X-Lensdiv-Token`` header), as Jupyter does.
+With a token (the default, as Jupyter does) every request but the page's CSS and JS must carry
+it (``?token=`` once, then a cookie, or the ``X-Lensdiv-Token`` header); a browser opening a
+page without it gets a short page saying to open the printed URL, the API a JSON 403. Without a
+token (``--no-token``, loopback only) the server answers only a loopback ``Host`` (no DNS
+rebinding). A body is read up to :data:`MAX_BODY` and refused (413, the connection closed) as
+soon as it passes it; a client that hangs up mid-request is not an error.
 """
 
 from __future__ import annotations
@@ -34,8 +38,8 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.middleware import Middleware
-from starlette.requests import Request
-from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -46,21 +50,57 @@ from lensdiv.web.session import Session
 
 MAX_BODY = 256 * 1024  # bytes of one request
 MAX_WAITING = 64  # requests waiting for the model before new ones get 503
+TOO_LARGE = f"the request is over {MAX_BODY // 1024} KiB"
 COOKIE = "lensdiv_token"
 HEADER = "x-lensdiv-token"
 STATIC = Path(__file__).parent / "static"
 PAGE = "explore.html"
-# The page loads nothing from anywhere else (no CDN); the runs' pages are self-contained.
+# The page's CSS and JS (the package's own files: no secret, nothing local) load without the
+# token: a notebook shows the page in a frame of another site, where the cookie is not sent.
+PUBLIC = frozenset(f"/{p.name}" for p in STATIC.iterdir() if p.is_file() and p.name != PAGE)
+# The page loads nothing from anywhere else (no CDN); the runs' pages are self-contained. Only
+# local pages (a notebook's) may show it in a frame. (CSP has no syntax for an IPv6 address:
+# browsers drop "http://[::1]:*" with a console error, so a notebook at [::1] cannot frame it.)
+FRAMED_BY = "'self' http://127.0.0.1:* http://localhost:*"
 _CSP = (
     "default-src 'self'; img-src 'self' data:; style-src 'self' 'unsafe-inline'; "
-    "script-src 'self' 'unsafe-inline'; frame-ancestors *"
+    f"script-src 'self' 'unsafe-inline'; frame-ancestors {FRAMED_BY}"
 )
 _PAGE_HEADERS = {"Content-Security-Policy": _CSP, "Cache-Control": "no-store"}
 log = logging.getLogger("lensdiv.explore")
 
 
-def error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": message}, status_code=status)
+NO_TOKEN_PAGE = """<!doctype html><html lang="en"><meta charset="utf-8">
+<title>lensdiv explore: open the printed URL</title>
+<body style="font-family:sans-serif;max-width:40em;margin:3em auto">
+<h1>lensdiv explore</h1>
+<p>This server answers only the URL that <code>lensdiv explore</code> printed when it started:
+the one ending in <code>?token=…</code>. Open that URL (copy it from the terminal, or from the
+notebook cell), not this bare address.</p></body></html>
+"""
+
+
+def error(status: int, message: str, *, close: bool = False) -> JSONResponse:
+    """``{"error": message}``; ``close``: the connection closes after it (a body not read)."""
+    headers = {"Connection": "close"} if close else None
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+
+def host_name(header: str) -> str:
+    """The host of a ``Host`` header: ``127.0.0.1:8765`` → ``127.0.0.1``, ``[::1]:8765`` →
+    ``::1``."""
+    header = header.strip()
+    if header.startswith("["):
+        return header[1:].split("]", 1)[0]
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
+def refuse(request: Request, message: str) -> Response:
+    """A 403: for a browser opening a page, a short page saying where to go; else JSON."""
+    browser = "text/html" in request.headers.get("accept", "")
+    if request.method == "GET" and browser and not request.url.path.startswith("/api/"):
+        return HTMLResponse(NO_TOKEN_PAGE, status_code=403, headers={"Connection": "close"})
+    return error(403, message, close=True)
 
 
 class Guard:
@@ -78,11 +118,10 @@ class Guard:
         token: str | None = scope["app"].state.token
         set_cookie = False
         if token is None:
-            host = (request.headers.get("host") or "").rsplit(":", 1)[0].strip("[]")
-            if host not in LOOPBACK and host != "testserver":
-                await error(403, f"Host {host!r} refused: this server answers 127.0.0.1 only")(
-                    scope, receive, send
-                )
+            host = host_name(request.headers.get("host") or "")
+            if host not in LOOPBACK:
+                message = f"Host {host!r} refused: this server answers 127.0.0.1 only"
+                await error(403, message, close=True)(scope, receive, send)
                 return
         else:
             given = (
@@ -90,18 +129,20 @@ class Guard:
                 or request.cookies.get(COOKIE)
                 or request.query_params.get("token")
             )
-            if not given or not hmac.compare_digest(given, token):
-                await error(403, "missing or wrong token: open the URL lensdiv explore printed")(
-                    scope, receive, send
-                )
+            public = scope["path"] in PUBLIC and scope["method"] in ("GET", "HEAD")
+            if (not given or not hmac.compare_digest(given, token)) and not public:
+                message = "missing or wrong token: open the URL lensdiv explore printed"
+                await refuse(request, message)(scope, receive, send)
                 return
             # The URL's token becomes a cookie (the page's later requests carry it).
-            set_cookie = request.query_params.get("token") == token and (
-                request.cookies.get(COOKIE) != token
+            set_cookie = (
+                given is not None
+                and request.query_params.get("token") == token
+                and (request.cookies.get(COOKIE) != token)
             )
         length = request.headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > MAX_BODY):
-            await error(413, f"the request is over {MAX_BODY // 1024} KiB")(scope, receive, send)
+            await error(413, TOO_LARGE, close=True)(scope, receive, send)
             return
         if not set_cookie:
             await self.app(scope, receive, send)
@@ -128,17 +169,26 @@ class Static(StaticFiles):
 # -- the endpoints ---------------------------------------------------------------------------
 
 
+class TooLarge(LensdivError):
+    """A request over :data:`MAX_BODY` (a 413)."""
+
+
 async def read_json(request: Request) -> dict[str, Any]:
-    """The request's JSON object.
+    """The request's JSON object, its body read chunk by chunk up to :data:`MAX_BODY` (a
+    chunked body without a length is refused as soon as it passes the limit).
 
     Raises:
-        LensdivError: Not JSON, over :data:`MAX_BODY`, malformed, or not an object.
+        TooLarge: Over :data:`MAX_BODY`.
+        LensdivError: Not JSON, malformed, or not an object.
+        ClientDisconnect: The client left before its body ended.
     """
     if "application/json" not in request.headers.get("content-type", ""):
         raise LensdivError("send JSON (Content-Type: application/json)")
-    raw = await request.body()
-    if len(raw) > MAX_BODY:
-        raise LensdivError(f"the request is over {MAX_BODY // 1024} KiB")
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > MAX_BODY:
+            raise TooLarge(TOO_LARGE)
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -153,6 +203,8 @@ async def model_call(request: Request, method: Callable[[dict[str, Any]], Any]) 
     state = request.app.state
     try:
         data = await read_json(request)
+    except TooLarge as err:
+        return error(413, str(err), close=True)  # the rest of the body is not read
     except LensdivError as err:
         return error(400, str(err))
     if state.waiting >= MAX_WAITING:
@@ -207,6 +259,12 @@ async def not_allowed(request: Request, exc: Exception) -> Response:
     return error(405, f"{request.method} is not allowed on {request.url.path}")
 
 
+async def gone(request: Request, exc: Exception) -> Response:
+    """The client hung up before its request ended: not an error (nobody reads the answer)."""
+    log.debug("explore: %s %s: the client left mid-request", request.method, request.url.path)
+    return Response(status_code=204)
+
+
 async def crashed(request: Request, exc: Exception) -> Response:  # a bug: logged, said
     log.exception("explore: %s %s failed", request.method, request.url.path)
     return error(500, f"internal error: {type(exc).__name__}: {exc}")
@@ -233,7 +291,12 @@ def make_app(session: Session, *, token: str | None = None) -> Starlette:
     app = Starlette(
         routes=ROUTES,
         middleware=[Middleware(Guard)],
-        exception_handlers={404: not_found, 405: not_allowed, Exception: crashed},
+        exception_handlers={
+            404: not_found,
+            405: not_allowed,
+            ClientDisconnect: gone,
+            Exception: crashed,
+        },
     )
     app.state.session = session
     app.state.lock = asyncio.Lock()  # the one lock before the model

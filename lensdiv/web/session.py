@@ -7,8 +7,10 @@ benchmarks and tests call it directly):
   or with a block (or its attention / MLP write) skipped, plus the output's KL to the unskipped
   run;
 - :meth:`Session.patch`: a corrupt prompt run with the clean prompt's residual ``h_l`` copied in
-  at one position (or at every (layer, position), the full map), read as the target token's
-  probability at the last position (resumed from block ``l`` by
+  at one position (or at a piece of a row of the full map: the page asks for the pieces one by
+  one, so other requests get through between them; :meth:`Session.patch_map` puts them
+  together), read as the target token's probability at the last position (resumed from block
+  ``l`` by
   :class:`~lensdiv.ops.resume.Resumer`, only the last position unembedded:
   :func:`lensdiv.ops.patching.last_position`);
 - :meth:`Session.runs`: the saved runs and studies under the ``--runs`` folder, and the path of
@@ -30,7 +32,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -54,6 +56,17 @@ MAX_CHARS = 20_000  # a prompt's characters, checked before tokenising
 RUN_PAGE = REPORT  # the saved layouts: a run folder, a study folder
 STUDY_PAGE = HTML
 _DEPTH = 3  # folders below --runs searched for runs and studies
+MAP_SECONDS = 0.25  # a piece of the patching map holds the model about this long
+
+
+class _States(NamedTuple):
+    """The captured states of one clean/corrupt pair (rows ``h0`` … ``h_L``)."""
+
+    key: tuple[tuple[int, ...], tuple[int, ...]]
+    clean_h: list[torch.Tensor]
+    corrupt_h: list[torch.Tensor]
+    clean_p: torch.Tensor  # the output distributions at the last position
+    corrupt_p: torch.Tensor
 
 #: The patch tab's example on the toy models (byte tokenizer): subject–verb agreement as the toy
 #: corpus' grammar writes it. A singular subject makes the verb take ``s`` ("The city laughs"), a
@@ -129,6 +142,8 @@ class Session:
         self.workspace = Workspace()  # the grid's buffers, kept between requests
         self._resumer: Resumer | None = None
         self.example = patch_example(model)
+        self._captured: _States | None = None  # the last clean/corrupt pair's states
+        self._map_step = 4  # positions per batch of a map piece (follows the time taken)
 
     # -- facts ---------------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
@@ -198,15 +213,22 @@ class Session:
 
     # -- patching ------------------------------------------------------------------------------
     def patch(self, request: Mapping[str, Any]) -> dict[str, Any]:
-        """Run ``corrupt`` with the clean prompt's ``h_layer`` at ``position`` (or, with
-        ``map: true``, at every (layer, position)); the probability of ``target`` (one token;
-        default the clean run's top prediction) at the last position."""
+        """Run ``corrupt`` with the clean prompt's ``h_layer`` at ``position``; the probability
+        of ``target`` (one token; default the clean run's top prediction) at the last position.
+
+        With ``map: true``, one *piece* of the full map instead: ``h_layer`` patched at the
+        positions ``start, start + 1, …`` for about :data:`MAP_SECONDS` (at least one position,
+        never past the row's end), as ``probs``, with ``next`` — the ``{layer, start}`` to ask
+        for the next piece, ``None`` after the last — so that the model is never held for a
+        whole map (:meth:`patch_map` puts the pieces together).
+        """
         clean_text, corrupt_text = _text(request, "clean"), _text(request, "corrupt")
         target_text = _field(request, "target", str, "")
         full_map = _field(request, "map", bool, False)
-        layer = _field(request, "layer", int, None)
+        layer = _field(request, "layer", int, 0 if full_map else None)
         position = _field(request, "position", int, None)
-        start = time.perf_counter()
+        first = _field(request, "start", int, 0)
+        begun = time.perf_counter()
         clean, corrupt = self._tokens(clean_text), self._tokens(corrupt_text)
         if clean.shape[1] != corrupt.shape[1]:
             raise RequestError(
@@ -215,81 +237,124 @@ class Session:
                 hint="edit the corrupt prompt to the clean one's length",
             )
         L, n_pos = self.info.n_layers, clean.shape[1]
-        if not full_map:
-            if layer is None or position is None:
-                raise RequestError("give layer and position (or map: true)")
-            if not 0 <= layer <= L:
-                raise RequestError(f"layer {layer} is outside 0-{L} (h0 … h{L})")
-            if not 0 <= position < n_pos:
-                raise RequestError(f"position {position} is outside 0-{n_pos - 1}")
-        out = self._patch(clean, corrupt, target_text, layer, position, full_map)
-        out["ms"] = round(1000 * (time.perf_counter() - start), 1)
+        if full_map:
+            position = first
+        elif layer is None or position is None:
+            raise RequestError("give layer and position (or map: true)")
+        if not 0 <= layer <= L:
+            raise RequestError(f"layer {layer} is outside 0-{L} (h0 … h{L})")
+        if not 0 <= position < n_pos:
+            raise RequestError(f"position {position} is outside 0-{n_pos - 1}")
+        with torch.no_grad():
+            states = self._states(clean, corrupt)
+            target = self._target(target_text, states.clean_p)
+            out = self._header(clean, corrupt, target, states)
+            if full_map:
+                probs = self._piece(corrupt, states, layer, position, target)
+                end = position + len(probs)
+                after = {"layer": layer, "start": end} if end < n_pos else None
+                if after is None and layer < L:
+                    after = {"layer": layer + 1, "start": 0}
+                out.update(layer=layer, start=position, probs=probs, next=after)
+            else:
+                patched = self._patched(corrupt, states, layer, [position], target)[0]
+                gap = out["clean_prob"] - out["corrupt_prob"]
+                out.update(
+                    layer=layer,
+                    position=position,
+                    patched_prob=patched,
+                    recovered=(patched - out["corrupt_prob"]) / gap if abs(gap) > 1e-9 else None,
+                )
+        out["ms"] = round(1000 * (time.perf_counter() - begun), 1)
         return finite(out)
 
-    def _patch(
-        self,
-        clean: torch.Tensor,
-        corrupt: torch.Tensor,
-        target_text: str,
-        layer: int | None,
-        position: int | None,
-        full_map: bool,
-    ) -> dict[str, Any]:
-        L, n_pos = self.info.n_layers, clean.shape[1]
-        names = [self.info.resid(i) for i in range(L + 1)]
+    def patch_map(self, request: Mapping[str, Any]) -> dict[str, Any]:
+        """The full patching map of ``clean`` → ``corrupt``: every piece :meth:`patch` gives for
+        ``map: true``, in order, as ``map[layer][position]`` (rows ``h0`` … ``h_L``)."""
+        ask: dict[str, Any] = {**request, "map": True, "layer": 0, "start": 0}
+        rows: list[list[float]] = [[] for _ in range(self.info.n_layers + 1)]
+        while True:
+            piece = self.patch(ask)
+            rows[piece["layer"]] += piece["probs"]
+            if piece["next"] is None:
+                break
+            ask.update(piece["next"])
+        keep = ("target", "target_id", "clean_prob", "corrupt_prob")
+        out = {k: piece[k] for k in (*keep, "clean_tokens", "corrupt_tokens")}
+        out.update(rows=[f"h{i}" for i in range(len(rows))], map=rows)
+        return out
+
+    def _states(self, clean: torch.Tensor, corrupt: torch.Tensor) -> _States:
+        """Both prompts' residual streams and output distributions (the last pair's kept: the
+        pieces of one map and the cells clicked after it share them)."""
+        key = (tuple(clean[0].tolist()), tuple(corrupt[0].tolist()))
+        if self._captured is not None and self._captured.key == key:
+            return self._captured
+        names = [self.info.resid(i) for i in range(self.info.n_layers + 1)]
         read, _ = float32_readout(self.model)
-        with torch.no_grad():
-            _, clean_h = capture(self.model, clean, names, need_logits=False)
-            _, corrupt_h = capture(self.model, corrupt, names, need_logits=False)
-            clean_p = read(clean_h[names[-1]][0, -1:]).softmax(-1)[0]
-            corrupt_p = read(corrupt_h[names[-1]][0, -1:]).softmax(-1)[0]
-            target = self._target(target_text, clean_p)
-            layers = range(L + 1) if full_map else [int(layer or 0)]
-            positions = list(range(n_pos)) if full_map else [int(position or 0)]
-            rows = [
-                self._patched(corrupt, corrupt_h[names[i]], clean_h[names[i]], i, positions, target)
-                for i in layers
-            ]
-        p_clean, p_corrupt = float(clean_p[target]), float(corrupt_p[target])
+        _, clean_h = capture(self.model, clean, names, need_logits=False)
+        _, corrupt_h = capture(self.model, corrupt, names, need_logits=False)
+        self._captured = _States(
+            key,
+            [clean_h[name] for name in names],
+            [corrupt_h[name] for name in names],
+            read(clean_h[names[-1]][0, -1:]).softmax(-1)[0],
+            read(corrupt_h[names[-1]][0, -1:]).softmax(-1)[0],
+        )
+        return self._captured
+
+    def _header(
+        self, clean: torch.Tensor, corrupt: torch.Tensor, target: int, states: _States
+    ) -> dict[str, Any]:
         decode = self.model.tokenizer.decode
-        out: dict[str, Any] = {
+        return {
             "target": decode([target]),
             "target_id": target,
-            "clean_prob": p_clean,
-            "corrupt_prob": p_corrupt,
+            "clean_prob": float(states.clean_p[target]),
+            "corrupt_prob": float(states.corrupt_p[target]),
             "clean_tokens": [decode([int(t)]) for t in clean[0]],
             "corrupt_tokens": [decode([int(t)]) for t in corrupt[0]],
         }
-        if full_map:
-            out["rows"] = [f"h{i}" for i in range(L + 1)]
-            out["map"] = rows
-        else:
-            patched = rows[0][0]
-            gap = p_clean - p_corrupt
-            out.update(
-                layer=layer,
-                position=position,
-                patched_prob=patched,
-                recovered=(patched - p_corrupt) / gap if abs(gap) > 1e-9 else None,
+
+    def _piece(
+        self, tokens: torch.Tensor, states: _States, layer: int, start: int, target: int
+    ) -> list[float]:
+        """Row ``layer`` of the map from position ``start`` for about :data:`MAP_SECONDS`: in
+        batches whose size follows the time the last one took (kept for the next piece)."""
+        n_pos = tokens.shape[1]
+        most = rows_per_pass(self.model, n_pos, grad=False)
+        begun, position = time.perf_counter(), start
+        out: list[float] = []
+        while position < n_pos and (not out or time.perf_counter() - begun < MAP_SECONDS):
+            step = min(self._map_step, most, n_pos - position)
+            tick = time.perf_counter()
+            out += self._patched(
+                tokens, states, layer, list(range(position, position + step)), target
             )
+            position += step
+            took = time.perf_counter() - tick
+            if took < MAP_SECONDS / 8:
+                self._map_step = min(2 * self._map_step, most)
+            elif took > MAP_SECONDS / 2:
+                self._map_step = max(1, self._map_step // 2)
         return out
 
     def _patched(
         self,
         tokens: torch.Tensor,
-        corrupt: torch.Tensor,
-        clean: torch.Tensor,
+        states: _States,
         layer: int,
         positions: Sequence[int],
         target: int,
     ) -> list[float]:
-        """The target's probability at the last position with ``h_layer`` of ``corrupt`` replaced
-        by ``clean``'s at each of ``positions`` (one row each; resumed from block ``layer``, only
-        the last position read out), batched within the patching memory budget."""
+        """The target's probability at the last position with the corrupt prompt's ``h_layer``
+        replaced by the clean one's at each of ``positions`` (one row each; resumed from block
+        ``layer``, only the last position read out), batched within the patching memory
+        budget."""
         if self._resumer is None:
             self._resumer = Resumer(self.model)
-        n_pos = tokens.shape[1]
-        per = rows_per_pass(self.model, n_pos, grad=False)
+        corrupt, clean = states.corrupt_h[layer], states.clean_h[layer]
+        per = rows_per_pass(self.model, tokens.shape[1], grad=False)
         out: list[float] = []
         for lo in range(0, len(positions), per):
             chunk = torch.tensor(positions[lo : lo + per], device=corrupt.device)
@@ -423,11 +488,20 @@ _TYPES = {str: "a string", int: "an integer", bool: "true or false"}
 
 
 def _field(request: Mapping[str, Any], name: str, kind: type, default: Any) -> Any:
+    """``request[name]`` when it is a ``kind`` (a string: text that encodes as UTF-8), else one
+    :class:`RequestError` line; every field of every request is read here."""
     value = request.get(name, default)
     if value is None or value is default:
         return value
     if kind is int and isinstance(value, bool) or not isinstance(value, kind):
         raise RequestError(f"{name} must be {_TYPES[kind]}, got {json.dumps(value)[:40]}")
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")  # JSON's "\ud800" escapes decode to lone surrogates
+        except UnicodeEncodeError as err:
+            raise RequestError(
+                f"{name} is not valid text: {err.reason} at character {err.start}"
+            ) from None
     return value
 
 

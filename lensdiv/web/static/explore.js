@@ -283,12 +283,32 @@
       `target ${shown(out.target)}: p = ${pct(out.clean_prob)} clean, ${pct(out.corrupt_prob)} corrupt. Click a cell to patch it.`;
   }
 
-  async function patchMap() {
-    const out = await patchCall({ map: true });
-    if (!out) return;
-    drawPatchGrid(out.corrupt_tokens, out.map.length);
-    out.map.forEach((row, r) => row.forEach((p, t) =>
-      fill(document.querySelector(`#patch-table td[data-layer="${r}"][data-pos="${t}"]`), p, out)));
+  async function patchMap() {  // piece by piece: the server is never held for a whole map
+    if (state.patchAbort) state.patchAbort.abort();  // a newer map (or cell) supersedes it
+    const abort = new AbortController();
+    state.patchAbort = abort;
+    const ask = patchAsk({ map: true, layer: 0, start: 0 });
+    let out = null, done = 0, total = 0;
+    try {
+      for (;;) {
+        out = await api("api/patch", ask, abort.signal);
+        if (out === null || abort.signal.aborted) return;
+        if (total === 0) {
+          showError("");
+          total = (state.info.n_layers + 1) * out.corrupt_tokens.length;
+          drawPatchGrid(out.corrupt_tokens, state.info.n_layers + 1);
+        }
+        out.probs.forEach((p, i) => fill(document.querySelector(
+          `#patch-table td[data-layer="${out.layer}"][data-pos="${out.start + i}"]`), p, out));
+        done += out.probs.length;
+        if (!out.next) break;
+        $("#patch-result").textContent = `full map: ${done} of ${total} patches (${Math.floor(100 * done / total)}%)…`;
+        Object.assign(ask, out.next);
+      }
+    } catch (err) {
+      if (err.name !== "AbortError") showError(err.message);
+      return;
+    }
     $("#patch-result").textContent =
       `full map: p(${shown(out.target)}) at the last position with the clean h_l copied in at each (layer, position); clean ${pct(out.clean_prob)}, corrupt ${pct(out.corrupt_prob)} (colour: the share of the gap recovered)`;
   }
