@@ -294,7 +294,7 @@
         out = await api("api/patch", ask, abort.signal);
         if (out === null || abort.signal.aborted) return;
         if (total === 0) {
-          showError("");
+          succeeded("patch");
           total = (state.info.n_layers + 1) * out.corrupt_tokens.length;
           drawPatchGrid(out.corrupt_tokens, state.info.n_layers + 1);
         }
@@ -306,7 +306,7 @@
         Object.assign(ask, out.next);
       }
     } catch (err) {
-      if (err.name !== "AbortError") showError(err.message);
+      if (err.name !== "AbortError") failed("patch", err.message);
       return;
     }
     $("#patch-result").textContent =
