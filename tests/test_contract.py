@@ -31,7 +31,6 @@ CHEAP = {
     "depth-score": {"per_grade": 2, "batch_size": 4},
     "submod": {"samples": 4, "greedy": 3},
     "fit-jacobian": {"skip_first": 4},
-    "sinks": {"per_head": True},
 }
 
 
@@ -45,7 +44,7 @@ def contract_models(tiny_dirs: dict[str, Path], native_model: Any) -> dict[str, 
 def test_every_builtin_is_checked() -> None:
     assert sorted(
         ["bias", "contrib", "depth-score", "dynamics", "lens", "linmap", "patch", "skip", "submod",
-         "fit-affine", "fit-jacobian", "prune", "reorder", "sinks"]
+         "fit-affine", "fit-jacobian", "prune", "reorder", "sinks", "massive"]
     ) == BUILTIN
 
 
