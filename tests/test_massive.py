@@ -1,4 +1,4 @@
-"""``massive`` (docs/science.md A10): the histogram median against numpy's exact one within the
+"""``massive`` (docs/science.md F2): the histogram median against numpy's exact one within the
 stated bound, massive entries against a naive loop, and on a model with one planted massive
 dimension: where it appears, who writes it, and its removal against a full forward pass."""
 

@@ -1,4 +1,4 @@
-"""``sinks`` (docs/science.md A9): the patterns against Hugging Face's eager attention weights in
+"""``sinks`` (docs/science.md F1): the patterns against Hugging Face's eager attention weights in
 float64, the statistics against a naive loop, the example plugin where they overlap, and the
 sink removal's identities (masking nothing changes nothing; a one-layer model's removal equals
 Hugging Face's forward pass with the sink masked out of its attention mask)."""

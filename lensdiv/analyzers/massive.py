@@ -1,4 +1,4 @@
-"""``massive`` — activation outliers by depth: massive activations (docs/science.md A10).
+"""``massive`` — activation outliers by depth: massive activations (docs/science.md F2).
 
 For every residual state ``h_ℓ`` (``0 ≤ ℓ ≤ L``) and every attention and MLP output (blocks
 ``0..L−1``), over the real positions: the largest ``|x|``, the median ``|x|`` (from a mergeable

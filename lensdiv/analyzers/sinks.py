@@ -1,4 +1,4 @@
-"""``sinks`` — where attention goes, layer by layer: attention sinks (docs/science.md A9).
+"""``sinks`` — where attention goes, layer by layer: attention sinks (docs/science.md F1).
 
 Per layer ``l`` and head ``h``, from the pattern ``p[q, k]`` (``blocks.{l}.attn.hook_pattern``),
 averaged over the real queries ``q ≥ min_query``:

@@ -1,4 +1,4 @@
-"""Attention patterns and the residual entries an intervention edits (docs/science.md A9, A10):
+"""Attention patterns and the residual entries an intervention edits (docs/science.md F1, F2):
 per-head sums of a layer's pattern, the sink removed from a pattern, and a pass resumed at a
 block with an edit made inside it.
 

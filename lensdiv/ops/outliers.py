@@ -1,4 +1,4 @@
-"""Activation outliers (docs/science.md A10): a mergeable log-magnitude histogram, the median it
+"""Activation outliers (docs/science.md F2): a mergeable log-magnitude histogram, the median it
 gives to a stated precision, and the entries of a batch that are massive.
 
 The median of ``|x|`` over a stream cannot be kept exactly in flat memory; each site keeps a
