@@ -198,8 +198,8 @@ RULES = {
     "reproduced if for all, partly if for some, not reproduced if for none",
     "sinks_form": "per model, over its layers after the first: reproduced if at least half "
     "of their heads are sink heads (mean attention on position 0 above 0.3, Gu et al.'s ε) and "
-    "layer 0 has a smaller share; partly if the later layers put more attention on position 0 "
-    "than layer 0 does but fewer than half of their heads are sinks; not reproduced otherwise; "
+    "layer 0 has a smaller share; partly if some head of the later layers is a sink head but "
+    "fewer than half are; not reproduced if none is; "
     "over the models: reproduced on all, not reproduced on none, partly otherwise",
     "massive_bias": "per model: reproduced if massive activations exist (|x| > 100 and > 1000× "
     "the median |x| of their residual state) and, set to zero where they appear, they raise "
@@ -1601,13 +1601,12 @@ def reorder_shuffle(sizes: Sizes, out: Path) -> Finding:
     )
 
 
-def sinks_verdict(share_first: float, share_later: float, mass_first: float,
-                  mass_later: float) -> str:
-    """The sinks rule for one model (see ``RULES``): sink-head shares and attention on position
-    0 of layer 0 and of the later layers (their mean)."""
+def sinks_verdict(share_first: float, share_later: float) -> str:
+    """The sinks rule for one model (see ``RULES``): the share of sink heads of layer 0 and of
+    the later layers (over all their heads)."""
     if share_later >= 0.5 and share_first < share_later:
         return REPRODUCED
-    return PARTLY if mass_later > mass_first else NOT
+    return PARTLY if share_later > 0 else NOT
 
 
 def massive_verdict(appear: int | None, dce_zero: float, dce_mean: float) -> str:
@@ -1627,8 +1626,7 @@ def sinks_form(sizes: Sizes, out: Path) -> Finding:
         mass, share = list(table["mass0"]), list(table["sink_share"])
         L = len(mass)
         rest = slice(1, None) if L > 1 else slice(0, 1)
-        verdicts.append(sinks_verdict(share[0], float(np.mean(share[rest])), mass[0],
-                                      float(np.mean(mass[rest]))))
+        verdicts.append(sinks_verdict(share[0], float(np.mean(share[rest]))))
         tokens = result.tables["sink_tokens"]
         values[model] = {"mass0": mass, "sink_share": share, "kl_removed": list(table["kl"]),
                          "top_token": str(tokens["text"][0]),
@@ -1647,7 +1645,9 @@ def sinks_form(sizes: Sizes, out: Path) -> Finding:
     verdict = combined_verdict(verdicts)
     toy = "; ".join(
         f"{m}: attention on position 0 per layer " + ", ".join(f"{x:.2f}" for x in v["mass0"])
-        + f", sink heads {', '.join(f'{x:.0%}' for x in v['sink_share'])}; most attended token "
+        + f", sink heads {', '.join(f'{x:.0%}' for x in v['sink_share'])}; removing the "
+        "sink costs KL " + ", ".join(f"{x:.3f}" for x in v["kl_removed"]) + " nats; most "
+        "attended token "
         f"{v['top_token']} ({v['top_share']:.0%} of all attention, {v['top_ratio']:.1f}× an even "
         "spread)" for m, v in values.items()
     )
@@ -1663,10 +1663,10 @@ def sinks_form(sizes: Sizes, out: Path) -> Finding:
         command=f"lensdiv analyze {sizes.outlier_models[-1]} --plugins sinks "
         f"--max-tokens {sizes.outlier_tokens}",
         verdict=verdict,
-        why="the toys spread their attention over the bytes: no layer puts a sink's share on "
-        "position 0 (which starts each packed row of bytes, with no BOS-like role), and removing "
-        "it costs little beyond layer 0. Short contexts (64-byte rows) and shallow models give "
-        "a sink nothing to do"
+        why="the toys spread their attention over the bytes: no head of any layer puts a sink's "
+        "share on position 0 (a few per cent, like any other byte; the most attended token, the "
+        "space, draws about an even spread's share), and removing it costs little beyond layer "
+        "0. Byte-level rows and shallow models may give a sink nothing to do"
         if verdict == NOT
         else "the later layers put more attention on the first token than layer 0"
         + ("" if verdict == REPRODUCED else ", but few of their heads are sinks"),
