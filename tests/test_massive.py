@@ -14,7 +14,12 @@ import torch
 from lensdiv.analyzers.massive import Massive
 from lensdiv.core.analyzer import Batch, ModelInfo, Step
 from lensdiv.ops.capture import capture
-from lensdiv.ops.outliers import histogram_median, log_histogram, massive_entries
+from lensdiv.ops.outliers import (
+    histogram_median,
+    log_histogram,
+    lower_median,
+    massive_entries,
+)
 from lensdiv.testing.models import save_tiny_model
 
 DIM, BIAS = 5, 1e4  # the planted massive dimension and the bias that writes it
@@ -46,10 +51,12 @@ def test_massive_entries_match_a_loop() -> None:
     keep = torch.ones(2, 6, dtype=torch.bool)
     keep[1, 5] = False
     x[1, 5, 0] = 1e6  # a pad: never massive, never in the median
-    massive, median, threshold = massive_entries(x, keep, 100.0, 500.0)
+    massive, hist, median, threshold = massive_entries(x, keep, 100.0, 500.0, 100)
     values = np.abs(x.numpy()[keep.numpy()]).reshape(-1)
+    assert float(hist.sum()) == values.size  # pads never enter the median
     want_median = np.sort(values)[(values.size + 1) // 2 - 1]
-    assert median == pytest.approx(want_median, rel=1e-6)
+    assert lower_median(x[keep]) == pytest.approx(want_median, rel=1e-6)  # the reference
+    assert abs(math.log10(median) - math.log10(want_median)) <= 1 / 200 + 1e-6
     assert threshold == max(100.0, 500.0 * median)
     want = np.abs(x.numpy()) > threshold
     want &= keep.numpy()[..., None]
@@ -111,7 +118,7 @@ def test_removal_matches_a_full_pass(planted: Any) -> None:
     batch = _batch()
     result, cache = _result(planted, Massive(), batch)
     h = cache["blocks.1.hook_resid_pre"]
-    massive, _, _ = massive_entries(h, batch.mask, 100.0, 1000.0)
+    massive, _, _, _ = massive_entries(h, batch.mask, 100.0, 1000.0, 100)
     mean = (h * massive).sum((0, 1)) / massive.sum((0, 1)).clamp_min(1)
     with torch.no_grad():
         clean = planted(batch.tokens).log_softmax(-1)

@@ -4,8 +4,8 @@ For every residual state ``h_ℓ`` (``0 ≤ ℓ ≤ L``) and every attention and
 ``0..L−1``), over the real positions: the largest ``|x|``, the median ``|x|`` (from a mergeable
 log histogram, to a stated precision: :mod:`lensdiv.ops.outliers`) and their ratio. An entry is
 *massive* when ``|x| > absolute`` and ``|x| > ratio ×`` the median ``|x|`` of its site in its batch
-(the exact lower median of that batch's real positions: a per-batch threshold is what makes the
-count mergeable without a second pass); per site the massive entries are counted by dimension, by
+(the median of that batch's real positions from their log histogram, within the histogram's
+precision: a per-batch threshold is what makes the count mergeable without a second pass); per site the massive entries are counted by dimension, by
 position (0 or later) and, over the residual states, by token. They *appear* at the first
 residual state that holds any and *vanish* at the first later one that holds none; the block
 before the appearance says which sublayer wrote them (the larger ``|x|`` in those dimensions).
@@ -32,7 +32,7 @@ from lensdiv.core.analyzer import Analyzer, ModelInfo, Step
 from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
 from lensdiv.ops.attention import final_with
-from lensdiv.ops.outliers import histogram_median, log_histogram, massive_entries
+from lensdiv.ops.outliers import histogram_median, massive_entries
 from lensdiv.ops.resume import resumer_for
 from lensdiv.ops.surgery import output_sums
 
@@ -98,8 +98,10 @@ class Massive(Analyzer):
             per: dict[str, list[Tensor]] = {"hist": [], "count": [], "first": [], "max": []}
             for name in names:
                 x = step.cache[name].to(device)
-                massive, _, _ = massive_entries(x, keep, self.absolute, self.ratio)
-                per["hist"].append(log_histogram(x[keep], self.bins_per_decade))
+                massive, hist, _, _ = massive_entries(
+                    x, keep, self.absolute, self.ratio, self.bins_per_decade
+                )
+                per["hist"].append(hist)
                 per["count"].append(massive.sum((0, 1)).double())
                 per["first"].append(massive[:, 0].sum().double())
                 per["max"].append(x.abs()[keep].amax(0).double())
