@@ -29,7 +29,7 @@ from lensdiv.core.errors import LensdivError  # noqa: E402
 from lensdiv.ops.prompt import prompt_view  # noqa: E402
 from lensdiv.ops.translators import save_tuned  # noqa: E402
 from lensdiv.web.server import make_app  # noqa: E402
-from lensdiv.web.session import Session  # noqa: E402
+from lensdiv.web.session import TOY_EXAMPLE, Session, patch_example  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = "The happy dog runs"
@@ -160,6 +160,79 @@ def test_patching_map(client: TestClient, native_model: Any) -> None:
         assert rows[0][t] == pytest.approx(got["corrupt_prob"], rel=1e-4)
     assert rows[L][-1] == pytest.approx(got["clean_prob"], rel=1e-4)  # the clean output itself
     assert rows[2][6] == pytest.approx(hooked_patch(native_model, 2, 6, target), rel=1e-4)
+
+
+def check_example(model: Any, example: dict[str, str]) -> dict[str, Any]:
+    """The example pair is one the patch tab can run: prompts of one length, a one-token target."""
+    assert set(example) == {"clean", "corrupt", "target", "about"} and example["about"]
+    clean, corrupt = (model.to_tokens(example[k], prepend_bos=True) for k in ("clean", "corrupt"))
+    assert clean.shape == corrupt.shape
+    session = Session(model)
+    assert session.describe()["patch_example"] == example
+    out = session.patch({**example, "map": True})
+    if example["target"]:
+        assert out["target"] == example["target"]
+    return out
+
+
+def test_patch_example_runs(native_model: Any) -> None:
+    check_example(native_model, patch_example(native_model))
+
+
+def test_toy_patch_example_is_agreement() -> None:
+    from lensdiv.models.toy import build, parse_toy
+
+    toy = build(parse_toy("toy"))  # untrained: the pair runs, whatever it shows
+    assert patch_example(toy) == TOY_EXAMPLE
+    check_example(toy, TOY_EXAMPLE)
+
+
+def test_patch_example_for_another_tokenizer() -> None:
+    """A tokenizer other than the toys': the first built-in pair (a capital city), its answer the
+    target when it is one token, else no target (the clean prompt's prediction)."""
+    from types import SimpleNamespace
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from lensdiv.data.pairs import builtin_pairs
+
+    words = ["<unk>", "The", "capital", "of", "is", "France", "Paris", "Italy", "Rome"]
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>")
+    pair = builtin_pairs(tokenizer)[0]
+    for per_token, target in ((1, pair.target), (2, "")):  # as if the answer were two tokens
+
+        def to_tokens(text: str, prepend_bos: bool, n: int = per_token) -> torch.Tensor:
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            return torch.tensor([ids * n])
+
+        example = patch_example(SimpleNamespace(tokenizer=tokenizer, to_tokens=to_tokens))
+        assert example["clean"] == pair.clean == "The capital of France is"
+        assert example["corrupt"] == pair.corrupt and example["target"] == target
+        assert pair.clean in example["about"] and pair.corrupt in example["about"]
+
+
+def test_toy_patch_example_moves_the_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the default toy as users get it (its full recipe), patching the example's best
+    (layer, position) moves the target's probability from the corrupt run's most of the way to
+    the clean run's: the pair shows something."""
+    from lensdiv.models.load import load_model
+    from lensdiv.models.toy import TrainRecipe, cached_log, parse_toy
+
+    monkeypatch.delenv("LENSDIV_TOY_STEPS", raising=False)  # the tests' recipe is 30 steps
+    monkeypatch.delenv("LENSDIV_CACHE", raising=False)  # the user's cache
+    spec = parse_toy("toy")
+    if cached_log(spec, TrainRecipe.default(spec)) is None:
+        pytest.skip("the default toy is not trained in the user's cache (lensdiv toy train toy)")
+    out = check_example(load_model("toy"), TOY_EXAMPLE)
+    best = max(p for row in out["map"] for p in row)
+    assert out["clean_prob"] - out["corrupt_prob"] > 0.5
+    assert best - out["corrupt_prob"] > 0.5
+    # the answer is read at the last position: its column carries it from a middle layer up
+    assert out["map"][-1][-1] == pytest.approx(out["clean_prob"], rel=1e-4)
+    assert out["map"][0][-1] == pytest.approx(out["corrupt_prob"], rel=1e-4)
 
 
 LONG = "x" * 200  # the tiny model reads 128 tokens

@@ -107,8 +107,8 @@ _CAPITALS = (
 _BUILTIN_PAIRS = 16
 
 
-def _is_byte_tokenizer(tokenizer: Any) -> bool:
-
+def is_byte_tokenizer(tokenizer: Any) -> bool:
+    """Whether ``tokenizer`` is the toy models' byte tokenizer."""
     try:
         specials = tokenizer.convert_ids_to_tokens(list(range(len(SPECIALS))))
         return len(tokenizer) == VOCAB_SIZE and tuple(specials) == SPECIALS
@@ -125,7 +125,7 @@ def builtin_pairs(tokenizer: Any) -> list[Pair]:
     countries, keeping pairs whose prompts tokenise to the same length and whose answers differ
     in their first token.
     """
-    if _is_byte_tokenizer(tokenizer):
+    if is_byte_tokenizer(tokenizer):
         kb = KnowledgeBase(seed=0)  # the knowledge base every toy model is trained on
         pairs: list[Pair] = []
         per_relation = _BUILTIN_PAIRS // len(RELATIONS)

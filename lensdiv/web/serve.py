@@ -15,7 +15,7 @@ from typing import Any
 from lensdiv.core.errors import LensdivError, OptionError
 
 EXTRA = "explore"  # pip install 'lensdiv[explore]'
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
+LOOPBACK = ("127.0.0.1", "localhost", "::1")  # the host names a loopback server answers
 
 
 def require() -> None:

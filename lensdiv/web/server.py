@@ -3,7 +3,7 @@
 Routes (JSON in, JSON out; every error is a 4xx with ``{"error": "one line"}``):
 
 ==========================  ===============================================================
-``GET /``                   the page (``static/explore.html``, its CSS and JS beside it)
+``GET /``                   the page (``static/explore.html``; its CSS and JS from ``static/``)
 ``GET /api/info``           the model, its lenses, whether a runs folder is served
 ``POST /api/grid``          ``{text, lens, skip, part, top_k}`` → the prompt view
 ``POST /api/patch``         ``{clean, corrupt, target, layer, position}`` or ``{..., map: true}``
@@ -11,11 +11,13 @@ Routes (JSON in, JSON out; every error is a 4xx with ``{"error": "one line"}``):
 ``GET /runs/{path}``        a run's ``report.html`` or a study's ``study.html`` under ``--runs``
 ==========================  ===============================================================
 
-Requests to the model wait on one lock, first come first served; a request whose client went
-away while it waited (the page aborts a superseded one) is dropped before it reaches the model,
-and past :data:`MAX_WAITING` waiting requests a new one is answered 503 at once. Bound to a
-loopback address the server checks the ``Host`` header (no DNS rebinding); bound elsewhere it
-requires its token on every request (``?token=`` once, then a cookie, or the
+The endpoints are module-level functions; what they share lives on ``app.state``: the
+``session``, the one ``lock`` before the model, the number of requests ``waiting`` for it and the
+``token``. Requests to the model wait on that lock, first come first served; a request whose
+client went away while it waited (the page aborts a superseded one) is dropped before it reaches
+the model, and past :data:`MAX_WAITING` waiting requests a new one is answered 503 at once.
+Bound to a loopback address the server checks the ``Host`` header (no DNS rebinding); bound
+elsewhere it requires its token on every request (``?token=`` once, then a cookie, or the
 ``X-Lensdiv-Token`` header), as Jupyter does.
 """
 
@@ -25,7 +27,8 @@ import asyncio
 import hmac
 import json
 import logging
-from importlib.resources import files
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
@@ -33,27 +36,26 @@ from starlette.concurrency import run_in_threadpool
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from lensdiv.core.errors import LensdivError
+from lensdiv.web.serve import LOOPBACK
 from lensdiv.web.session import Session
 
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 MAX_BODY = 256 * 1024  # bytes of one request
 MAX_WAITING = 64  # requests waiting for the model before new ones get 503
 COOKIE = "lensdiv_token"
 HEADER = "x-lensdiv-token"
-_STATIC = {
-    "/": ("explore.html", "text/html; charset=utf-8"),
-    "/explore.css": ("explore.css", "text/css; charset=utf-8"),
-    "/explore.js": ("explore.js", "text/javascript; charset=utf-8"),
-}
+STATIC = Path(__file__).parent / "static"
+PAGE = "explore.html"
 # The page loads nothing from anywhere else (no CDN); the runs' pages are self-contained.
 _CSP = (
     "default-src 'self'; img-src 'self' data:; style-src 'self' 'unsafe-inline'; "
     "script-src 'self' 'unsafe-inline'; frame-ancestors *"
 )
+_PAGE_HEADERS = {"Content-Security-Policy": _CSP, "Cache-Control": "no-store"}
 log = logging.getLogger("lensdiv.explore")
 
 
@@ -62,18 +64,20 @@ def error(status: int, message: str) -> JSONResponse:
 
 
 class Guard:
-    """ASGI middleware: the token (when there is one) or a loopback ``Host``; a size limit."""
+    """ASGI middleware: the token (``app.state.token``, when there is one) or a loopback
+    ``Host``; the size limit of a request."""
 
-    def __init__(self, app: ASGIApp, token: str | None) -> None:
-        self.app, self.token = app, token
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         request = Request(scope)
+        token: str | None = scope["app"].state.token
         set_cookie = False
-        if self.token is None:
+        if token is None:
             host = (request.headers.get("host") or "").rsplit(":", 1)[0].strip("[]")
             if host not in LOOPBACK and host != "testserver":
                 await error(403, f"Host {host!r} refused: this server answers 127.0.0.1 only")(
@@ -86,14 +90,14 @@ class Guard:
                 or request.cookies.get(COOKIE)
                 or request.query_params.get("token")
             )
-            if not given or not hmac.compare_digest(given, self.token):
+            if not given or not hmac.compare_digest(given, token):
                 await error(403, "missing or wrong token: open the URL lensdiv explore printed")(
                     scope, receive, send
                 )
                 return
             # The URL's token becomes a cookie (the page's later requests carry it).
-            set_cookie = request.query_params.get("token") == self.token and (
-                request.cookies.get(COOKIE) != self.token
+            set_cookie = request.query_params.get("token") == token and (
+                request.cookies.get(COOKIE) != token
             )
         length = request.headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > MAX_BODY):
@@ -102,7 +106,6 @@ class Guard:
         if not set_cookie:
             await self.app(scope, receive, send)
             return
-        token = self.token
 
         async def send_with_cookie(message: Any) -> None:
             if message["type"] == "http.response.start":
@@ -113,94 +116,130 @@ class Guard:
         await self.app(scope, receive, send_with_cookie)
 
 
+class Static(StaticFiles):
+    """The page's CSS and JS, with the page's headers (its policy; never cached)."""
+
+    def file_response(self, *args: Any, **kwargs: Any) -> Response:
+        response = super().file_response(*args, **kwargs)
+        response.headers.update(_PAGE_HEADERS)
+        return response
+
+
+# -- the endpoints ---------------------------------------------------------------------------
+
+
+async def read_json(request: Request) -> dict[str, Any]:
+    """The request's JSON object.
+
+    Raises:
+        LensdivError: Not JSON, over :data:`MAX_BODY`, malformed, or not an object.
+    """
+    if "application/json" not in request.headers.get("content-type", ""):
+        raise LensdivError("send JSON (Content-Type: application/json)")
+    raw = await request.body()
+    if len(raw) > MAX_BODY:
+        raise LensdivError(f"the request is over {MAX_BODY // 1024} KiB")
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise LensdivError(f"malformed JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise LensdivError("the request must be a JSON object")
+    return data
+
+
+async def model_call(request: Request, method: Callable[[dict[str, Any]], Any]) -> Response:
+    """``method(request's JSON)`` in a worker thread, holding the model's one lock."""
+    state = request.app.state
+    try:
+        data = await read_json(request)
+    except LensdivError as err:
+        return error(400, str(err))
+    if state.waiting >= MAX_WAITING:
+        return error(503, "the server is busy: try again")
+    state.waiting += 1
+    try:
+        async with state.lock:
+            if await request.is_disconnected():  # superseded: the page aborted it
+                return Response(status_code=204)
+            try:
+                result = await run_in_threadpool(method, data)
+            except LensdivError as err:
+                return error(400, str(err))
+    finally:
+        state.waiting -= 1
+    return JSONResponse(result)
+
+
+async def grid(request: Request) -> Response:
+    return await model_call(request, request.app.state.session.grid)
+
+
+async def patch(request: Request) -> Response:
+    return await model_call(request, request.app.state.session.patch)
+
+
+async def info(request: Request) -> Response:
+    return JSONResponse(request.app.state.session.describe())
+
+
+async def runs(request: Request) -> Response:
+    return JSONResponse({"runs": await run_in_threadpool(request.app.state.session.runs)})
+
+
+async def saved(request: Request) -> Response:
+    try:
+        path = request.app.state.session.page(request.path_params["path"])
+    except LensdivError as err:
+        return error(404, str(err))
+    return FileResponse(path, media_type="text/html; charset=utf-8")
+
+
+async def page(request: Request) -> Response:
+    return FileResponse(STATIC / PAGE, media_type="text/html; charset=utf-8", headers=_PAGE_HEADERS)
+
+
+async def not_found(request: Request, exc: Exception) -> Response:
+    return error(404, f"no such page: {request.url.path}")
+
+
+async def not_allowed(request: Request, exc: Exception) -> Response:
+    return error(405, f"{request.method} is not allowed on {request.url.path}")
+
+
+async def crashed(request: Request, exc: Exception) -> Response:  # a bug: logged, said
+    log.exception("explore: %s %s failed", request.method, request.url.path)
+    return error(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+ROUTES = [
+    Route("/", page, methods=["GET"]),
+    Mount(
+        "/api",
+        routes=[
+            Route("/info", info, methods=["GET"]),
+            Route("/grid", grid, methods=["POST"]),
+            Route("/patch", patch, methods=["POST"]),
+            Route("/runs", runs, methods=["GET"]),
+        ],
+    ),
+    Route("/runs/{path:path}", saved, methods=["GET"]),
+    Mount("/", Static(directory=STATIC)),  # explore.css, explore.js
+]
+
+
 def make_app(session: Session, *, token: str | None = None) -> Starlette:
     """The app serving ``session`` (``token``: required on every request; ``None`` on loopback)."""
-    lock = asyncio.Lock()
-    waiting = 0
-
-    async def body(request: Request) -> dict[str, Any]:
-        if "application/json" not in request.headers.get("content-type", ""):
-            raise LensdivError("send JSON (Content-Type: application/json)")
-        raw = await request.body()
-        if len(raw) > MAX_BODY:
-            raise LensdivError(f"the request is over {MAX_BODY // 1024} KiB")
-        try:
-            data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise LensdivError(f"malformed JSON: {err}") from None
-        if not isinstance(data, dict):
-            raise LensdivError("the request must be a JSON object")
-        return data
-
-    async def model_call(request: Request, method: Any) -> Response:
-        nonlocal waiting
-        try:
-            data = await body(request)
-        except LensdivError as err:
-            return error(400, str(err))
-        if waiting >= MAX_WAITING:
-            return error(503, "the server is busy: try again")
-        waiting += 1
-        try:
-            async with lock:
-                if await request.is_disconnected():  # superseded: the page aborted it
-                    return Response(status_code=204)
-                try:
-                    result = await run_in_threadpool(method, data)
-                except LensdivError as err:
-                    return error(400, str(err))
-        finally:
-            waiting -= 1
-        return JSONResponse(result)
-
-    async def grid(request: Request) -> Response:
-        return await model_call(request, session.grid)
-
-    async def patch(request: Request) -> Response:
-        return await model_call(request, session.patch)
-
-    async def info(request: Request) -> Response:
-        return JSONResponse(session.describe())
-
-    async def runs(request: Request) -> Response:
-        return JSONResponse({"runs": await run_in_threadpool(session.runs)})
-
-    async def saved(request: Request) -> Response:
-        try:
-            path = session.page(request.path_params["path"])
-        except LensdivError as err:
-            return error(404, str(err))
-        return FileResponse(path, media_type="text/html; charset=utf-8")
-
-    async def static(request: Request) -> Response:
-        name, media = _STATIC[request.url.path]
-        text = files("lensdiv.web").joinpath("static").joinpath(name).read_text(encoding="utf-8")
-        return Response(
-            text,
-            media_type=media,
-            headers={"Content-Security-Policy": _CSP, "Cache-Control": "no-store"},
-        )
-
-    async def not_found(request: Request, exc: Exception) -> Response:
-        return error(404, f"no such page: {request.url.path}")
-
-    async def not_allowed(request: Request, exc: Exception) -> Response:
-        return error(405, f"{request.method} is not allowed on {request.url.path}")
-
-    async def crashed(request: Request, exc: Exception) -> Response:  # a bug: logged, said
-        log.exception("explore: %s %s failed", request.method, request.url.path)
-        return error(500, f"internal error: {type(exc).__name__}: {exc}")
-
-    routes = [
-        *(Route(path, static, methods=["GET"]) for path in _STATIC),
-        Route("/api/info", info, methods=["GET"]),
-        Route("/api/grid", grid, methods=["POST"]),
-        Route("/api/patch", patch, methods=["POST"]),
-        Route("/api/runs", runs, methods=["GET"]),
-        Route("/runs/{path:path}", saved, methods=["GET"]),
-    ]
-    return Starlette(
-        routes=routes,
-        middleware=[Middleware(Guard, token=token)],
+    app = Starlette(
+        routes=ROUTES,
+        middleware=[Middleware(Guard)],
         exception_handlers={404: not_found, 405: not_allowed, Exception: crashed},
     )
+    app.state.session = session
+    app.state.lock = asyncio.Lock()  # the one lock before the model
+    app.state.waiting = 0
+    app.state.token = token
+    return app
+
+
+__all__ = ["MAX_BODY", "MAX_WAITING", "Guard", "make_app"]

@@ -14,15 +14,18 @@ benchmarks and tests call it directly):
 - :meth:`Session.runs`: the saved runs and studies under the ``--runs`` folder, and the path of
   one's page, never a path outside it.
 
+:meth:`Session.describe` also names the patch tab's example pair (:func:`patch_example`): on the
+toy models a subject–verb agreement case from their corpus whose answer patching visibly moves.
+
 Bad input raises a :class:`~lensdiv.core.errors.LensdivError` (the server answers 400 with its
-line). Calls hold a lock: the model serves one request at a time.
+line). A session serves one call at a time: its caller serialises them (the server holds its one
+lock around every call; the model and the grid's buffers are shared).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -33,6 +36,7 @@ import torch
 
 from lensdiv.core.analyzer import ModelInfo
 from lensdiv.core.errors import DataError, LensdivError, OptionError
+from lensdiv.data.pairs import builtin_pairs, is_byte_tokenizer
 from lensdiv.ops.capture import capture
 from lensdiv.ops.cells import products_of
 from lensdiv.ops.patching import last_position, rows_per_pass
@@ -50,6 +54,20 @@ MAX_CHARS = 20_000  # a prompt's characters, checked before tokenising
 RUN_PAGE = REPORT  # the saved layouts: a run folder, a study folder
 STUDY_PAGE = HTML
 _DEPTH = 3  # folders below --runs searched for runs and studies
+
+#: The patch tab's example on the toy models (byte tokenizer): subject–verb agreement as the toy
+#: corpus' grammar writes it. A singular subject makes the verb take ``s`` ("The city laughs"), a
+#: plural one does not ("The dogs laugh."); the prompts are the same length in bytes. On the
+#: default toy the clean run gives ``s`` 78 %, the corrupt one 9 %, and the clean ``h3`` at the
+#: last position brings the corrupt run back to 79 % (the number moves from the subject's last
+#: letter to the last position between blocks 1 and 2); tests/test_explore.py checks it.
+TOY_EXAMPLE = {
+    "clean": "The city laugh",
+    "corrupt": "The dogs laugh",
+    "target": "s",
+    "about": "subject–verb agreement, as in the toy's corpus: after a singular subject the verb "
+    "takes an s (The city laughs.), after a plural one it does not (The dogs laugh.)",
+}
 
 
 class RequestError(OptionError):
@@ -109,8 +127,8 @@ class Session:
         self.runs_root = runs.resolve() if runs is not None else None
         self.products = products_of(products, final_readout(model))
         self.workspace = Workspace()  # the grid's buffers, kept between requests
-        self.lock = threading.Lock()
         self._resumer: Resumer | None = None
+        self.example = patch_example(model)
 
     # -- facts ---------------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
@@ -124,6 +142,7 @@ class Session:
             "lenses": list(self.lenses),
             "parts": list(PARTS),
             "runs": self.runs_root is not None,
+            "patch_example": self.example,
         }
 
     # -- the grid ------------------------------------------------------------------------------
@@ -152,18 +171,17 @@ class Session:
                     "a skipped block is shown with the logit lens", hint="lens=logit"
                 )
         start = time.perf_counter()
-        with self.lock:
-            self._tokens(text)  # the context, checked without truncation
-            view = prompt_view(
-                self.model,
-                text,
-                top_k=top_k,
-                lens=self.lenses[lens],
-                skip=skip,
-                part=part,
-                products=self.products,
-                workspace=self.workspace,
-            )
+        self._tokens(text)  # the context, checked without truncation
+        view = prompt_view(
+            self.model,
+            text,
+            top_k=top_k,
+            lens=self.lenses[lens],
+            skip=skip,
+            part=part,
+            products=self.products,
+            workspace=self.workspace,
+        )
         out = view.to_dict()
         out["lens"] = lens
         if skip is not None:  # the top row's KL: the skipped output against the unskipped one
@@ -189,23 +207,22 @@ class Session:
         layer = _field(request, "layer", int, None)
         position = _field(request, "position", int, None)
         start = time.perf_counter()
-        with self.lock:
-            clean, corrupt = self._tokens(clean_text), self._tokens(corrupt_text)
-            if clean.shape[1] != corrupt.shape[1]:
-                raise RequestError(
-                    f"the clean prompt is {clean.shape[1]} tokens and the corrupt one "
-                    f"{corrupt.shape[1]}: patching needs prompts of the same length",
-                    hint="edit the corrupt prompt to the clean one's length",
-                )
-            L, n_pos = self.info.n_layers, clean.shape[1]
-            if not full_map:
-                if layer is None or position is None:
-                    raise RequestError("give layer and position (or map: true)")
-                if not 0 <= layer <= L:
-                    raise RequestError(f"layer {layer} is outside 0-{L} (h0 … h{L})")
-                if not 0 <= position < n_pos:
-                    raise RequestError(f"position {position} is outside 0-{n_pos - 1}")
-            out = self._patch(clean, corrupt, target_text, layer, position, full_map)
+        clean, corrupt = self._tokens(clean_text), self._tokens(corrupt_text)
+        if clean.shape[1] != corrupt.shape[1]:
+            raise RequestError(
+                f"the clean prompt is {clean.shape[1]} tokens and the corrupt one "
+                f"{corrupt.shape[1]}: patching needs prompts of the same length",
+                hint="edit the corrupt prompt to the clean one's length",
+            )
+        L, n_pos = self.info.n_layers, clean.shape[1]
+        if not full_map:
+            if layer is None or position is None:
+                raise RequestError("give layer and position (or map: true)")
+            if not 0 <= layer <= L:
+                raise RequestError(f"layer {layer} is outside 0-{L} (h0 … h{L})")
+            if not 0 <= position < n_pos:
+                raise RequestError(f"position {position} is outside 0-{n_pos - 1}")
+        out = self._patch(clean, corrupt, target_text, layer, position, full_map)
         out["ms"] = round(1000 * (time.perf_counter() - start), 1)
         return finite(out)
 
@@ -334,6 +351,29 @@ class Session:
         if not path.is_relative_to(root) or not path.is_file():
             raise RequestError(f"no page {relative!r} under the runs folder")
         return path
+
+
+def patch_example(model: Any) -> dict[str, str]:
+    """The patch tab's example pair ``{clean, corrupt, target, about}`` for ``model``: the
+    agreement case :data:`TOY_EXAMPLE` for the toy models' byte tokenizer, else the first
+    built-in pair (:func:`lensdiv.data.pairs.builtin_pairs`: a capital city) with its answer as
+    the target where that is one token (else no target: the clean prompt's prediction)."""
+    tokenizer = getattr(model, "tokenizer", None)
+    pairs = [] if tokenizer is None or is_byte_tokenizer(tokenizer) else builtin_pairs(tokenizer)
+    if not pairs:
+        example = dict(TOY_EXAMPLE)
+    else:
+        pair = pairs[0]
+        example = {
+            "clean": pair.clean,
+            "corrupt": pair.corrupt,
+            "target": pair.target if isinstance(pair.target, str) else "",
+            "about": f"a fact: {pair.clean}{pair.target} (clean), against {pair.corrupt} … "
+            "(corrupt)",
+        }
+    if example["target"] and model.to_tokens(example["target"], prepend_bos=False).shape[1] != 1:
+        example["target"] = ""  # not one token here: the clean prompt's prediction
+    return example
 
 
 def _walk(root: Path, folder: Path, depth: int, found: list[SavedPage]) -> None:

@@ -5,7 +5,8 @@
   const token = new URLSearchParams(location.search).get("token");
   const headers = { "Content-Type": "application/json" };
   if (token) headers["X-Lensdiv-Token"] = token;
-  const state = { info: null, grids: null, patchAbort: null, gridAbort: null, timer: 0, pinned: null };
+  const state = { info: null, grids: null, patchAbort: null, gridAbort: null, timer: 0, pinned: null,
+    follow: true, scrollLeft: 0, syncing: false };  // follow: the grids keep their last positions in view
 
   function el(tag, attrs, ...children) {
     const node = document.createElement(tag);
@@ -26,10 +27,28 @@
   };
   const ink = (p) => ((p || 0) > 0.6 ? "#fff" : "#1d2330");
 
-  function showError(message) {
-    const box = $("#error");
+  // -- errors: each tab shows its own; a failed request marks what it would have replaced stale -
+  function showError(where, message) {  // where: "lens", "patch", "runs" (or "" for the page)
+    const box = $(where ? `#error-${where}` : "#error");
     box.textContent = message || "";
     box.hidden = !message;
+  }
+
+  function markStale(where, stale) {  // the grids stay, dimmed, with a line saying why
+    const parts = where === "lens" ? ["#grids", "#detail"] : ["#patch-grid", "#patch-result"];
+    const old = stale && $(parts[0]).childNodes.length > 0;  // nothing drawn yet: nothing stale
+    parts.forEach((sel) => $(sel).classList.toggle("stale", old));
+    $(`#stale-${where}`).hidden = !old;
+  }
+
+  function failed(where, message) {
+    showError(where, message);
+    markStale(where, true);
+  }
+
+  function succeeded(where) {
+    showError(where, "");
+    markStale(where, false);
   }
 
   async function api(path, body, signal) {
@@ -65,14 +84,14 @@
       const views = [];
       for (const ask of asks) views.push(await api("api/grid", ask, abort.signal));
       if (abort.signal.aborted || views.some((v) => v === null)) return;
-      showError("");
+      succeeded("lens");
       state.grids = views;
       drawGrids(views);
       const ms = views.reduce((s, v) => s + v.ms, 0);
       $("#status").textContent = `${views[0] ? views[0].tokens.length : 0} tokens · ${ms.toFixed(0)} ms`;
     } catch (err) {
       if (err.name === "AbortError") return;
-      showError(err.message);
+      failed("lens", err.message);
       $("#status").textContent = "";
     }
   }
@@ -85,7 +104,7 @@
       const skip = view.skip;
       const title = skip ? `${view.title}` : `${view.title}`;
       const panel = el("div", { class: "panel" + (skip ? " skip" : ""), "data-lens": skip ? "skip" : view.lens },
-        el("h2", {}, title));
+        el("h2", {}, title), el("p", { class: "note muted" }, view.note));
       if (skip) {
         const kl = `output KL to the unskipped run: ${skip.mean_output_kl.toFixed(3)} nats (mean over positions ≥ 1)`;
         panel.append(el("div", { class: "muted skip-kl" }, kl));
@@ -93,7 +112,7 @@
       }
       const table = el("table", { class: "grid" });
       const head = el("tr", {}, el("th", {}, ""));
-      view.tokens.forEach((t) => head.append(el("th", {}, shown(t))));
+      view.tokens.forEach((t, i) => head.append(el("th", { title: `position ${i}` }, shown(t))));
       table.append(el("thead", {}, head));
       const body = el("tbody");
       for (let r = view.rows.length - 1; r >= 0; r--) {  // the output on top
@@ -119,9 +138,11 @@
         td.classList.add("pinned");
         detail(td);
       });
-      panel.append(table);
+      panel.append(el("div", { class: "scroller" }, table));
       box.append(panel);
     });
+    alignColumns([...box.querySelectorAll("table.grid")]);
+    linkScrolling([...box.querySelectorAll(".scroller")]);
     if (state.pinned) {
       const [view, row, pos] = state.pinned.split(",");
       const td = document.querySelector(`td[data-view="${view}"][data-row="${row}"][data-pos="${pos}"]`);
@@ -129,6 +150,58 @@
     }
   }
   const key = (td) => [td.dataset.view, td.dataset.row, td.dataset.pos].join();
+
+  // -- the grids' columns: aligned across lenses, scrolled together, opening on the last ------
+  function alignColumns(tables) {  // every column as wide as its widest cell in any table
+    if (tables.length < 2) return;
+    const heads = tables.map((t) => [...t.querySelectorAll("thead th")]);
+    const widths = heads[0].map((_, c) => Math.max(...heads.map((h) => h[c].getBoundingClientRect().width)));
+    heads.forEach((h) => h.forEach((th, c) => { th.style.minWidth = `${widths[c]}px`; }));
+  }
+
+  function linkScrolling(scrollers) {
+    const follow = () => {  // opens on the last positions unless the reader scrolled away
+      const [first] = scrollers;
+      if (!first) return;
+      const left = state.follow ? first.scrollWidth : Math.min(state.scrollLeft, first.scrollWidth);
+      scrollers.forEach((s) => { s.scrollLeft = left; });
+    };
+    scrollers.forEach((s) => s.addEventListener("scroll", () => {
+      if (state.syncing) return;
+      state.syncing = true;
+      scrollers.forEach((o) => { if (o !== s) o.scrollLeft = s.scrollLeft; });
+      state.syncing = false;
+      state.follow = s.scrollLeft + s.clientWidth >= s.scrollWidth - 2;
+      state.scrollLeft = s.scrollLeft;
+      windowNote();
+    }));
+    follow();
+    windowNote();
+  }
+
+  function windowNote() {  // which positions are in view, and how to reach the others
+    const scroller = document.querySelector("#grids .scroller");
+    const note = $("#grid-window");
+    if (!scroller) { note.hidden = true; return; }
+    const heads = [...scroller.querySelectorAll("thead th")];
+    const label = heads.shift();
+    const left = scroller.getBoundingClientRect().left + (label ? label.getBoundingClientRect().width : 0);
+    const right = scroller.getBoundingClientRect().left + scroller.clientWidth;
+    const seen = heads.map((th, i) => [i, th.getBoundingClientRect()])
+      .filter(([, r]) => r.right > left + 2 && r.left < right - 2).map(([i]) => i);
+    const n = heads.length;
+    const all = seen.length === n;
+    note.hidden = all;
+    if (!all && seen.length) {
+      $("#grid-window-text").textContent =
+        `positions ${seen[0]}–${seen[seen.length - 1]} of ${n} in view (the first is 0): scroll sideways for the rest`;
+    }
+  }
+
+  function scrollGrids(toEnd) {
+    state.follow = toEnd;
+    document.querySelectorAll("#grids .scroller").forEach((s) => { s.scrollLeft = toEnd ? s.scrollWidth : 0; });
+  }
 
   function detail(td) {
     const view = state.grids[Number(td.dataset.view)];
@@ -155,10 +228,10 @@
     try {
       const out = await api("api/patch", patchAsk(extra), abort.signal);
       if (out === null) return null;
-      showError("");
+      succeeded("patch");
       return out;
     } catch (err) {
-      if (err.name !== "AbortError") showError(err.message);
+      if (err.name !== "AbortError") failed("patch", err.message);
       return null;
     }
   }
@@ -189,7 +262,9 @@
         `patch h${layer} at position ${position} (${shown(out.corrupt_tokens[position])}): ` +
         `p(${shown(out.target)}) ${pct(out.corrupt_prob)} → ${pct(out.patched_prob)}${moved}; clean ${pct(out.clean_prob)}`;
     });
-    $("#patch-grid").replaceChildren(el("div", { class: "panel" }, table));
+    const scroller = el("div", { class: "scroller" }, table);
+    $("#patch-grid").replaceChildren(el("div", { class: "panel" }, scroller));
+    scroller.scrollLeft = scroller.scrollWidth;  // the last position (where the target is read) in view
   }
 
   function fill(td, p, out) {  // colour: the share of the corrupt → clean gap the patch recovers
@@ -218,6 +293,15 @@
       `full map: p(${shown(out.target)}) at the last position with the clean h_l copied in at each (layer, position); clean ${pct(out.clean_prob)}, corrupt ${pct(out.corrupt_prob)} (colour: the share of the gap recovered)`;
   }
 
+  function patchExample(info) {  // the session's example pair: one where patching moves the answer
+    const example = info.patch_example;
+    if (!example) return;
+    $("#clean").value = example.clean;
+    $("#corrupt").value = example.corrupt;
+    $("#target").value = example.target;
+    $("#patch-about").textContent = `The example: ${example.about}.`;
+  }
+
   // -- the runs tab ----------------------------------------------------------------------------
   async function loadRuns() {
     const body = $("#runs tbody");
@@ -237,7 +321,8 @@
       const empty = $("#runs-empty");
       empty.hidden = out.runs.length > 0;
       empty.textContent = state.info.runs ? "No run or study with a page under the runs folder." : "Start lensdiv explore with --runs DIR to list saved runs and studies here.";
-    } catch (err) { showError(err.message); }
+      showError("runs", "");
+    } catch (err) { showError("runs", err.message); }
   }
 
   function tab(name) {
@@ -250,9 +335,10 @@
   async function start() {
     try {
       state.info = await api("api/info");
-    } catch (err) { showError(err.message); return; }
+    } catch (err) { showError("", err.message); return; }
     const info = state.info;
     $("#model").textContent = `${info.model} · ${info.n_layers} blocks · d_model ${info.d_model} · context ${info.n_ctx}`;
+    $("#legend-top").replaceChildren(`h${info.n_layers}`);
     info.lenses.forEach((name, i) => {
       const box = el("input", { type: "checkbox", value: name });
       box.checked = i === 0;
@@ -261,7 +347,11 @@
     });
     for (let b = 0; b < info.n_layers; b++) $("#skip-block").append(el("option", { value: b }, `block ${b}`));
     info.parts.forEach((p) => $("#skip-part").append(el("option", { value: p }, p)));
-    $("#prompt").addEventListener("input", schedule);
+    $("#prompt").addEventListener("input", () => { state.follow = true; schedule(); });
+    $("#grid-first").addEventListener("click", () => scrollGrids(false));
+    $("#grid-last").addEventListener("click", () => scrollGrids(true));
+    window.addEventListener("resize", windowNote);
+    patchExample(info);
     ["#skip-block", "#skip-part", "#top-k"].forEach((s) => $(s).addEventListener("change", refresh));
     document.querySelectorAll(".tab").forEach((b) => b.addEventListener("click", () => tab(b.dataset.tab)));
     $("#patch-map").addEventListener("click", patchMap);
