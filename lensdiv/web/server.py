@@ -7,6 +7,7 @@ Routes (JSON in, JSON out; every error is a 4xx with ``{"error": "one line"}``):
 ``GET /api/info``           the model, its lenses, whether a runs folder is served
 ``POST /api/grid``          ``{text, lens, skip, part, top_k}`` → the prompt view
 ``POST /api/patch``         ``{clean, corrupt, target, layer, position}`` or ``{..., map: true}``
+``POST /api/attention``     ``{text, block, position[, first]}`` → one position's attention
 ``GET /api/runs``           the runs and studies under ``--runs``
 ``GET /runs/{path}``        a run's ``report.html`` or a study's ``study.html`` under ``--runs``
 ==========================  ===============================================================
@@ -179,6 +180,10 @@ async def patch(request: Request) -> Response:
     return await model_call(request, request.app.state.session.patch)
 
 
+async def attention(request: Request) -> Response:
+    return await model_call(request, request.app.state.session.attention)
+
+
 async def info(request: Request) -> Response:
     return JSONResponse(request.app.state.session.describe())
 
@@ -220,6 +225,7 @@ ROUTES = [
             Route("/info", info, methods=["GET"]),
             Route("/grid", grid, methods=["POST"]),
             Route("/patch", patch, methods=["POST"]),
+            Route("/attention", attention, methods=["POST"]),
             Route("/runs", runs, methods=["GET"]),
         ],
     ),
