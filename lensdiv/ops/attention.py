@@ -30,6 +30,12 @@ def pattern_hook(layer: int) -> str:
     return f"blocks.{layer}.attn.hook_pattern"
 
 
+def _working(pattern: Tensor) -> Tensor:
+    """The pattern in float32 at least (float64 stays float64): half precision would lose the
+    small terms of the entropy."""
+    return pattern if pattern.dtype in (torch.float32, torch.float64) else pattern.float()
+
+
 def head_sums(
     pattern: Float[Tensor, "batch head query key"],
     queries: Bool[Tensor, "batch query"],
@@ -37,19 +43,24 @@ def head_sums(
     first: int,
 ) -> dict[str, Float[Tensor, " head"]]:
     """Per-head sums over the kept queries (float64): the mass on key 0 (``mass0``), on keys
-    ``0..first−1`` (``mass_first``) and the entropy ``−Σ_k p ln p`` in nats (``entropy``).
+    ``0..first−1`` (``mass_first``) and the entropy ``−Σ_k p ln p`` in nats (``entropy``),
+    computed in the pattern's dtype (float32 at least) and summed in float64.
 
     Keys outside ``keys`` (pads) add nothing to either mass; a pad never receives attention from
     a real query of a right-padded causal batch, so this only guards left padding.
     """
-    p = pattern.double() * keys[:, None, None, :]
+    p = _working(pattern)
+    if not bool(keys.all()):
+        p = p * keys[:, None, None, :].to(p.dtype)
     per_query = {
         "mass0": p[..., 0],
         "mass_first": p[..., :first].sum(-1),
         "entropy": torch.special.entr(p).sum(-1),
     }
     # Boolean indexing (not multiplying by the mask): a NaN in a pad row cannot leak in.
-    return {key: value.transpose(1, 2)[queries].sum(0) for key, value in per_query.items()}
+    return {
+        key: value.transpose(1, 2)[queries].double().sum(0) for key, value in per_query.items()
+    }
 
 
 def key_mass(
@@ -57,8 +68,9 @@ def key_mass(
     queries: Bool[Tensor, "batch query"],
 ) -> Float[Tensor, "batch key"]:
     """Attention each key position receives, summed over heads and kept queries (float64)."""
-    p = pattern.double() * queries[:, None, :, None]
-    return p.sum((1, 2))
+    p = _working(pattern)
+    weight = queries.to(p.dtype)
+    return torch.einsum("bhqk,bq->bk", p, weight).double()
 
 
 def uniform_mass(queries: Bool[Tensor, "batch query"]) -> Float[Tensor, "batch key"]:
