@@ -58,9 +58,7 @@ def head_sums(
         "entropy": torch.special.entr(p).sum(-1),
     }
     # Boolean indexing (not multiplying by the mask): a NaN in a pad row cannot leak in.
-    return {
-        key: value.transpose(1, 2)[queries].double().sum(0) for key, value in per_query.items()
-    }
+    return {key: value.transpose(1, 2)[queries].double().sum(0) for key, value in per_query.items()}
 
 
 def key_mass(
