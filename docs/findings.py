@@ -73,6 +73,8 @@ class Sizes:
         surgery_models: The toys ``prune`` and ``reorder`` run on (the swap and shuffle rows
             on those of at least 4 blocks).
         surgery_tokens: Tokens each of those runs reads.
+        outlier_models: The toys ``sinks`` and ``massive`` run on.
+        outlier_tokens: Tokens each of those runs reads.
     """
 
     shallow: str = "toy:d4"
@@ -99,6 +101,8 @@ class Sizes:
     study_tokens: int = 8192
     surgery_models: tuple[str, ...] = ("toy:d2", "toy:d4", "toy:d8")
     surgery_tokens: int = 4096
+    outlier_models: tuple[str, ...] = ("toy:d2", "toy:d4")
+    outlier_tokens: int = 4096
 
 
 FULL = Sizes()
@@ -128,6 +132,8 @@ TINY = Sizes(
     study_depth="toy:d1,toy:d2,toy:d3,toy:d4",
     study_width="toy:d4-w32,toy:d4",
     study_tokens=256,
+    outlier_models=("toy:d2",),
+    outlier_tokens=256,
     surgery_models=("toy:d2", "toy:d4"),
     surgery_tokens=256,
 )
@@ -190,6 +196,16 @@ RULES = {
     "reorder_swap": "over every adjacent pair ℓ, ℓ+1 inside the middle half [L/4, L − L/4) of "
     "every model of at least 4 blocks: swapping them costs less KL than removing block ℓ — "
     "reproduced if for all, partly if for some, not reproduced if for none",
+    "sinks_form": "per model, over its layers after the first: reproduced if at least half "
+    "of their heads are sink heads (mean attention on position 0 above 0.3, Gu et al.'s ε) and "
+    "layer 0 has a smaller share; partly if some head of the later layers is a sink head but "
+    "fewer than half are; not reproduced if none is; "
+    "over the models: reproduced on all, not reproduced on none, partly otherwise",
+    "massive_bias": "per model: reproduced if massive activations exist (|x| > 100 and > 1000× "
+    "the median |x| of their residual state) and, set to zero where they appear, they raise "
+    "the cross-entropy at least ten times as much as set to their mean; partly if they exist "
+    "but the ratio is smaller; not reproduced if there are none; over the models as for "
+    "`sinks_form`",
     "reorder_shuffle": "per model of at least 4 blocks, the mean KL of 3 random shuffles of "
     "the middle half against 3 of as many blocks from block 0: reproduced if the middle costs "
     "less on every model, partly on some, not reproduced on none",
@@ -1585,6 +1601,136 @@ def reorder_shuffle(sizes: Sizes, out: Path) -> Finding:
     )
 
 
+def sinks_verdict(share_first: float, share_later: float) -> str:
+    """The sinks rule for one model (see ``RULES``): the share of sink heads of layer 0 and of
+    the later layers (over all their heads)."""
+    if share_later >= 0.5 and share_first < share_later:
+        return REPRODUCED
+    return PARTLY if share_later > 0 else NOT
+
+
+def massive_verdict(appear: int | None, dce_zero: float, dce_mean: float) -> str:
+    """The massive-activation rule for one model (see ``RULES``)."""
+    if appear is None:
+        return NOT
+    return REPRODUCED if dce_zero >= 10 * max(dce_mean, 1e-12) else PARTLY
+
+
+def sinks_form(sizes: Sizes, out: Path) -> Finding:
+    """Attention sinks: do heads after the first layers put their attention on position 0?"""
+    fig, (ax1, ax2) = _figure(2)
+    verdicts, values = [], {}
+    for model in sizes.outlier_models:
+        result = _analyze(model, "sinks", sizes.outlier_tokens)["sinks"]
+        table = result.table()
+        mass, share = list(table["mass0"]), list(table["sink_share"])
+        L = len(mass)
+        rest = slice(1, None) if L > 1 else slice(0, 1)
+        verdicts.append(sinks_verdict(share[0], float(np.mean(share[rest]))))
+        tokens = result.tables["sink_tokens"]
+        values[model] = {"mass0": mass, "sink_share": share, "kl_removed": list(table["kl"]),
+                         "top_token": str(tokens["text"][0]),
+                         "top_share": float(tokens["share"][0]),
+                         "top_ratio": float(tokens["ratio"][0])}
+        ax1.plot([(i + 0.5) / L for i in range(L)], mass, "o-", label=model)
+        ax2.plot([(i + 0.5) / L for i in range(L)], table["kl"], "o-", label=model)
+    ax1.set(xlabel="relative depth of the layer", ylabel="mean attention on position 0",
+            ylim=(0, 1), title="attention on the first token")
+    ax1.axhline(0.3, color="grey", lw=0.8, ls=":")
+    ax2.set(xlabel="relative depth of the layer", ylabel="KL(p_removed ‖ p_out) (nats)",
+            yscale="log", title="the sink of one layer removed")
+    for ax in (ax1, ax2):
+        ax.legend()
+    figure = _save(fig, out, "f1_sinks.png")
+    verdict = combined_verdict(verdicts)
+    toy = "; ".join(
+        f"{m}: attention on position 0 per layer " + ", ".join(f"{x:.2f}" for x in v["mass0"])
+        + f", sink heads {', '.join(f'{x:.0%}' for x in v['sink_share'])}; removing the "
+        "sink costs KL " + ", ".join(f"{x:.3f}" for x in v["kl_removed"]) + " nats; most "
+        "attended token "
+        f"{v['top_token']} ({v['top_share']:.0%} of all attention, {v['top_ratio']:.1f}× an even "
+        "spread)" for m, v in values.items()
+    )
+    return Finding(
+        key="sinks_form",
+        title="Attention sinks form after the first layers",
+        paper="In most heads of most layers after the first one or two, much of the attention "
+        "goes to the first token, whatever it is (Xiao et al. 2023; Gu et al. 2024: sink heads "
+        "with mean attention > 0.3 on it; Barbero et al. 2025 tie them to depth: they keep deep "
+        "models from over-mixing)",
+        toy=toy,
+        scaling="—",
+        command=f"lensdiv analyze {sizes.outlier_models[-1]} --plugins sinks "
+        f"--max-tokens {sizes.outlier_tokens}",
+        verdict=verdict,
+        why="the toys spread their attention over the bytes: no head of any layer puts a sink's "
+        "share on position 0 (a few per cent, like any other byte; the most attended token, the "
+        "space, draws about an even spread's share), and removing it costs little beyond layer "
+        "0. Byte-level rows and shallow models may give a sink nothing to do"
+        if verdict == NOT
+        else "the later layers put more attention on the first token than layer 0"
+        + ("" if verdict == REPRODUCED else ", but few of their heads are sinks"),
+        figure=figure,
+        values={"models": values, "verdicts": verdicts},
+    )
+
+
+def massive_bias(sizes: Sizes, out: Path) -> Finding:
+    """Massive activations: do a few huge residual entries exist, and do they act as biases?"""
+    fig, (ax,) = _figure(1, 6.0)
+    verdicts, values = [], {}
+    for model in sizes.outlier_models:
+        result = _analyze(model, "massive", sizes.outlier_tokens)["massive"]
+        table = result.table()
+        ratio = [float(10**x) for x in table["log10_ratio"]]
+        truth = result.tables.get("massive_truth")
+        dce = {} if truth is None else dict(zip(truth["edit"], truth["dce"], strict=True))
+        appear = result.meta["appear"]
+        verdicts.append(massive_verdict(appear, dce.get("zero", 0.0), dce.get("mean", 0.0)))
+        values[model] = {"max_abs": list(table["max_abs"]), "median": list(table["median"]),
+                         "ratio": ratio, "appear": appear, "dce": dce}
+        L = len(ratio) - 1
+        ax.plot([i / L for i in range(L + 1)], ratio, "o-", label=model)
+    ax.axhline(1000, color="grey", lw=0.8, ls=":")
+    ax.set(xlabel="relative depth of h_l", ylabel="max |x| / median |x|", yscale="log",
+           title="largest activation over the median")
+    ax.legend()
+    figure = _save(fig, out, "f2_massive.png")
+    verdict = combined_verdict(verdicts)
+    toy = "; ".join(
+        f"{m}: max |x| / median |x| of h_0 … h_L " + ", ".join(f"{x:.0f}" for x in v["ratio"])
+        + f" (largest |x| {max(v['max_abs']):.1f})"
+        + ("" if v["appear"] is None else f"; massive from h_{v['appear']}, Δ cross-entropy "
+           f"zeroed {v['dce'].get('zero', 0):+.3f} vs mean {v['dce'].get('mean', 0):+.3f} nats")
+        for m, v in values.items()
+    )
+    return Finding(
+        key="massive_bias",
+        title="Massive activations act as biases",
+        paper="A few residual dimensions at a few tokens (the first, delimiters) reach ~1000× "
+        "the median |activation|, appear abruptly at an early layer, stay nearly constant and "
+        "vanish at the end; zeroing them destroys the model while setting them to their mean "
+        "does not (Sun, Chen, Kolter, Liu 2024)",
+        toy=toy,
+        scaling="—",
+        command=f"lensdiv analyze {sizes.outlier_models[-1]} --plugins massive "
+        f"--max-tokens {sizes.outlier_tokens}",
+        verdict=verdict,
+        why="the toys have no massive activation: their largest entry is about ten times the "
+        "median (at most "
+        + f"{max(max(v['ratio']) for v in values.values()):.0f}×, |x| at most "
+        + f"{max(max(v['max_abs']) for v in values.values()):.0f}), nowhere near 1000× or 100, "
+        "so there is nothing to set to zero or to the mean "
+        "(the removal itself is tested on a model with a planted one, tests/test_massive.py)"
+        if verdict == NOT
+        else "zeroing the massive entries costs much more than setting them to their mean"
+        if verdict == REPRODUCED
+        else "massive entries exist, but zeroing them costs less than ten times the mean's",
+        figure=figure,
+        values={"models": values, "verdicts": verdicts},
+    )
+
+
 def _depth(model: str) -> int:
     """Blocks of a toy zoo spec (``toy:d8`` → 8; ``toy`` → the default depth)."""
     from lensdiv.models.toy import DEFAULT_DEPTH
@@ -1612,6 +1758,8 @@ MEASUREMENTS: dict[str, Callable[[Sizes, Path], Finding]] = {
     "prune_ends": prune_ends,
     "reorder_swap": reorder_swap,
     "reorder_shuffle": reorder_shuffle,
+    "sinks_form": sinks_form,
+    "massive_bias": massive_bias,
 }
 # Each finding's analysis in docs/science.md (its anchor there).
 DEFINITIONS = {
@@ -1633,6 +1781,8 @@ DEFINITIONS = {
     "prune_ends": "prune",
     "reorder_swap": "reorder",
     "reorder_shuffle": "reorder",
+    "sinks_form": "sinks",
+    "massive_bias": "massive",
 }
 
 

@@ -20,6 +20,8 @@ from typing import Any
 import pytest
 import torch
 
+from lensdiv.ops.capture import capture
+
 pytest.importorskip("starlette", reason="the explore extra is a dev dependency")
 pytest.importorskip("uvicorn", reason="the explore extra is a dev dependency")
 from starlette.testclient import TestClient  # noqa: E402
@@ -311,6 +313,10 @@ LONG = "x" * 200  # the tiny model reads 128 tokens
         ("/api/patch", {"clean": CLEAN, "corrupt": CORRUPT, "map": True, "layer": -1}, 400,
          "layer -1 is outside"),
         ("/api/patch", {"clean": LONG, "corrupt": LONG, "map": True}, 400, "at most 128"),
+        ("/api/attention", {"text": TEXT, "block": 9, "position": 0}, 400, "block 9 is outside"),
+        ("/api/attention", {"text": TEXT, "block": 0, "position": 99}, 400,
+         "position 99 is outside"),
+        ("/api/attention", {"text": TEXT}, 400, "give block and position"),
     ],
 )
 def test_bad_requests_get_one_clear_line(client: TestClient, path: str, body: Any, status: int,
@@ -593,3 +599,22 @@ def test_products_setting(native_model: Any, client: TestClient) -> None:
                                       "--no-browser"])
     assert result.exit_code == 2 and "unknown products 'fast'" in result.output
     assert "Traceback" not in result.output
+
+
+def test_attention_of_a_position_is_the_pattern_it_shows(client: TestClient,
+                                                         native_model: Any) -> None:
+    """One position's attention in one block: the model's own pattern row, per head and
+    averaged, over the tokens the grid shows; the sink (position 0) and its heads marked."""
+    grid = client.post("/api/grid", json={"text": TEXT}).json()
+    position = len(grid["tokens"]) - 1
+    got = client.post("/api/attention", json={"text": TEXT, "block": 1, "position": position})
+    assert got.status_code == 200, got.text
+    out = got.json()
+    assert out["tokens"] == grid["tokens"][: position + 1]
+    tokens = native_model.to_tokens(TEXT, prepend_bos=True)
+    _, cache = capture(native_model, tokens, ["blocks.1.attn.hook_pattern"], need_logits=False)
+    want = cache["blocks.1.attn.hook_pattern"][0, :, position, : position + 1].double()
+    assert torch.allclose(torch.tensor(out["heads"], dtype=torch.float64), want, atol=1e-6)
+    assert out["mean"] == pytest.approx(want.mean(0).tolist(), abs=1e-6)
+    assert out["sink_mass"] == pytest.approx(want[:, 0].tolist(), abs=1e-6)
+    assert out["sink_heads"] == [h for h in range(want.shape[0]) if want[h, 0] > 0.3]

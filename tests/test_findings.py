@@ -160,3 +160,14 @@ def test_surgery_rules(findings: ModuleType) -> None:
     assert f.ends_checks([0.1, 5.0, 0.2, 0.3]) == (False, False)
     assert f.middle_pairs(8) == [2, 3, 4] and f.middle_pairs(4) == [1]
     assert f._depth("toy:d8") == 8 and f._depth("toy:d4-w32") == 4
+
+
+def test_outlier_rules(findings: ModuleType) -> None:
+    f = findings
+    assert f.sinks_verdict(0.0, 0.75) == f.REPRODUCED
+    assert f.sinks_verdict(0.8, 0.75) == f.PARTLY  # layer 0 has as many sinks: some, not the rule
+    assert f.sinks_verdict(0.0, 0.2) == f.PARTLY
+    assert f.sinks_verdict(0.0, 0.0) == f.NOT
+    assert f.massive_verdict(None, 0.0, 0.0) == f.NOT
+    assert f.massive_verdict(2, 5.0, 0.01) == f.REPRODUCED
+    assert f.massive_verdict(2, 0.05, 0.01) == f.PARTLY

@@ -6,8 +6,13 @@ Routes (JSON in, JSON out; every error is a 4xx with ``{"error": "one line"}``):
 ``GET /``                   the page (``static/explore.html``; its CSS and JS from ``static/``)
 ``GET /api/info``           the model, its lenses, whether a runs folder is served
 ``POST /api/grid``          ``{text, lens, skip, part, top_k}`` → the prompt view
+<<<<<<< HEAD
 ``POST /api/patch``         ``{clean, corrupt, target, layer, position}``, or a piece of the map:
                             ``{clean, corrupt, target, map: true, layer, start}``
+=======
+``POST /api/patch``         ``{clean, corrupt, target, layer, position}`` or ``{..., map: true}``
+``POST /api/attention``     ``{text, block, position[, first]}`` → one position's attention
+>>>>>>> sinks
 ``GET /api/runs``           the runs and studies under ``--runs``
 ``GET /runs/{path}``        a run's ``report.html`` or a study's ``study.html`` under ``--runs``
 ==========================  ===============================================================
@@ -231,6 +236,10 @@ async def patch(request: Request) -> Response:
     return await model_call(request, request.app.state.session.patch)
 
 
+async def attention(request: Request) -> Response:
+    return await model_call(request, request.app.state.session.attention)
+
+
 async def info(request: Request) -> Response:
     return JSONResponse(request.app.state.session.describe())
 
@@ -278,6 +287,7 @@ ROUTES = [
             Route("/info", info, methods=["GET"]),
             Route("/grid", grid, methods=["POST"]),
             Route("/patch", patch, methods=["POST"]),
+            Route("/attention", attention, methods=["POST"]),
             Route("/runs", runs, methods=["GET"]),
         ],
     ),

@@ -1,6 +1,6 @@
 """What ``lensdiv explore`` computes, without the web: one loaded model and its lenses.
 
-A :class:`Session` answers the page's three questions from plain values (no HTTP here, so the
+A :class:`Session` answers the page's questions from plain values (no HTTP here, so the
 benchmarks and tests call it directly):
 
 - :meth:`Session.grid`: the prompt view (:func:`lensdiv.ops.prompt.prompt_view`) with one lens,
@@ -13,6 +13,8 @@ benchmarks and tests call it directly):
   ``l`` by
   :class:`~lensdiv.ops.resume.Resumer`, only the last position unembedded:
   :func:`lensdiv.ops.patching.last_position`);
+- :meth:`Session.attention`: one position's attention in one block, per head and averaged, the
+  sink (the first position) and the heads that attend to it marked;
 - :meth:`Session.runs`: the saved runs and studies under the ``--runs`` folder, and the path of
   one's page, never a path outside it.
 
@@ -39,6 +41,7 @@ import torch
 from lensdiv.core.analyzer import ModelInfo
 from lensdiv.core.errors import DataError, LensdivError, OptionError
 from lensdiv.data.pairs import builtin_pairs, is_byte_tokenizer
+from lensdiv.ops.attention import pattern_hook
 from lensdiv.ops.capture import capture
 from lensdiv.ops.cells import products_of
 from lensdiv.ops.patching import last_position, rows_per_pass
@@ -51,6 +54,7 @@ from lensdiv.run.report import REPORT
 from lensdiv.studies.crossmodel.folder import HTML, STUDY
 
 TOP_K = 5
+SINK_EPS = 0.3  # a head whose weight on the sink exceeds this is marked (the ``sinks`` eps)
 MAX_TOP_K = 20
 MAX_CHARS = 20_000  # a prompt's characters, checked before tokenising
 RUN_PAGE = REPORT  # the saved layouts: a run folder, a study folder
@@ -210,6 +214,46 @@ class Session:
             }
         out["ms"] = round(1000 * (time.perf_counter() - start), 1)
         return finite(out)
+
+    # -- attention -----------------------------------------------------------------------------
+    def attention(self, request: Mapping[str, Any]) -> dict[str, Any]:
+        """Where the query at ``position`` of ``text`` attends in block ``block``: each head's
+        weights over the keys ``0..position`` and their mean over heads, with the sink (the
+        first ``first`` keys, default 1) and the heads whose weight on it exceeds 0.3 (the
+        ``sinks`` analyzer's ``eps``) marked."""
+        text = _text(request, "text")
+        block = _field(request, "block", int, None)
+        position = _field(request, "position", int, None)
+        first = _field(request, "first", int, 1)
+        L = self.info.n_layers
+        if block is None or position is None:
+            raise RequestError("give block and position")
+        if not 0 <= block < L:
+            raise RequestError(f"block {block} is outside 0-{L - 1}")
+        tokens = self._tokens(text)
+        if not 0 <= position < tokens.shape[1]:
+            raise RequestError(f"position {position} is outside 0-{tokens.shape[1] - 1}")
+        if first < 1:
+            raise RequestError(f"first must be at least 1, got {first}")
+        start = time.perf_counter()
+        with torch.no_grad():
+            _, cache = capture(self.model, tokens, [pattern_hook(block)], need_logits=False)
+        row = cache[pattern_hook(block)][0, :, position, : position + 1].double().cpu()
+        sink = row[:, :first].sum(-1)
+        decode = self.model.tokenizer.decode
+        return finite(
+            {
+                "block": block,
+                "position": position,
+                "tokens": [decode([int(t)]) for t in tokens[0, : position + 1]],
+                "heads": row.tolist(),
+                "mean": row.mean(0).tolist(),
+                "first": first,
+                "sink_mass": sink.tolist(),
+                "sink_heads": [h for h, m in enumerate(sink.tolist()) if m > SINK_EPS],
+                "ms": round(1000 * (time.perf_counter() - start), 1),
+            }
+        )
 
     # -- patching ------------------------------------------------------------------------------
     def patch(self, request: Mapping[str, Any]) -> dict[str, Any]:

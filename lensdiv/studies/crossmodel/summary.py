@@ -124,6 +124,35 @@ READINGS: dict[tuple[str, str], Reading] = {
         "one (kl_remove); the first and the last blocks do not tolerate it.",
         logy=True,
     ),
+    ("sinks", "sinks.mass_first"): Reading(
+        "mean attention on the first position(s)",
+        "Xiao et al., Gu et al. (F1): in most heads of most layers after the first one or two, "
+        "much of the attention goes to the first token; the curve rises after the first layers. "
+        "Compare where along ℓ/L it rises in models of different depth.",
+    ),
+    ("sinks", "sinks.sink_share"): Reading(
+        "share of sink heads (mean mass > ε)",
+        "Gu et al. (F1): the share of a layer's heads whose mean attention on the first token "
+        "exceeds ε = 0.3; Barbero et al. tie sinks to depth (they keep deep models from "
+        "over-mixing), so deeper models should have more of them.",
+    ),
+    ("sinks", "sinks.kl"): Reading(
+        "KL(p_removed ‖ p_out) (nats)",
+        "The truth beside the sink mass (F1): what removing a layer's sink does to the output. "
+        "A sink that only parks attention costs little to remove where the values it carries "
+        "are small.",
+        logy=True,
+    ),
+    ("massive", "massive.log10_ratio"): Reading(
+        "log10(max |x| / median |x|)",
+        "Sun et al. (F2): massive activations reach ~1000× the median (3 on this axis) abruptly "
+        "at an early layer, stay nearly constant through the middle and vanish at the end.",
+    ),
+    ("massive", "massive.massive_share"): Reading(
+        "massive entries per position",
+        "Sun et al. (F2): massive entries sit at very few positions (the first token, "
+        "delimiters) and dimensions; where they are present, this is their count per position.",
+    ),
     ("reorder", "swaps.kl_remove"): Reading(
         "KL(p_removed ‖ p_out) (nats)",
         "Lad et al. (E2): removing block ℓ, the reference for swapping it with block ℓ + 1.",

@@ -86,6 +86,7 @@
       if (abort.signal.aborted || views.some((v) => v === null)) return;
       succeeded("lens");
       state.grids = views;
+      state.text = text;  // what the grids show: a pinned cell's attention is asked of it
       drawGrids(views);
       const ms = views.reduce((s, v) => s + v.ms, 0);
       $("#status").textContent = `${views[0] ? views[0].tokens.length : 0} tokens · ${ms.toFixed(0)} ms`;
@@ -214,6 +215,42 @@
       el("p", {}, `KL to the output: ${view.kl[r][t] === null ? "–" : view.kl[r][t].toFixed(3)} nats`),
       el("p", {}, `entropy: ${view.entropy[r][t].toFixed(3)} nats`),
     );
+    if (state.pinned === key(td)) attention(view, r, t);
+  }
+
+  // -- a pinned cell's attention: the block that wrote h_r (block 0 for h0), its query at t ----
+  async function attention(view, r, t) {
+    const block = Math.max(r - 1, 0);
+    const box = el("div", { id: "attention", class: "attention" }, el("p", { class: "muted" }, "attention …"));
+    $("#detail").append(box);
+    let out;
+    try {
+      out = await api("api/attention", { text: state.text, block, position: t });
+    } catch (err) {
+      box.replaceChildren(el("p", { class: "muted" }, `attention: ${err.message}`));
+      return;
+    }
+    if (!out) return;
+    const cells = (weights) => weights.map((w, k) => {
+      const td = el("td", { title: `${shown(out.tokens[k])}: ${pct(w)}`, class: k < out.first ? "sink" : "" }, "");
+      td.style.background = colour(w);
+      return td;
+    });
+    const head = el("tr", {}, el("th", {}, ""), ...out.tokens.map((tok, k) => el("th", { class: k < out.first ? "sink" : "" }, shown(tok))));
+    const rows = [el("tr", {}, el("th", {}, "mean"), ...cells(out.mean))];
+    out.heads.forEach((w, h) => rows.push(el("tr", { class: out.sink_heads.includes(h) ? "sink-head" : "" }, el("th", {}, `head ${h}`), ...cells(w))));
+    const sinks = out.sink_heads.length ? `sink heads (> 30 % on the first token): ${out.sink_heads.join(", ")}` : "no sink head (none puts > 30 % on the first token)";
+    const top = out.mean.map((w, k) => [w, k]).sort((a, b) => b[0] - a[0]).slice(0, 3)
+      .map(([w, k]) => `${shown(out.tokens[k])} (position ${k}) ${pct(w)}`).join(", ");
+    const scroller = el("div", { class: "scroller" }, el("table", { class: "attn" }, el("thead", {}, head), el("tbody", {}, ...rows)));
+    box.replaceChildren(
+      el("h3", {}, `attention of block ${out.block} at position ${t}`),
+      el("p", { class: "muted" }, `mean over heads on the first token: ${pct(out.mean[0])}; ${sinks}`),
+      el("p", { class: "muted" }, `most attended (mean over heads): ${top}`),
+      scroller,
+      el("p", { class: "muted" }, "columns: the keys, position 0 (the sink, outlined) first; rows: the mean over heads, then each head (sink heads in orange)."),
+    );
+    scroller.scrollLeft = scroller.scrollWidth;  // the keys nearest the query in view
   }
 
   // -- the patch tab ---------------------------------------------------------------------------
