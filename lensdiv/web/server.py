@@ -6,13 +6,9 @@ Routes (JSON in, JSON out; every error is a 4xx with ``{"error": "one line"}``):
 ``GET /``                   the page (``static/explore.html``; its CSS and JS from ``static/``)
 ``GET /api/info``           the model, its lenses, whether a runs folder is served
 ``POST /api/grid``          ``{text, lens, skip, part, top_k}`` → the prompt view
-<<<<<<< HEAD
 ``POST /api/patch``         ``{clean, corrupt, target, layer, position}``, or a piece of the map:
                             ``{clean, corrupt, target, map: true, layer, start}``
-=======
-``POST /api/patch``         ``{clean, corrupt, target, layer, position}`` or ``{..., map: true}``
 ``POST /api/attention``     ``{text, block, position[, first]}`` → one position's attention
->>>>>>> sinks
 ``GET /api/runs``           the runs and studies under ``--runs``
 ``GET /runs/{path}``        a run's ``report.html`` or a study's ``study.html`` under ``--runs``
 ==========================  ===============================================================
