@@ -145,6 +145,7 @@ def test_signals_are_plain_float64_arithmetic(model: Any) -> None:
     ends = [(r, int(mask[r].sum()) - 1) for r in range(mask.shape[0])]
     for s in range(L):
         for n in range(1, L - s + 1):
+
             def cos(r: int, t: int, s: int = s, n: int = n) -> float:
                 a, b = H[s][r, t], H[s + n][r, t]
                 return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
@@ -159,22 +160,52 @@ def test_signals_are_plain_float64_arithmetic(model: Any) -> None:
     assert float(cosines(torch.zeros(3), torch.zeros(3))) == 1.0
 
 
+def naive_r2(x: np.ndarray, y: np.ndarray) -> float:
+    """``1 − min_A ‖X̃A − Ỹ‖²/‖Ỹ‖²`` by numpy's least squares on the centred float64 states."""
+    xc, yc = x - x.mean(0), y - y.mean(0)
+    coef, *_ = np.linalg.lstsq(xc, yc, rcond=None)
+    return float(1 - ((xc @ coef - yc) ** 2).sum() / (yc**2).sum())
+
+
+def scores_of(states: list[torch.Tensor], keep: torch.Tensor) -> torch.Tensor:
+    state = Stats()
+    moment_update(state.add, states, keep)
+    return linearity(float(state["lin_n"]), state["lin_sx"], state["lin_sxx"], state["lin_sxy"])
+
+
 def test_linearity_is_the_r2_of_a_least_squares_map() -> None:
+    """The documented ``R²`` exactly (no ridge): numpy's float64 least squares to 1e-10, on
+    noisy maps, an exact affine map (R² = 1), states with a few huge coordinates and a
+    constant one, and fewer tokens than dimensions (R² = 1)."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(400, 6, generator=g, dtype=torch.float64)
     y_lin = x @ torch.randn(6, 6, generator=g, dtype=torch.float64) + 3.0
     y = y_lin + 0.5 * torch.randn(400, 6, generator=g, dtype=torch.float64) ** 2
-    state = Stats()
-    keep = torch.ones(1, 400, dtype=torch.bool)
-    moment_update(state.add, [x[None], y[None], y_lin[None]], keep)
-    score = linearity(float(state["lin_n"]), state["lin_sx"], state["lin_sxx"], state["lin_sxy"])
-    xc = np.c_[x.numpy(), np.ones(400)]
-    for i, target in enumerate([y.numpy()]):
-        coef, *_ = np.linalg.lstsq(xc, target, rcond=None)
-        resid = ((xc @ coef - target) ** 2).sum()
-        total = ((target - target.mean(0)) ** 2).sum()
-        assert float(score[i]) == pytest.approx(1 - resid / total, rel=1e-6)
-    assert 0.0 < float(score[0]) < 1.0
+    wide = torch.randn(400, 6, generator=g, dtype=torch.float64) * torch.tensor(
+        [1e3, 1.0, 1.0, 1e-2, 1.0, 1.0], dtype=torch.float64
+    )
+    wide[:, 2] = 7.0  # a constant coordinate
+    chain = [y, x, y_lin, wide, y]
+    score = scores_of([h[None] for h in chain], torch.ones(1, 400, dtype=torch.bool))
+    for j in range(len(chain) - 1):
+        expected = naive_r2(chain[j].numpy(), chain[j + 1].numpy())
+        assert float(score[j]) == pytest.approx(expected, abs=1e-10), j
+    assert 0.0 < float(score[0]) < 1.0 and float(score[1]) == pytest.approx(1.0, abs=1e-10)
+    few = torch.randn(1, 5, 8, generator=g, dtype=torch.float64)
+    few_score = scores_of([few, few.tanh()], torch.ones(1, 5, dtype=torch.bool))
+    assert float(few_score[0]) == pytest.approx(1.0, abs=1e-10)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_linearity_of_real_states_is_numpys_least_squares(model: Any) -> None:
+    """A model's own residual states (real tokens only), against numpy's lstsq to 1e-10."""
+    step = make_step(model, seed=5, width=48)
+    mask = step.batch.mask
+    h = [step.resid(layer).detach() for layer in range(step.info.n_layers + 1)]
+    score = scores_of(h, mask)
+    X = [x[mask].double().numpy() for x in h]
+    for j in range(len(X) - 1):
+        assert float(score[j]) == pytest.approx(naive_r2(X[j], X[j + 1]), abs=1e-10), j
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
@@ -246,11 +277,22 @@ def _rank_main(rank: int, store: str, model: str, out: str) -> None:
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=300))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=2,
+        timeout=timedelta(seconds=300),
+    )
     try:
-        analyze(model, data=DIST_SPEC, plugins="prune,reorder", options=DIST_OPTIONS,
-                out=f"{out}/run", progress=False)
+        analyze(
+            model,
+            data=DIST_SPEC,
+            plugins="prune,reorder",
+            options=DIST_OPTIONS,
+            out=f"{out}/run",
+            progress=False,
+        )
     finally:
         dist.destroy_process_group()
 
@@ -260,14 +302,16 @@ def test_two_gloo_ranks_give_the_results_of_one_process(tmp_path: Path) -> None:
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["tests.test_surgery"])
     procs = [
-        ctx.Process(target=_rank_main, args=(rank, str(tmp_path / "store"), str(llama),
-                                             str(tmp_path)))
+        ctx.Process(
+            target=_rank_main, args=(rank, str(tmp_path / "store"), str(llama), str(tmp_path))
+        )
         for rank in range(2)
     ]
     for p in procs:
         p.start()
-    one = analyze(str(llama), data=DIST_SPEC, plugins="prune,reorder", options=DIST_OPTIONS,
-                  progress=False)
+    one = analyze(
+        str(llama), data=DIST_SPEC, plugins="prune,reorder", options=DIST_OPTIONS, progress=False
+    )
     for p in procs:
         p.join(300)
     assert [p.exitcode for p in procs] == [0, 0]
@@ -299,8 +343,13 @@ def test_progress_bar_counts_the_interventions_made(
     monkeypatch.setattr(prune_module, "removed_finals", removed)
     monkeypatch.setattr(reorder_module, "program_final", program)
     spec = DataSpec(seq_len=24, max_tokens=24 * 5 + 9, batch_size=2)
-    run = analyze("toy", data=spec, plugins="prune,reorder", progress=True,
-                  options={"reorder": {"shuffles": "1"}})
+    run = analyze(
+        "toy",
+        data=spec,
+        plugins="prune,reorder",
+        progress=True,
+        options={"reorder": {"shuffles": "1"}},
+    )
     assert not run.errors, run.errors
     lines = [line for line in capsys.readouterr().err.splitlines() if "interventions" in line]
     # The last line of each pass: its declared count per sequence and the total done.
@@ -333,22 +382,31 @@ def toy_task(path: Path) -> list[tuple[str, str, str]]:
     prompts = [f"{fact[: len(fact) - cut]}" for fact in facts for cut in (2, 4, 6)]
     rows = []
     for prompt in prompts:
-        ids = [toy.tokenizer.bos_token_id, *toy.tokenizer(prompt, add_special_tokens=False)["input_ids"]]
+        ids = [
+            toy.tokenizer.bos_token_id,
+            *toy.tokenizer(prompt, add_special_tokens=False)["input_ids"],
+        ]
         with torch.no_grad():
             logits = toy(torch.tensor([ids]), return_type="logits")
         rows.append((prompt, toy.tokenizer.decode([int(logits[0, -1].argmax())]), "g"))
-    path.write_text("".join(json.dumps({"prompt": p, "answer": a, "grade": g}) + "\n"
-                            for p, a, g in rows))
+    path.write_text(
+        "".join(json.dumps({"prompt": p, "answer": a, "grade": g}) + "\n" for p, a, g in rows)
+    )
     return rows
 
 
 def test_task_accuracy_of_the_full_model_is_depth_scores(tmp_path: Path) -> None:
     task = tmp_path / "task.jsonl"
     rows = toy_task(task)
-    run = analyze("toy", plugins="prune,depth-score", progress=False, options={
-        "prune": {"task": str(task), "curves": "False", "linearity": "False"},
-        "depth-score": {"tasks": str(task), "model": "self"},
-    })
+    run = analyze(
+        "toy",
+        plugins="prune,depth-score",
+        progress=False,
+        options={
+            "prune": {"task": str(task), "curves": "False", "linearity": "False"},
+            "depth-score": {"tasks": str(task), "model": "self"},
+        },
+    )
     assert not run.errors, run.errors
     prune, score = run["prune"], run["depth-score"].table("depth_score")
     assert prune.meta["examples"] == len(rows) == sum(score["examples"])
@@ -364,10 +422,15 @@ def test_reorder_task_accuracy_is_prunes_and_the_identity_is_the_full_model(
 ) -> None:
     task = tmp_path / "task.jsonl"
     rows = toy_task(task)
-    run = analyze("toy", plugins="prune,reorder", progress=False, options={
-        "prune": {"task": str(task), "curves": "False", "linearity": "False", "max_n": "1"},
-        "reorder": {"task": str(task), "loops": "1,2", "shuffles": "1"},
-    })
+    run = analyze(
+        "toy",
+        plugins="prune,reorder",
+        progress=False,
+        options={
+            "prune": {"task": str(task), "curves": "False", "linearity": "False", "max_n": "1"},
+            "reorder": {"task": str(task), "loops": "1,2", "shuffles": "1"},
+        },
+    )
     assert not run.errors, run.errors
     prune, reorder = run["prune"], run["reorder"]
     assert reorder.meta["examples"] == prune.meta["examples"] == len(rows)

@@ -28,7 +28,7 @@ METRICS = {
     "top1": ("top1", "top1", "n_target"),
 }
 # The cheap signals: a predicted cost per (ℓ, n), lower = more removable.
-SIGNALS = ("block_influence", "angular_last", "angular_all", "linearity")
+SIGNALS = ("block_influence", "angular_last", "angular_all", "nonlinearity")
 
 
 def summarize(sums: Tensor) -> dict[str, tuple[Tensor, Tensor]]:
@@ -48,7 +48,8 @@ class PruneNumbers:
         clean: The full model's ``ce`` and ``top1`` over the same positions.
         signals: ``{signal: [ℓ, n−1]}`` predicted costs (lower = more removable).
         block_influence: ``1 − cos(h_ℓ, h_{ℓ+1})`` per block (all tokens).
-        linearity: Linearity score per block (``None`` when not computed).
+        linearity_r2: The linearity score ``R²`` per block (``None`` when not computed); the
+            signal ``nonlinearity`` sums ``1 − R²`` over a range.
         curves: ``{curve: [KL after removing k = 0..N blocks]}`` (contiguous best,
             block influence order, greedy), NaN where not measured.
         greedy_order: Blocks in the order greedy removal took them.
@@ -66,7 +67,7 @@ class PruneNumbers:
     clean: dict[str, float]
     signals: dict[str, Tensor]
     block_influence: Tensor
-    linearity: Tensor | None
+    linearity_r2: Tensor | None
     curves: dict[str, list[float]]
     greedy_order: list[int]
     positions: int
@@ -105,7 +106,7 @@ class PruneNumbers:
             clean={k: float(clean_stats[k][0][0]) for k in ("ce", "top1")},
             signals=signals,
             block_influence=bi,
-            linearity=lin,
+            linearity_r2=lin,
             curves=curves,
             greedy_order=greedy,
             positions=int(float(state["clean"][SUMS.index("n")])),
@@ -151,7 +152,7 @@ def signal_grids(
 ) -> dict[str, Tensor]:
     """Predicted cost of removing ``(ℓ, n)`` by each signal: the sum of block influence over the
     range, the angular distance ``d(h_ℓ, h_{ℓ+n})`` (last token; all tokens), the sum of
-    ``1 − linearity`` over the range."""
+    ``1 − R²`` over the range (``nonlinearity``)."""
 
     def range_sum(per_block: Tensor) -> Tensor:
         grid = torch.full((L, N), math.nan, dtype=torch.float64)
@@ -168,7 +169,7 @@ def signal_grids(
     out["angular_last"] = out["angular_last"].masked_fill(~valid, math.nan)
     out["angular_all"] = out["angular_all"].masked_fill(~valid, math.nan)
     if lin is not None:
-        out["linearity"] = range_sum(1.0 - lin)
+        out["nonlinearity"] = range_sum(1.0 - lin)
     return out
 
 

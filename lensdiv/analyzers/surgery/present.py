@@ -18,7 +18,8 @@ _SIGNAL_LABELS = {
     "block_influence": "Σ block influence 1 − cos(h_j, h_{j+1}) over the range (ShortGPT)",
     "angular_last": "angular distance arccos(cos(h_ℓ, h_{ℓ+n}))/π, last token (Gromov et al.)",
     "angular_all": "angular distance arccos(cos(h_ℓ, h_{ℓ+n}))/π, all tokens",
-    "linearity": "Σ (1 − linearity score) over the range (Razzhigaev et al.)",
+    "nonlinearity": "Σ (1 − R²) over the range: the linearity score's complement "
+    "(Razzhigaev et al.)",
 }
 
 
@@ -49,8 +50,8 @@ def present(numbers: PruneNumbers, options: Prune) -> Result:
         "agree_remove": numbers.effects["agree"][0][:, 0].tolist(),
         "block_influence": numbers.block_influence.tolist(),
     }
-    if numbers.linearity is not None:
-        blocks["linearity"] = numbers.linearity.tolist()
+    if numbers.linearity_r2 is not None:
+        blocks["linearity_r2"] = numbers.linearity_r2.tolist()
     task: dict[str, Any] = {}
     if numbers.accuracy is not None:
         blocks["accuracy_remove"] = numbers.accuracy[0][:, 0].tolist()
