@@ -8,13 +8,18 @@ clean residual and vectorises. They must agree to 1e-5.
 
 from __future__ import annotations
 
+import csv
+import json
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
 from lensdiv.analyzers.skip import LayerSkip, SkipEffects
+from lensdiv.cli import app
 from lensdiv.core.analyzer import ModelInfo, Step
 from lensdiv.data.sources import DataSpec
 from lensdiv.ops.resume import Resumer
@@ -86,8 +91,9 @@ def test_resumer_reproduces_the_clean_pass_from_every_layer(model: Any) -> None:
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
 
 
-def test_resumer_decides_once_per_model_and_weights(native_model: Any,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_resumer_decides_once_per_model_and_weights(
+    native_model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The first-use check is a property of the model: a second resumer (the next run) reuses
     it, and new weights (a new readout) or other settings check again."""
     from lensdiv.ops import readout as readout_module
@@ -202,8 +208,11 @@ def test_effects_are_the_numbers_of_the_result(native_model: Any) -> None:
     mode leaves ``E[s, l] = 0`` for ``l ≤ s`` and ``O ∈ [0, √2]`` (docs/science.md A3)."""
     analyzer = LayerSkip(splits=2)
     info = ModelInfo.from_model(native_model)
-    state = run_state(analyzer, native_model, batches_of(native_model, DataSpec(
-        seq_len=40, max_tokens=160, batch_size=2)))
+    state = run_state(
+        analyzer,
+        native_model,
+        batches_of(native_model, DataSpec(seq_len=40, max_tokens=160, batch_size=2)),
+    )
     effects = SkipEffects.from_state(state)
     result = analyzer.finalize(state, info)
     L = info.n_layers
@@ -219,5 +228,42 @@ def test_effects_are_the_numbers_of_the_result(native_model: Any) -> None:
     half = max(1, L // 2)
     first, second = effects.halves("max")
     assert first == pytest.approx(float(later[:half].mean()))
-    assert second == pytest.approx(float(later[half : L - 1].mean()) if L > 2 else math.nan,
-                                   nan_ok=True)
+    assert second == pytest.approx(
+        float(later[half : L - 1].mean()) if L > 2 else math.nan, nan_ok=True
+    )
+
+
+@pytest.mark.parametrize("exclude_bos", ["false", "true"])
+def test_removing_one_block_is_skip_current_from_the_command_line(
+    tmp_path: Path, exclude_bos: str
+) -> None:
+    """docs/science.md's identity, as a user checks it: ``prune``'s one-block removal KL per
+    block (``blocks.csv``) is ``skip``'s current-mode KL per block (``skip.csv``) once ``skip``
+    skips the first position too, the first position counted or left out alike."""
+    out = tmp_path / "run"
+    options = {
+        "skip.mode": "current",
+        "skip.skip_bos": "true",
+        "skip.exclude_bos": exclude_bos,
+        "prune.exclude_bos": exclude_bos,
+        "prune.max_n": "1",
+        "prune.curves": "false",
+        "prune.linearity": "false",
+    }
+    args = ["analyze", "toy", "--plugins", "prune,skip", "--max-tokens", "256"]
+    args += ["--seq-len", "32", "--out", str(out)]
+    for key, value in options.items():
+        args += ["-O", f"{key}={value}"]
+    result = CliRunner().invoke(app, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+
+    def column(path: Path, name: str) -> list[float]:
+        with path.open() as f:
+            return [float(row[name]) for row in csv.DictReader(f)]
+
+    removed = column(out / "prune" / "blocks.csv", "kl_remove")
+    skipped = column(out / "skip" / "skip.csv", "output_kl")
+    assert len(removed) == len(skipped) > 1 and min(removed) > 0
+    assert skipped == pytest.approx(removed, rel=1e-5, abs=1e-7)
+    manifest = json.loads((out / "skip" / "result.json").read_text())["meta"]["bos"]
+    assert manifest.startswith("skipped")

@@ -25,7 +25,7 @@ from lensdiv.core.stats import Stats
 from lensdiv.data.sources import DataSpec
 from lensdiv.ops.readout import final_readout
 from lensdiv.ops.resume import Resumer
-from lensdiv.ops.skipping import Intervals, skip_effects
+from lensdiv.ops.skipping import skip_effects, split_intervals
 from lensdiv.ops.subsets import removal_scores
 from lensdiv.ops.surgery import (
     Program,
@@ -102,20 +102,32 @@ def test_removing_the_last_blocks_is_the_lens_readout(model: Any) -> None:
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_removing_one_block_is_skip_current_at_the_same_positions(model: Any) -> None:
+    """``skip``'s current mode with ``skip_bos`` is the removal of one block: its output effect
+    (max over positions of ‖p − p̃‖₂) and its KL per position; without ``skip_bos`` it differs."""
     step = make_step(model, seed=2)
     L = step.info.n_layers
     mask = step.batch.mask
-    rows = torch.arange(mask.shape[0])
-    intervals = Intervals(rows=rows, skip=mask.clone(), measure=mask.clone())
-    _, output = skip_effects(step, intervals)  # max over positions of ‖p − p̃‖₂
+    g = torch.Generator().manual_seed(0)
+    intervals = split_intervals(
+        mask, mode="current", splits=1, stride=8, generator=g, skip_bos=True
+    )
+    assert torch.equal(intervals.skip, mask) and torch.equal(intervals.measure, mask)
+    kl = torch.zeros(mask.shape[0], L, dtype=torch.float64)
+    _, output = skip_effects(step, intervals, kl=kl)
     readout = final_readout(model)
     clean = readout.probabilities(step.resid(L)[mask])
+    removals = output_sums(step, finals_of(step, [range_mask(L, s, 1) for s in range(L)]), mask)
     for s in range(L):
         (final,) = finals_of(step, [range_mask(L, s, 1)])
         dist = (readout.probabilities(final[mask]) - clean).norm(dim=-1).double()
         per_pos = torch.zeros(mask.shape, dtype=torch.float64)
         per_pos[mask] = dist
         torch.testing.assert_close(per_pos.amax(1), output[:, s], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(kl.sum(0), removals["kl"], atol=1e-6, rtol=1e-5)
+    source = split_intervals(mask, mode="current", splits=1, stride=8, generator=g)
+    untouched = torch.zeros(source.rows.numel(), L, dtype=torch.float64)
+    skip_effects(step, source, kl=untouched)
+    assert not torch.allclose(untouched.sum(0), removals["kl"], rtol=1e-3)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
