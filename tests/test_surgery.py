@@ -19,7 +19,7 @@ import torch
 
 from lensdiv.analyzers.lens import LogitLens
 from lensdiv.analyzers.surgery import Prune, Reorder
-from lensdiv.analyzers.surgery.numbers import PruneNumbers
+from lensdiv.analyzers.surgery.numbers import PruneNumbers, ReorderNumbers
 from lensdiv.core.analyzer import ModelInfo, Step
 from lensdiv.core.stats import Stats
 from lensdiv.data.sources import DataSpec
@@ -249,6 +249,36 @@ def test_prune_numbers_pick_the_true_best_and_greedy_starts_at_it(model: Any) ->
     )
     result = analyzer.finalize(state, info)
     assert set(result.tables) == {"grid", "picks", "curves", "blocks"}
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_reorder_numbers_without_a_result(model: Any) -> None:
+    """``reorder``'s numbers from its state alone: each removal is ``prune``'s one-block removal
+    on the same data, the swaps table is the variants' own numbers, the counts and picks follow
+    from them."""
+    info = ModelInfo.from_model(model)
+    L = info.n_layers
+    reorder, prune = Reorder(shuffles=1), Prune(max_n=1, curves=False, linearity=False)
+    states = {reorder.name: reorder.init(info), prune.name: prune.init(info)}
+    for step in [make_step(model, seed=s) for s in (8, 9)]:
+        reorder.update(states["reorder"], step)
+        prune.update(states["prune"], step)
+    numbers = ReorderNumbers.from_state(states["reorder"], info, reorder)
+    removed = PruneNumbers.from_state(states["prune"], info, prune).effects["kl"][0][:, 0]
+    swaps = numbers.swaps()
+    torch.testing.assert_close(
+        torch.tensor(swaps["kl_remove"], dtype=torch.float64), removed, rtol=1e-6, atol=1e-9
+    )
+    assert math.isnan(swaps["kl_swap"][-1]) and len(swaps["dce_remove"]) == L
+    for s in range(L - 1):
+        assert swaps["kl_swap"][s] == numbers.of("kl", f"swap{s}")
+    assert numbers.cheaper_swaps() == sum(
+        swaps["kl_swap"][s] < swaps["kl_remove"][s] for s in range(L - 1)
+    )
+    gentlest, worst = numbers.gentlest_and_worst()
+    middle = [numbers.of("kl", n) for n in numbers.middle_variants]
+    assert numbers.of("kl", gentlest) == min(middle) and numbers.of("kl", worst) == max(middle)
+    assert numbers.accuracy is None and numbers.most_accurate() is None
 
 
 @pytest.mark.parametrize("arch", ARCHS)
