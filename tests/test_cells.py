@@ -16,9 +16,8 @@ from lensdiv.ops.norms import declared_norm
 from lensdiv.ops.readout import FinalReadout
 
 
-def readout(
-    d_model: int, d_vocab: int, *, offset: float, seed: int = 0, dtype: torch.dtype = torch.float32
-) -> FinalReadout:
+def readout(d_model: int, d_vocab: int, *, offset: float, seed: int = 0,
+            dtype: torch.dtype = torch.float32) -> FinalReadout:
     """A LayerNorm + unembedding whose columns share a mean direction of weight ``offset``
     (GPT-2's unembedding has one: every logit shifts by a large per-row constant)."""
     gen = torch.Generator().manual_seed(seed)
@@ -44,13 +43,8 @@ def grid_states(ro: FinalReadout, n_rows: int, n_pos: int, seed: int = 1) -> lis
     ]
 
 
-def plain(
-    ro: FinalReadout,
-    states: list[torch.Tensor],
-    reference: torch.Tensor,
-    following: torch.Tensor,
-    k: int,
-) -> dict[str, torch.Tensor]:
+def plain(ro: FinalReadout, states: list[torch.Tensor], reference: torch.Tensor,
+          following: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
     """The cells from a float64 log-softmax of the float32 logits, over the whole grid."""
     z = torch.stack([ro.logits(h) for h in states])
     logp = z.double().log_softmax(-1)
@@ -76,9 +70,8 @@ def test_float32_cells_are_the_log_softmax(block: int, sub: int) -> None:
     states = grid_states(ro, 5, 8)
     reference = states[-1]
     following = torch.randint(0, 500, (8,), generator=torch.Generator().manual_seed(2))
-    got = cells(
-        ro, states, reference, following, k=4, block_elements=block * 500, stat_elements=sub * 500
-    )
+    got = cells(ro, states, reference, following, k=4, block_elements=block * 500,
+                stat_elements=sub * 500)
     want = plain(ro, states, reference, following, 4)
     assert got.products == "float32"
     assert torch.equal(got.top, want["top"])
@@ -96,9 +89,8 @@ def test_kl_to_a_reference_that_is_no_row() -> None:
     states = grid_states(ro, 4, 6)
     reference = states[-1] + 0.3 * torch.randn(6, 32, generator=torch.Generator().manual_seed(3))
     following = torch.arange(6)
-    got = cells(
-        ro, states, reference, following, k=3, block_elements=4 * 300, stat_elements=3 * 300
-    )
+    got = cells(ro, states, reference, following, k=3, block_elements=4 * 300,
+                stat_elements=3 * 300)
     want = plain(ro, states, reference, following, 3)
     torch.testing.assert_close(got.kl, want["kl"], rtol=1e-5, atol=2e-5)
     assert got.kl.min() > 0
@@ -174,9 +166,8 @@ def test_bf16_products_on_a_tiny_vocabulary() -> None:
     ro = readout(16, 10, offset=0.5)
     states = grid_states(ro, 3, 5)
     following = torch.arange(5)
-    got = cells(
-        ro, states, states[-1], following, k=3, products="bf16", block_elements=20, stat_elements=20
-    )  # two positions per product and sub-block
+    got = cells(ro, states, states[-1], following, k=3, products="bf16", block_elements=20,
+                stat_elements=20)  # two positions per product and sub-block
     want = plain(ro, states, states[-1], following, 3)
     shown_close(got, want, 1e-5)
     torch.testing.assert_close(got.entropy, want["entropy"], rtol=0, atol=1e-5)

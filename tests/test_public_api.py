@@ -106,22 +106,10 @@ def test_every_public_name_resolves() -> None:
         loaded = importlib.import_module(module)
         for name in names:
             assert getattr(loaded, name) is not None, f"{module}.{name}"
-    assert {
-        "Analyzer",
-        "Result",
-        "Table",
-        "Plot",
-        "Stats",
-        "Step",
-        "ModelInfo",
-        "Batch",
-        "LensdivError",
-        "UnsupportedModelError",
-        "analyze",
-    } <= set(lensdiv.__all__)
+    assert {"Analyzer", "Result", "Table", "Plot", "Stats", "Step", "ModelInfo", "Batch",
+            "LensdivError", "UnsupportedModelError", "analyze"} <= set(lensdiv.__all__)
     assert {"check_analyzer", "boot_native_tiny", "token_batches"} <= set(
-        importlib.import_module("lensdiv.testing").__all__
-    )
+        importlib.import_module("lensdiv.testing").__all__)
 
 
 def test_the_scaffolds_plugin_imports_only_public_names(tmp_path: Path) -> None:
@@ -241,23 +229,9 @@ def test_a_plugin_of_the_old_layout_still_loads(old_style_plugin: None, tmp_path
     listing = runner.invoke(app, ["plugins", "list"], catch_exceptions=False)
     assert listing.exit_code == 0 and "failed to load" not in listing.output
     assert "oldstyle" in listing.output
-    result = runner.invoke(
-        app,
-        [
-            "analyze",
-            "toy",
-            "-p",
-            "oldstyle",
-            "--out",
-            str(tmp_path / "o"),
-            "--max-tokens",
-            "256",
-            "--seq-len",
-            "32",
-            "--no-progress",
-        ],
-        catch_exceptions=False,
-    )
+    result = runner.invoke(app, ["analyze", "toy", "-p", "oldstyle", "--out", str(tmp_path / "o"),
+                                 "--max-tokens", "256", "--seq-len", "32", "--no-progress"],
+                           catch_exceptions=False)
     assert result.exit_code == 0, result.output
     run: Any = lensdiv.load_run(tmp_path / "o")
     assert run["oldstyle"].table()["n"] == [256]

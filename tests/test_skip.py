@@ -91,9 +91,8 @@ def test_resumer_reproduces_the_clean_pass_from_every_layer(model: Any) -> None:
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
 
 
-def test_resumer_decides_once_per_model_and_weights(
-    native_model: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_resumer_decides_once_per_model_and_weights(native_model: Any,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """The first-use check is a property of the model: a second resumer (the next run) reuses
     it, and new weights (a new readout) or other settings check again."""
     from lensdiv.ops import readout as readout_module
@@ -208,11 +207,8 @@ def test_effects_are_the_numbers_of_the_result(native_model: Any) -> None:
     mode leaves ``E[s, l] = 0`` for ``l ≤ s`` and ``O ∈ [0, √2]`` (docs/science.md A3)."""
     analyzer = LayerSkip(splits=2)
     info = ModelInfo.from_model(native_model)
-    state = run_state(
-        analyzer,
-        native_model,
-        batches_of(native_model, DataSpec(seq_len=40, max_tokens=160, batch_size=2)),
-    )
+    state = run_state(analyzer, native_model, batches_of(native_model, DataSpec(
+        seq_len=40, max_tokens=160, batch_size=2)))
     effects = SkipEffects.from_state(state)
     result = analyzer.finalize(state, info)
     L = info.n_layers

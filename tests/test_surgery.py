@@ -319,22 +319,11 @@ def _rank_main(rank: int, store: str, model: str, out: str) -> None:
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store}",
-        rank=rank,
-        world_size=2,
-        timeout=timedelta(seconds=300),
-    )
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=300))
     try:
-        analyze(
-            model,
-            data=DIST_SPEC,
-            plugins="prune,reorder",
-            options=DIST_OPTIONS,
-            out=f"{out}/run",
-            progress=False,
-        )
+        analyze(model, data=DIST_SPEC, plugins="prune,reorder", options=DIST_OPTIONS,
+                out=f"{out}/run", progress=False)
     finally:
         dist.destroy_process_group()
 
@@ -344,16 +333,14 @@ def test_two_gloo_ranks_give_the_results_of_one_process(tmp_path: Path) -> None:
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["tests.test_surgery"])
     procs = [
-        ctx.Process(
-            target=_rank_main, args=(rank, str(tmp_path / "store"), str(llama), str(tmp_path))
-        )
+        ctx.Process(target=_rank_main, args=(rank, str(tmp_path / "store"), str(llama),
+                                             str(tmp_path)))
         for rank in range(2)
     ]
     for p in procs:
         p.start()
-    one = analyze(
-        str(llama), data=DIST_SPEC, plugins="prune,reorder", options=DIST_OPTIONS, progress=False
-    )
+    one = analyze(str(llama), data=DIST_SPEC, plugins="prune,reorder", options=DIST_OPTIONS,
+                  progress=False)
     for p in procs:
         p.join(300)
     assert [p.exitcode for p in procs] == [0, 0]
@@ -385,13 +372,8 @@ def test_progress_bar_counts_the_interventions_made(
     monkeypatch.setattr(prune_module, "removed_finals", removed)
     monkeypatch.setattr(reorder_module, "program_final", program)
     spec = DataSpec(seq_len=24, max_tokens=24 * 5 + 9, batch_size=2)
-    run = analyze(
-        "toy",
-        data=spec,
-        plugins="prune,reorder",
-        progress=True,
-        options={"reorder": {"shuffles": "1"}},
-    )
+    run = analyze("toy", data=spec, plugins="prune,reorder", progress=True,
+                  options={"reorder": {"shuffles": "1"}})
     assert not run.errors, run.errors
     lines = [line for line in capsys.readouterr().err.splitlines() if "interventions" in line]
     # The last line of each pass: its declared count per sequence and the total done.
@@ -424,31 +406,22 @@ def toy_task(path: Path) -> list[tuple[str, str, str]]:
     prompts = [f"{fact[: len(fact) - cut]}" for fact in facts for cut in (2, 4, 6)]
     rows = []
     for prompt in prompts:
-        ids = [
-            toy.tokenizer.bos_token_id,
-            *toy.tokenizer(prompt, add_special_tokens=False)["input_ids"],
-        ]
+        ids = [toy.tokenizer.bos_token_id, *toy.tokenizer(prompt, add_special_tokens=False)["input_ids"]]
         with torch.no_grad():
             logits = toy(torch.tensor([ids]), return_type="logits")
         rows.append((prompt, toy.tokenizer.decode([int(logits[0, -1].argmax())]), "g"))
-    path.write_text(
-        "".join(json.dumps({"prompt": p, "answer": a, "grade": g}) + "\n" for p, a, g in rows)
-    )
+    path.write_text("".join(json.dumps({"prompt": p, "answer": a, "grade": g}) + "\n"
+                            for p, a, g in rows))
     return rows
 
 
 def test_task_accuracy_of_the_full_model_is_depth_scores(tmp_path: Path) -> None:
     task = tmp_path / "task.jsonl"
     rows = toy_task(task)
-    run = analyze(
-        "toy",
-        plugins="prune,depth-score",
-        progress=False,
-        options={
-            "prune": {"task": str(task), "curves": "False", "linearity": "False"},
-            "depth-score": {"tasks": str(task), "model": "self"},
-        },
-    )
+    run = analyze("toy", plugins="prune,depth-score", progress=False, options={
+        "prune": {"task": str(task), "curves": "False", "linearity": "False"},
+        "depth-score": {"tasks": str(task), "model": "self"},
+    })
     assert not run.errors, run.errors
     prune, score = run["prune"], run["depth-score"].table("depth_score")
     assert prune.meta["examples"] == len(rows) == sum(score["examples"])
@@ -464,15 +437,10 @@ def test_reorder_task_accuracy_is_prunes_and_the_identity_is_the_full_model(
 ) -> None:
     task = tmp_path / "task.jsonl"
     rows = toy_task(task)
-    run = analyze(
-        "toy",
-        plugins="prune,reorder",
-        progress=False,
-        options={
-            "prune": {"task": str(task), "curves": "False", "linearity": "False", "max_n": "1"},
-            "reorder": {"task": str(task), "loops": "1,2", "shuffles": "1"},
-        },
-    )
+    run = analyze("toy", plugins="prune,reorder", progress=False, options={
+        "prune": {"task": str(task), "curves": "False", "linearity": "False", "max_n": "1"},
+        "reorder": {"task": str(task), "loops": "1,2", "shuffles": "1"},
+    })
     assert not run.errors, run.errors
     prune, reorder = run["prune"], run["reorder"]
     assert reorder.meta["examples"] == prune.meta["examples"] == len(rows)
