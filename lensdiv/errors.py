@@ -1,7 +1,7 @@
 """Deprecated alias of :mod:`lensdiv.core.errors`, where ``lensdiv.errors`` moved when the
 package was split into layers: plugins import LensdivError and UnsupportedModelError from :mod:`lensdiv`
 (the plugin API, in the README). This alias keeps a plugin written against the old layout
-loading, with a ``DeprecationWarning``."""
+loading, with a ``DeprecationWarning``, until lensdiv 0.3 removes it."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Any
 from lensdiv.core import errors as _moved
 
 warnings.warn(
-    "lensdiv.errors is deprecated and will be removed: import LensdivError and UnsupportedModelError from lensdiv "
-    "(the plugin API)",
+    "lensdiv.errors is deprecated and will be removed in lensdiv 0.3: import LensdivError and UnsupportedModelError from lensdiv "
+    "(the plugin API; lensdiv.errors itself moved to lensdiv.core.errors)",
     DeprecationWarning,
     stacklevel=2,
 )

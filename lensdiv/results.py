@@ -1,7 +1,7 @@
 """Deprecated alias of :mod:`lensdiv.core.results`, where ``lensdiv.results`` moved when the
 package was split into layers: plugins import Result, Table and Plot from :mod:`lensdiv`
 (the plugin API, in the README). This alias keeps a plugin written against the old layout
-loading, with a ``DeprecationWarning``."""
+loading, with a ``DeprecationWarning``, until lensdiv 0.3 removes it."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Any
 from lensdiv.core import results as _moved
 
 warnings.warn(
-    "lensdiv.results is deprecated and will be removed: import Result, Table and Plot from lensdiv "
-    "(the plugin API)",
+    "lensdiv.results is deprecated and will be removed in lensdiv 0.3: import Result, Table and Plot from lensdiv "
+    "(the plugin API; lensdiv.results itself moved to lensdiv.core.results)",
     DeprecationWarning,
     stacklevel=2,
 )

@@ -11,6 +11,7 @@ import torch
 
 from lensdiv.core.errors import OptionError
 from lensdiv.ops.cells import Cells, cells, products_of
+from lensdiv.ops.kl_grad import unembedding
 from lensdiv.ops.norms import declared_norm
 from lensdiv.ops.readout import FinalReadout
 
@@ -124,6 +125,40 @@ def test_bf16_products_show_the_float32_numbers() -> None:
     # The vocabulary-wide sums carry the bf16 rounding of the logits outside the candidates.
     assert (got.kl - want["kl"]).abs().max() <= 1e-2 + 1e-3 * want["kl"].abs().max()
     assert (got.entropy - want["entropy"]).abs().max() <= 1e-2
+
+
+def test_bf16_copies_follow_the_unembedding() -> None:
+    """One cache, one rule for the bfloat16 copies of the unembedding (``cells`` and
+    ``kl_grad``): made once per readout, made again when ``W_U`` or ``b_U`` is written in place
+    or replaced — the cells of a changed readout are those of a fresh one with its weights."""
+    ro = readout(16, 50, offset=0.3)
+    states = grid_states(ro, 3, 4)
+    following = torch.randint(0, 50, (4,), generator=torch.Generator().manual_seed(3))
+
+    def shown(r: FinalReadout) -> Cells:
+        return cells(r, states, states[-1], following, k=3, products="bf16", block_elements=20)
+
+    def fresh() -> FinalReadout:
+        return FinalReadout(
+            norm=ro.norm, W_U=ro.W_U.clone(), b_U=ro.b_U.clone(), model_dtype=ro.model_dtype
+        )
+
+    shown(ro)
+    low = unembedding(ro, bf16=True)
+    assert unembedding(ro, bf16=True)[0] is low[0]  # made once
+    changes = [
+        lambda: ro.W_U.mul_(-1.5),  # in place: the version moves
+        lambda: ro.b_U.add_(2.0),
+        lambda: setattr(ro, "W_U", ro.W_U.flip(1).contiguous()),  # another tensor
+    ]
+    for change in changes:
+        with torch.no_grad():
+            change()
+        got, want = shown(ro), shown(fresh())
+        for key in ("top", "top_logp", "kl", "entropy", "next_logp", "next_rank"):
+            assert torch.equal(getattr(got, key), getattr(want, key)), key
+        assert torch.equal(unembedding(ro, bf16=True)[0], ro.W_U.to(torch.bfloat16))
+        assert torch.equal(unembedding(ro, bf16=True)[1], ro.b_U.to(torch.bfloat16))
 
 
 def test_bf16_products_on_a_tiny_vocabulary() -> None:

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from lensdiv.analyzers.contrib import Contribution
+from lensdiv.analyzers.contrib import ContribNumbers, Contribution
+from lensdiv.core.analyzer import ModelInfo
 from lensdiv.data.sources import DataSpec
 from lensdiv.ops.capture import capture
 from lensdiv.run.runner import analyze
@@ -22,6 +23,7 @@ from tests.helpers import (
     batches_of,
     check_merged_halves_equal_one_pass,
     check_pads_never_enter_a_statistic,
+    run_state,
     sublayer_names,
 )
 
@@ -126,3 +128,28 @@ def test_merged_halves_equal_one_pass(model: Any) -> None:
 @pytest.mark.parametrize("pad_fill", ["pad", "random"])
 def test_pads_never_enter_a_statistic(model: Any, pad_fill: str) -> None:
     check_pads_never_enter_a_statistic(Contribution(), model, pad_fill)
+
+
+def test_numbers_without_a_result(model: Any, arch: str) -> None:
+    """The numbers from the state alone (no ``Result``): the naive loop's means, the halves of
+    ``r_block`` over blocks 1..L−1, the positions counted."""
+    spec = DataSpec(seq_len=12, max_tokens=30, batch_size=3)
+    (batch,) = batches_of(model, spec)
+    state = run_state(Contribution(exclude_bos=False), model, [batch])
+    numbers = ContribNumbers.from_state(state, ModelInfo.from_model(model))
+    with torch.no_grad():
+        _, cache = model.run_with_cache(batch.tokens, names_filter=sublayer_names(model))
+    L = model.cfg.n_layers
+    naive = _naive_contrib(cache, batch.mask, L, arch in PARALLEL, False)
+    for key, expected in naive.items():
+        np.testing.assert_allclose(numbers.columns[key], expected, rtol=1e-5, atol=1e-5)
+    assert numbers.positions == int(batch.mask.sum())
+    assert numbers.parallel_residual == (arch in PARALLEL)
+    rest = naive["r_block"][1:]
+    if len(rest) < 2:
+        assert numbers.halves() is None
+    else:
+        half = len(rest) // 2
+        assert numbers.halves() == pytest.approx(
+            (np.mean(rest[:half]), np.mean(rest[half:])), rel=1e-5
+        )

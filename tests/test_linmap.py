@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 from lensdiv.analyzers.linmap import (
     LinearMaps,
+    LinmapNumbers,
     heldout_mask,
     is_heldout,
     spearman,
@@ -527,3 +528,32 @@ def test_cli_ref_and_compare(tiny_dirs: dict[str, Path], deep_dir: Path, tmp_pat
     assert list(manifest["analyzers"]) == ["linmap"] and manifest["status"] == "complete"
     saved = json.loads((out / "linmap" / "result.json").read_text())
     assert np.asarray(saved["arrays"]["r2"]).shape == (4, DEEP_LAYERS + 1)
+
+
+def test_numbers_without_a_result(pair: dict[str, Any], moments: Stats) -> None:
+    """The scores from the state alone (no ``Result``): numpy's held-out R² per (source,
+    target), the best and same-depth targets, the diagonality, the positions counted."""
+    model, batches, train, test = pair["source"], pair["batches"], pair["train"], pair["test"]
+    analyzer = LinearMaps(target=pair["analyzer"].target, ridge=0.0)
+    engine = engine_for(analyzer, model)
+    state = moments.copy()
+    engine.begin_pass(1, {"linmap": state})
+    feed(engine, state, batches, 1)
+    numbers = LinmapNumbers.from_state(state, ModelInfo.from_model(model), analyzer)
+    r2 = np.empty((4, DEEP_LAYERS + 1))
+    for s in range(4):
+        design = np.concatenate([pair["x"][s][test], np.ones((int(test.sum()), 1))], axis=1)
+        for j in range(DEEP_LAYERS + 1):
+            y = pair["y"][j][test]
+            err = design @ lstsq_map(pair["x"][s][train], pair["y"][j][train]) - y
+            r2[s, j] = 1 - (err**2).sum() / ((y - y.mean(0)) ** 2).sum()
+    np.testing.assert_allclose(numbers.r2, r2, rtol=1e-6, atol=1e-8)
+    assert numbers.best == r2.argmax(1).tolist()
+    np.testing.assert_allclose(numbers.best_r2, r2.max(1), rtol=1e-6)
+    depths = np.arange(DEEP_LAYERS + 1) / DEEP_LAYERS
+    same = [int(np.argmin(np.abs(depths - s / 3))) for s in range(4)]
+    assert numbers.same == same
+    rel_best = r2.argmax(1) / DEEP_LAYERS
+    assert numbers.diagonality == pytest.approx(spearman(np.arange(4) / 3, rel_best), nan_ok=True)
+    assert (numbers.train_positions, numbers.eval_positions) == (int(train.sum()), int(test.sum()))
+    assert numbers.on_heldout and numbers.documents["split"] == "document"

@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 import lensdiv
 from lensdiv.cli import app
 from lensdiv.core.registry import default_registry
-from lensdiv.scaffold import new_plugin
+from lensdiv.testing.scaffold import new_plugin
 
 ROOT = Path(__file__).resolve().parents[1]
 # The modules of the plugin API: their __all__ is what a plugin may import (README, "The plugin
@@ -149,16 +149,37 @@ def test_the_check_finds_what_is_not_public(tmp_path: Path) -> None:
 # -- the old layout: deprecated aliases ------------------------------------------------------------
 
 
+# The release that removes the aliases (the README's plugin API section says so).
+ALIASES_REMOVED_IN = (0, 3)
+
+
 @pytest.mark.parametrize("old", sorted(OLD_LAYOUT))
 def test_the_old_modules_are_deprecated_aliases(old: str) -> None:
+    """Each alias warns, naming the release that removes it, the import to use and where the
+    module moved; it gives the moved module's names."""
     sys.modules.pop(old, None)
-    with pytest.warns(DeprecationWarning, match=f"{old} is deprecated.*from lensdiv"):
+    removed = ".".join(map(str, ALIASES_REMOVED_IN))
+    with pytest.warns(DeprecationWarning) as caught:
         alias = importlib.import_module(old)
+    (text,) = [str(w.message) for w in caught if str(w.message).startswith(old)]
+    assert f"{old} is deprecated and will be removed in lensdiv {removed}:" in text
+    assert "from lensdiv (the plugin API" in text and OLD_LAYOUT[old] in text
+    assert f"removed in lensdiv {removed}" in (ROOT / "README.md").read_text()
     moved = importlib.import_module(OLD_LAYOUT[old])
     for name in (n for n in vars(moved) if not n.startswith("__")):
         assert getattr(alias, name) is getattr(moved, name)
     with pytest.raises(AttributeError):
         alias.no_such_name  # noqa: B018  # the point: an unknown name is still an error
+
+
+def test_the_aliases_are_gone_by_the_release_that_removes_them() -> None:
+    """A reminder that fails: from lensdiv 0.3 on, the alias modules must be deleted (with this
+    test's fixture plugin of the old layout and the README's paragraph)."""
+    version = tuple(int(part) for part in lensdiv.__version__.split(".")[:2])
+    if version >= ALIASES_REMOVED_IN:
+        left = [old for old in OLD_LAYOUT if (ROOT / (old.replace(".", "/") + ".py")).exists()]
+        assert not left, f"lensdiv {lensdiv.__version__} still ships the aliases {left}"
+    assert not (ROOT / "lensdiv" / "scaffold.py").exists()  # moved to lensdiv.testing
 
 
 _OLD_STYLE = '''

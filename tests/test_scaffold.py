@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from lensdiv.cli import app
-from lensdiv.scaffold import plugin_names
+from lensdiv.testing.scaffold import plugin_names
 from tests.helpers import pip_install
 
 

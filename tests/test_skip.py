@@ -8,13 +8,18 @@ clean residual and vectorises. They must agree to 1e-5.
 
 from __future__ import annotations
 
+import csv
+import json
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
 from lensdiv.analyzers.skip import LayerSkip, SkipEffects
+from lensdiv.cli import app
 from lensdiv.core.analyzer import ModelInfo, Step
 from lensdiv.data.sources import DataSpec
 from lensdiv.ops.resume import Resumer
@@ -219,5 +224,42 @@ def test_effects_are_the_numbers_of_the_result(native_model: Any) -> None:
     half = max(1, L // 2)
     first, second = effects.halves("max")
     assert first == pytest.approx(float(later[:half].mean()))
-    assert second == pytest.approx(float(later[half : L - 1].mean()) if L > 2 else math.nan,
-                                   nan_ok=True)
+    assert second == pytest.approx(
+        float(later[half : L - 1].mean()) if L > 2 else math.nan, nan_ok=True
+    )
+
+
+@pytest.mark.parametrize("exclude_bos", ["false", "true"])
+def test_removing_one_block_is_skip_current_from_the_command_line(
+    tmp_path: Path, exclude_bos: str
+) -> None:
+    """docs/science.md's identity, as a user checks it: ``prune``'s one-block removal KL per
+    block (``blocks.csv``) is ``skip``'s current-mode KL per block (``skip.csv``) once ``skip``
+    skips the first position too, the first position counted or left out alike."""
+    out = tmp_path / "run"
+    options = {
+        "skip.mode": "current",
+        "skip.skip_bos": "true",
+        "skip.exclude_bos": exclude_bos,
+        "prune.exclude_bos": exclude_bos,
+        "prune.max_n": "1",
+        "prune.curves": "false",
+        "prune.linearity": "false",
+    }
+    args = ["analyze", "toy", "--plugins", "prune,skip", "--max-tokens", "256"]
+    args += ["--seq-len", "32", "--out", str(out)]
+    for key, value in options.items():
+        args += ["-O", f"{key}={value}"]
+    result = CliRunner().invoke(app, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+
+    def column(path: Path, name: str) -> list[float]:
+        with path.open() as f:
+            return [float(row[name]) for row in csv.DictReader(f)]
+
+    removed = column(out / "prune" / "blocks.csv", "kl_remove")
+    skipped = column(out / "skip" / "skip.csv", "output_kl")
+    assert len(removed) == len(skipped) > 1 and min(removed) > 0
+    assert skipped == pytest.approx(removed, rel=1e-5, abs=1e-7)
+    manifest = json.loads((out / "skip" / "result.json").read_text())["meta"]["bos"]
+    assert manifest.startswith("skipped")

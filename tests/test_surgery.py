@@ -19,13 +19,13 @@ import torch
 
 from lensdiv.analyzers.lens import LogitLens
 from lensdiv.analyzers.surgery import Prune, Reorder
-from lensdiv.analyzers.surgery.numbers import PruneNumbers
+from lensdiv.analyzers.surgery.numbers import PruneNumbers, ReorderNumbers
 from lensdiv.core.analyzer import ModelInfo, Step
 from lensdiv.core.stats import Stats
 from lensdiv.data.sources import DataSpec
 from lensdiv.ops.readout import final_readout
 from lensdiv.ops.resume import Resumer
-from lensdiv.ops.skipping import Intervals, skip_effects
+from lensdiv.ops.skipping import skip_effects, split_intervals
 from lensdiv.ops.subsets import removal_scores
 from lensdiv.ops.surgery import (
     Program,
@@ -102,20 +102,32 @@ def test_removing_the_last_blocks_is_the_lens_readout(model: Any) -> None:
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_removing_one_block_is_skip_current_at_the_same_positions(model: Any) -> None:
+    """``skip``'s current mode with ``skip_bos`` is the removal of one block: its output effect
+    (max over positions of ‖p − p̃‖₂) and its KL per position; without ``skip_bos`` it differs."""
     step = make_step(model, seed=2)
     L = step.info.n_layers
     mask = step.batch.mask
-    rows = torch.arange(mask.shape[0])
-    intervals = Intervals(rows=rows, skip=mask.clone(), measure=mask.clone())
-    _, output = skip_effects(step, intervals)  # max over positions of ‖p − p̃‖₂
+    g = torch.Generator().manual_seed(0)
+    intervals = split_intervals(
+        mask, mode="current", splits=1, stride=8, generator=g, skip_bos=True
+    )
+    assert torch.equal(intervals.skip, mask) and torch.equal(intervals.measure, mask)
+    kl = torch.zeros(mask.shape[0], L, dtype=torch.float64)
+    _, output = skip_effects(step, intervals, kl=kl)
     readout = final_readout(model)
     clean = readout.probabilities(step.resid(L)[mask])
+    removals = output_sums(step, finals_of(step, [range_mask(L, s, 1) for s in range(L)]), mask)
     for s in range(L):
         (final,) = finals_of(step, [range_mask(L, s, 1)])
         dist = (readout.probabilities(final[mask]) - clean).norm(dim=-1).double()
         per_pos = torch.zeros(mask.shape, dtype=torch.float64)
         per_pos[mask] = dist
         torch.testing.assert_close(per_pos.amax(1), output[:, s], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(kl.sum(0), removals["kl"], atol=1e-6, rtol=1e-5)
+    source = split_intervals(mask, mode="current", splits=1, stride=8, generator=g)
+    untouched = torch.zeros(source.rows.numel(), L, dtype=torch.float64)
+    skip_effects(step, source, kl=untouched)
+    assert not torch.allclose(untouched.sum(0), removals["kl"], rtol=1e-3)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -145,6 +157,7 @@ def test_signals_are_plain_float64_arithmetic(model: Any) -> None:
     ends = [(r, int(mask[r].sum()) - 1) for r in range(mask.shape[0])]
     for s in range(L):
         for n in range(1, L - s + 1):
+
             def cos(r: int, t: int, s: int = s, n: int = n) -> float:
                 a, b = H[s][r, t], H[s + n][r, t]
                 return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
@@ -159,22 +172,52 @@ def test_signals_are_plain_float64_arithmetic(model: Any) -> None:
     assert float(cosines(torch.zeros(3), torch.zeros(3))) == 1.0
 
 
+def naive_r2(x: np.ndarray, y: np.ndarray) -> float:
+    """``1 − min_A ‖X̃A − Ỹ‖²/‖Ỹ‖²`` by numpy's least squares on the centred float64 states."""
+    xc, yc = x - x.mean(0), y - y.mean(0)
+    coef, *_ = np.linalg.lstsq(xc, yc, rcond=None)
+    return float(1 - ((xc @ coef - yc) ** 2).sum() / (yc**2).sum())
+
+
+def scores_of(states: list[torch.Tensor], keep: torch.Tensor) -> torch.Tensor:
+    state = Stats()
+    moment_update(state.add, states, keep)
+    return linearity(float(state["lin_n"]), state["lin_sx"], state["lin_sxx"], state["lin_sxy"])
+
+
 def test_linearity_is_the_r2_of_a_least_squares_map() -> None:
+    """The documented ``R²`` exactly (no ridge): numpy's float64 least squares to 1e-10, on
+    noisy maps, an exact affine map (R² = 1), states with a few huge coordinates and a
+    constant one, and fewer tokens than dimensions (R² = 1)."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(400, 6, generator=g, dtype=torch.float64)
     y_lin = x @ torch.randn(6, 6, generator=g, dtype=torch.float64) + 3.0
     y = y_lin + 0.5 * torch.randn(400, 6, generator=g, dtype=torch.float64) ** 2
-    state = Stats()
-    keep = torch.ones(1, 400, dtype=torch.bool)
-    moment_update(state.add, [x[None], y[None], y_lin[None]], keep)
-    score = linearity(float(state["lin_n"]), state["lin_sx"], state["lin_sxx"], state["lin_sxy"])
-    xc = np.c_[x.numpy(), np.ones(400)]
-    for i, target in enumerate([y.numpy()]):
-        coef, *_ = np.linalg.lstsq(xc, target, rcond=None)
-        resid = ((xc @ coef - target) ** 2).sum()
-        total = ((target - target.mean(0)) ** 2).sum()
-        assert float(score[i]) == pytest.approx(1 - resid / total, rel=1e-6)
-    assert 0.0 < float(score[0]) < 1.0
+    wide = torch.randn(400, 6, generator=g, dtype=torch.float64) * torch.tensor(
+        [1e3, 1.0, 1.0, 1e-2, 1.0, 1.0], dtype=torch.float64
+    )
+    wide[:, 2] = 7.0  # a constant coordinate
+    chain = [y, x, y_lin, wide, y]
+    score = scores_of([h[None] for h in chain], torch.ones(1, 400, dtype=torch.bool))
+    for j in range(len(chain) - 1):
+        expected = naive_r2(chain[j].numpy(), chain[j + 1].numpy())
+        assert float(score[j]) == pytest.approx(expected, abs=1e-10), j
+    assert 0.0 < float(score[0]) < 1.0 and float(score[1]) == pytest.approx(1.0, abs=1e-10)
+    few = torch.randn(1, 5, 8, generator=g, dtype=torch.float64)
+    few_score = scores_of([few, few.tanh()], torch.ones(1, 5, dtype=torch.bool))
+    assert float(few_score[0]) == pytest.approx(1.0, abs=1e-10)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_linearity_of_real_states_is_numpys_least_squares(model: Any) -> None:
+    """A model's own residual states (real tokens only), against numpy's lstsq to 1e-10."""
+    step = make_step(model, seed=5, width=48)
+    mask = step.batch.mask
+    h = [step.resid(layer).detach() for layer in range(step.info.n_layers + 1)]
+    score = scores_of(h, mask)
+    X = [x[mask].double().numpy() for x in h]
+    for j in range(len(X) - 1):
+        assert float(score[j]) == pytest.approx(naive_r2(X[j], X[j + 1]), abs=1e-10), j
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
@@ -206,6 +249,36 @@ def test_prune_numbers_pick_the_true_best_and_greedy_starts_at_it(model: Any) ->
     )
     result = analyzer.finalize(state, info)
     assert set(result.tables) == {"grid", "picks", "curves", "blocks"}
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_reorder_numbers_without_a_result(model: Any) -> None:
+    """``reorder``'s numbers from its state alone: each removal is ``prune``'s one-block removal
+    on the same data, the swaps table is the variants' own numbers, the counts and picks follow
+    from them."""
+    info = ModelInfo.from_model(model)
+    L = info.n_layers
+    reorder, prune = Reorder(shuffles=1), Prune(max_n=1, curves=False, linearity=False)
+    states = {reorder.name: reorder.init(info), prune.name: prune.init(info)}
+    for step in [make_step(model, seed=s) for s in (8, 9)]:
+        reorder.update(states["reorder"], step)
+        prune.update(states["prune"], step)
+    numbers = ReorderNumbers.from_state(states["reorder"], info, reorder)
+    removed = PruneNumbers.from_state(states["prune"], info, prune).effects["kl"][0][:, 0]
+    swaps = numbers.swaps()
+    torch.testing.assert_close(
+        torch.tensor(swaps["kl_remove"], dtype=torch.float64), removed, rtol=1e-6, atol=1e-9
+    )
+    assert math.isnan(swaps["kl_swap"][-1]) and len(swaps["dce_remove"]) == L
+    for s in range(L - 1):
+        assert swaps["kl_swap"][s] == numbers.of("kl", f"swap{s}")
+    assert numbers.cheaper_swaps() == sum(
+        swaps["kl_swap"][s] < swaps["kl_remove"][s] for s in range(L - 1)
+    )
+    gentlest, worst = numbers.gentlest_and_worst()
+    middle = [numbers.of("kl", n) for n in numbers.middle_variants]
+    assert numbers.of("kl", gentlest) == min(middle) and numbers.of("kl", worst) == max(middle)
+    assert numbers.accuracy is None and numbers.most_accurate() is None
 
 
 @pytest.mark.parametrize("arch", ARCHS)

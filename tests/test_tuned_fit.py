@@ -28,6 +28,7 @@ from lensdiv.lenses.tuned import (
     PRESETS,
     TUNED_FOLDER,
     TunedFit,
+    TunedOutcome,
     TunedRecipe,
     train_tuned,
 )
@@ -567,3 +568,35 @@ def test_evaluating_past_the_end_of_the_data_is_one_line(llama_dir: Path, tmp_pa
     assert done.exit_code == 2, done.output
     assert done.stderr.strip().startswith("error: the data holds no tokens after the first")
     assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.output
+
+
+def test_the_outcome_of_a_fit_without_a_result(llama_dir: Path) -> None:
+    """The numbers of a fit from its state alone (no ``Result``): two of three steps read before
+    the data ran out — the pending step counted and taken, the history one summed KL per step,
+    the last of them the per-layer loss, the fit marked as stopped early."""
+    from lensdiv.data.sources import DataSpec, token_batches
+    from lensdiv.models.load import load_model
+    from lensdiv.run.engine import Engine
+
+    model = load_model(str(llama_dir), device="cpu", progress=False)
+    info = ModelInfo.from_model(model)
+    recipe = dataclasses.replace(PRESETS["toy"], steps=3, tokens_per_step=120, affine_passes=0)
+    fit = TunedFit.from_recipe(recipe)
+    engine = Engine(model, info, [fit])
+    states = {fit.name: fit.start_state(info, None)}
+    spec = DataSpec(seq_len=24, batch_size=2, max_tokens=2 * STEP_TOKENS)
+    stream = iter(token_batches(spec, model.tokenizer))
+    for index in range(2):
+        engine.begin_pass(index, states)
+        engine.feed(index, take_step(stream, recipe.tokens_per_step), states)
+    assert not engine.failures, engine.failures
+    outcome = TunedOutcome.from_state(fit, states[fit.name], info)
+    done = outcome.progress
+    assert done.steps == 2 and done.tokens == 2 * STEP_TOKENS and not done.complete
+    assert outcome.stopped_early(recipe)
+    assert len(outcome.history) == 2 and all(kl > 0 for kl in outcome.history)
+    loss = outcome.loss(info.n_layers)
+    assert len(loss) == info.n_layers and outcome.history[-1] == pytest.approx(sum(loss))
+    lens, _ = fit.trained(states[fit.name], info)
+    assert torch.equal(outcome.lens.weight, lens.weight) and torch.equal(outcome.lens.bias, lens.bias)
+    assert not torch.equal(lens.weight, torch.zeros_like(lens.weight))  # two steps were taken

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 from jaxtyping import Float
 from torch import Tensor
 
@@ -91,77 +92,115 @@ class Contribution(Analyzer):
             state.max(f"norm_{key}_max", value.amax(1))
 
     def finalize(self, state: Stats, info: ModelInfo) -> Result:
+        return present(ContribNumbers.from_state(state, info), self)
+
+
+# -- the numbers ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ContribNumbers:
+    """The per-layer means and maxima of a run: plain arrays, no tables, no prose.
+
+    Args:
+        columns: Per block ``l``: the ratios, the cosines (means over positions), and
+            ``norm_{resid,attn,mlp}_{mean,max}``, as float64 arrays ``[L]``.
+        positions: Positions averaged over.
+        parallel_residual: Whether the MLP reads ``h_l`` (else ``h_l + a_l``).
+    """
+
+    columns: dict[str, np.ndarray]
+    positions: int
+    parallel_residual: bool
+
+    @classmethod
+    def from_state(cls, state: Stats, info: ModelInfo) -> ContribNumbers:
+        """The means of a merged state."""
         n = float(state["n"])
-        layers = list(range(info.n_layers))
-        columns: dict[str, list] = {"layer": layers}
+        columns: dict[str, np.ndarray] = {}
         for key in RATIOS + COSINES:
-            columns[key] = (state[key] / n).tolist()
+            columns[key] = np.asarray((state[key] / n).tolist())
         for key in NORMS:
-            columns[f"norm_{key}_mean"] = (state[f"norm_{key}"] / n).tolist()
-            columns[f"norm_{key}_max"] = state[f"norm_{key}_max"].tolist()
-        table = Table("contrib", columns, "Relative contribution of each block's sublayers")
-        r = table["r_block"]
-        # Block 0 writes onto the bare embedding, whose norm is small: its ratio is large in
-        # every model and would decide any average, so the halves compare blocks 1..L-1.
-        rest = r[1:]
-        if len(rest) >= 2:
-            half = len(rest) // 2
-            first, second = float(rest[:half].mean()), float(rest[half:].mean())
-            halves = (
-                f"; over blocks 1-{len(r) - 1}, first half {first:.3g}, second half "
-                f"{second:.3g} (ratio {second / first if first else float('nan'):.2f})"
-            )
-        else:
-            halves = ""
-        summary = (
-            f"Relative block contribution ||a+m||/||h||: block 0 {float(r[0]):.3g}{halves}; "
-            f"largest at layer {int(r.argmax())}. Averaged over {int(n)} positions"
-            + (" (BOS excluded)." if self.exclude_bos else ".")
+            columns[f"norm_{key}_mean"] = np.asarray((state[f"norm_{key}"] / n).tolist())
+            columns[f"norm_{key}_max"] = np.asarray(state[f"norm_{key}_max"].tolist())
+        return cls(columns, int(n), info.parallel_residual)
+
+    def halves(self) -> tuple[float, float] | None:
+        """Mean ``r_block`` over the first and the second half of blocks ``1..L−1`` (``None``
+        with fewer than two). Block 0 writes onto the bare embedding, whose norm is small: its
+        ratio is large in every model and would decide any average."""
+        rest = self.columns["r_block"][1:]
+        if len(rest) < 2:
+            return None
+        half = len(rest) // 2
+        return float(rest[:half].mean()), float(rest[half:].mean())
+
+
+# -- the result ----------------------------------------------------------------------------------
+def present(numbers: ContribNumbers, options: Contribution) -> Result:
+    """The table, plots, summary and metadata of a run's contributions."""
+    r = numbers.columns["r_block"]
+    layers = list(range(len(r)))
+    columns: dict[str, list] = {"layer": layers}
+    columns.update({key: values.tolist() for key, values in numbers.columns.items()})
+    table = Table("contrib", columns, "Relative contribution of each block's sublayers")
+    halves = ""
+    if (split := numbers.halves()) is not None:
+        first, second = split
+        halves = (
+            f"; over blocks 1-{len(r) - 1}, first half {first:.3g}, second half "
+            f"{second:.3g} (ratio {second / first if first else float('nan'):.2f})"
         )
-        return Result(
-            analyzer=self.name,
-            summary=summary,
-            tables={"contrib": table},
-            plots=(
-                Plot(
-                    "line",
-                    "contrib_ratios",
-                    "Relative contribution per layer",
-                    "contrib",
-                    x="layer",
-                    y=RATIOS,
-                    xlabel="block l",
-                    ylabel="‖write‖ / ‖residual‖ (ratio)",
-                    caption="r_attn = ‖a_l‖/‖h_l‖, r_mlp = ‖m_l‖/‖h_l + a_l‖, "
-                    "r_block = ‖a_l + m_l‖/‖h_l‖; means over positions.",
-                ),
-                Plot(
-                    "line",
-                    "contrib_cosines",
-                    "Cosines with the residual",
-                    "contrib",
-                    x="layer",
-                    y=COSINES,
-                    xlabel="block l",
-                    ylabel="cosine (−1 to 1)",
-                    signed=True,
-                    caption="Cosine of each write with the residual it is added to "
-                    "(< 0: the write erases part of the residual).",
-                ),
-                Plot(
-                    "line",
-                    "contrib_norms",
-                    "Mean norms",
-                    "contrib",
-                    x="layer",
-                    y=tuple(f"norm_{k}_mean" for k in NORMS),
-                    xlabel="block l",
-                    ylabel="mean L2 norm (log scale)",
-                    logy=True,
-                ),
-            ),
-            meta={
-                "positions": int(n),
-                "mlp_reference": "h_l" if info.parallel_residual else "h_l + a_l",
-            },
-        )
+    summary = (
+        f"Relative block contribution ||a+m||/||h||: block 0 {float(r[0]):.3g}{halves}; "
+        f"largest at layer {int(r.argmax())}. Averaged over {numbers.positions} positions"
+        + (" (BOS excluded)." if options.exclude_bos else ".")
+    )
+    return Result(
+        analyzer=options.name,
+        summary=summary,
+        tables={"contrib": table},
+        plots=_PLOTS,
+        meta={
+            "positions": numbers.positions,
+            "mlp_reference": "h_l" if numbers.parallel_residual else "h_l + a_l",
+        },
+    )
+
+
+_PLOTS = (
+    Plot(
+        "line",
+        "contrib_ratios",
+        "Relative contribution per layer",
+        "contrib",
+        x="layer",
+        y=RATIOS,
+        xlabel="block l",
+        ylabel="‖write‖ / ‖residual‖ (ratio)",
+        caption="r_attn = ‖a_l‖/‖h_l‖, r_mlp = ‖m_l‖/‖h_l + a_l‖, "
+        "r_block = ‖a_l + m_l‖/‖h_l‖; means over positions.",
+    ),
+    Plot(
+        "line",
+        "contrib_cosines",
+        "Cosines with the residual",
+        "contrib",
+        x="layer",
+        y=COSINES,
+        xlabel="block l",
+        ylabel="cosine (−1 to 1)",
+        signed=True,
+        caption="Cosine of each write with the residual it is added to "
+        "(< 0: the write erases part of the residual).",
+    ),
+    Plot(
+        "line",
+        "contrib_norms",
+        "Mean norms",
+        "contrib",
+        x="layer",
+        y=tuple(f"norm_{k}_mean" for k in NORMS),
+        xlabel="block l",
+        ylabel="mean L2 norm (log scale)",
+        logy=True,
+    ),
+)

@@ -366,6 +366,52 @@ class LinearMaps(Analyzer):
     def finalize(self, state: Stats, info: ModelInfo) -> Result:
         if "maps" not in state or "eval_n" not in state:
             raise RuntimeError("the maps were never scored (the run stopped before pass 2)")
+        return present(LinmapNumbers.from_state(state, info, self), self)
+
+
+# -- the numbers ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LinmapNumbers:
+    """The maps of a run, scored: plain arrays and lists, no tables, no prose.
+
+    Args:
+        source: The analysed model's name.
+        n_src: Its blocks ``L_src``.
+        target: What the state recorded of the target (``label``, ``n_layers``, ``layers``,
+            ``stride``, ``d_model``, ...).
+        r2: ``R²`` per ``[source state, target state]`` (NaN where a target was not fitted).
+        rel_error: Mean relative error, likewise.
+        best: Per source state, the fitted target state of highest ``R²``.
+        same: Per source state, the fitted target state nearest the same relative depth.
+        diagonality: Spearman correlation of ``s / L_src`` with ``best / L_tgt``.
+        train_positions: Positions the maps were fitted on.
+        eval_positions: Positions they were scored on.
+        on_heldout: Whether those were held-out documents.
+        lambdas: The ridge penalty of each source state's fit.
+        inexact: Source states whose fit fell back to the pseudo-inverse.
+        documents: How the data was split (``split``, and the documents when it had ids).
+        moment_gb: The moments' size in GB.
+    """
+
+    source: str
+    n_src: int
+    target: dict[str, Any]
+    r2: np.ndarray
+    rel_error: np.ndarray
+    best: list[int]
+    same: list[int]
+    diagonality: float
+    train_positions: int
+    eval_positions: int
+    on_heldout: bool
+    lambdas: list[float]
+    inexact: list[int]
+    documents: dict[str, Any]
+    moment_gb: float
+
+    @classmethod
+    def from_state(cls, state: Stats, info: ModelInfo, options: LinearMaps) -> LinmapNumbers:
+        """The scores of a merged state whose maps were scored (pass 2 done)."""
         target = state["target"]
         n = float(state["eval_n"])
         mean_y = state["eval_y"] / n
@@ -377,127 +423,161 @@ class LinearMaps(Analyzer):
         rel_error = np.full_like(r2, np.nan)
         cols = list(target["layers"])
         r2[:, cols], rel_error[:, cols] = fitted_r2, fitted_err
-
         best = [cols[int(np.argmax(row))] for row in fitted_r2]
         rel_src = [s / n_src for s in range(n_src + 1)]
-        rel_best = [j / n_tgt for j in best]
         same = [cols[int(np.argmin([abs(j / n_tgt - r) for j in cols]))] for r in rel_src]
-        rho = spearman(rel_src, rel_best)
-        table = Table(
-            "linmap",
-            {
-                "source_layer": list(range(n_src + 1)),
-                "rel_depth": rel_src,
-                "best_target": best,
-                "best_rel_depth": rel_best,
-                "r2": [r2[s, j] for s, j in enumerate(best)],
-                "rel_error": [rel_error[s, j] for s, j in enumerate(best)],
-                "same_depth_target": same,
-                "r2_same_depth": [r2[s, j] for s, j in enumerate(same)],
-            },
-            f"Best target state of {target['label']} for each source state h_s",
+        return cls(
+            source=info.name,
+            n_src=n_src,
+            target=dict(target),
+            r2=r2,
+            rel_error=rel_error,
+            best=best,
+            same=same,
+            diagonality=spearman(rel_src, [j / n_tgt for j in best]),
+            train_positions=int(float(state["xtx"][0, -1, -1])),
+            eval_positions=int(n),
+            on_heldout=bool(state["on_heldout"]),
+            lambdas=state["lambdas"],
+            inexact=state["inexact"],
+            documents=_documents(state, options),
+            moment_gb=round(moment_gb(n_src + 1, info.d_model, len(cols), target["d_model"]), 4),
         )
-        hatched = (
-            "Hatched columns: target states not fitted (target_stride)."
-            if len(cols) < n_tgt + 1
-            else ""
-        )
-        train_n = float(state["xtx"][0, -1, -1])
-        docs = self._documents(state)
-        meta: dict[str, Any] = {
-            "target": {
-                "spec": self.target,
-                **{k: target[k] for k in ("resolved", "self", "n_layers", "d_model")},
-            },
-            "target_layers": cols,
-            "target_stride": target["stride"],
-            "diagonality": rho,
-            "ridge_lambda": state["lambdas"],
-            "pinv_fallback_layers": state["inexact"],
-            "train_positions": int(train_n),
-            "eval_positions": int(n),
-            "evaluation": "held-out documents"
-            if state["on_heldout"]
-            else "training documents (the data held no held-out document)",
-            "moment_gb": round(moment_gb(n_src + 1, info.d_model, len(cols), target["d_model"]), 4),
-            **docs,
-        }
-        return Result(
-            analyzer=self.name,
-            summary=self._summary(state, info, table, rho, train_n, n),
-            tables={"linmap": table},
-            arrays={"r2": r2, "rel_error": rel_error},
-            plots=(
-                *(
-                    Plot(
-                        "heatmap",
-                        f"linmap_{array}",
-                        title,
-                        array,
-                        xlabel="target residual state j",
-                        ylabel="source residual state s",
-                        clabel=clabel,
-                        caption=hatched,
-                    )
-                    for array, title, clabel in _HEATMAPS
-                ),
+
+    @property
+    def rel_src(self) -> list[float]:
+        """Relative depth ``s / L_src`` of each source state."""
+        return [s / self.n_src for s in range(self.n_src + 1)]
+
+    @property
+    def rel_best(self) -> list[float]:
+        """Relative depth ``best / L_tgt`` of each source state's best target."""
+        return [j / self.target["n_layers"] for j in self.best]
+
+    @property
+    def best_r2(self) -> list[float]:
+        """``R²`` of each source state onto its best target."""
+        return [self.r2[s, j] for s, j in enumerate(self.best)]
+
+
+def _documents(state: Stats, options: LinearMaps) -> dict[str, Any]:
+    if "doc_max" not in state:
+        return {"split": "row (no document ids)"}
+    first, last = int(state["doc_min"]), int(state["doc_max"])
+    held = sum(is_heldout(d, options.seed, options.heldout) for d in range(first, last + 1))
+    return {"split": "document", "documents": last - first + 1, "heldout_documents": held}
+
+
+# -- the result ----------------------------------------------------------------------------------
+def present(numbers: LinmapNumbers, options: LinearMaps) -> Result:
+    """The table, heatmaps, depth plot, summary and metadata of scored maps."""
+    target, cols = numbers.target, list(numbers.target["layers"])
+    r2, rel_error, best, same = numbers.r2, numbers.rel_error, numbers.best, numbers.same
+    table = Table(
+        "linmap",
+        {
+            "source_layer": list(range(numbers.n_src + 1)),
+            "rel_depth": numbers.rel_src,
+            "best_target": best,
+            "best_rel_depth": numbers.rel_best,
+            "r2": numbers.best_r2,
+            "rel_error": [rel_error[s, j] for s, j in enumerate(best)],
+            "same_depth_target": same,
+            "r2_same_depth": [r2[s, j] for s, j in enumerate(same)],
+        },
+        f"Best target state of {target['label']} for each source state h_s",
+    )
+    hatched = (
+        "Hatched columns: target states not fitted (target_stride)."
+        if len(cols) < target["n_layers"] + 1
+        else ""
+    )
+    meta: dict[str, Any] = {
+        "target": {
+            "spec": options.target,
+            **{k: target[k] for k in ("resolved", "self", "n_layers", "d_model")},
+        },
+        "target_layers": cols,
+        "target_stride": target["stride"],
+        "diagonality": numbers.diagonality,
+        "ridge_lambda": numbers.lambdas,
+        "pinv_fallback_layers": numbers.inexact,
+        "train_positions": numbers.train_positions,
+        "eval_positions": numbers.eval_positions,
+        "evaluation": "held-out documents"
+        if numbers.on_heldout
+        else "training documents (the data held no held-out document)",
+        "moment_gb": numbers.moment_gb,
+        **numbers.documents,
+    }
+    return Result(
+        analyzer=options.name,
+        summary=_summary(numbers),
+        tables={"linmap": table},
+        arrays={"r2": r2, "rel_error": rel_error},
+        plots=(
+            *(
                 Plot(
-                    "line",
-                    "linmap_depth",
-                    "Best target depth vs source depth (diagonal = same relative depth)",
-                    "linmap",
-                    x="rel_depth",
-                    y=("best_rel_depth", "rel_depth"),
-                    xlabel="relative source depth s / L_src (fraction)",
-                    ylabel="relative target depth j / L_tgt (fraction)",
-                    caption="best_rel_depth: the target state with the highest R² for each "
-                    "source state; rel_depth: the diagonal (same relative depth).",
-                ),
+                    "heatmap",
+                    f"linmap_{array}",
+                    title,
+                    array,
+                    xlabel="target residual state j",
+                    ylabel="source residual state s",
+                    clabel=clabel,
+                    caption=hatched,
+                )
+                for array, title, clabel in _HEATMAPS
             ),
-            meta=meta,
-        )
+            Plot(
+                "line",
+                "linmap_depth",
+                "Best target depth vs source depth (diagonal = same relative depth)",
+                "linmap",
+                x="rel_depth",
+                y=("best_rel_depth", "rel_depth"),
+                xlabel="relative source depth s / L_src (fraction)",
+                ylabel="relative target depth j / L_tgt (fraction)",
+                caption="best_rel_depth: the target state with the highest R² for each "
+                "source state; rel_depth: the diagonal (same relative depth).",
+            ),
+        ),
+        meta=meta,
+    )
 
-    def _documents(self, state: Stats) -> dict[str, Any]:
-        if "doc_max" not in state:
-            return {"split": "row (no document ids)"}
-        first, last = int(state["doc_min"]), int(state["doc_max"])
-        held = sum(is_heldout(d, self.seed, self.heldout) for d in range(first, last + 1))
-        return {"split": "document", "documents": last - first + 1, "heldout_documents": held}
 
-    def _summary(
-        self, state: Stats, info: ModelInfo, table: Table, rho: float, train: float, n: float
-    ) -> str:
-        target = state["target"]
-        r2, best = table["r2"], table["best_target"]
-        # Spearman measures order only: a map can keep the order and still bunch its targets.
-        follows = (
-            "keeps the layer order closely"
-            if rho >= 0.9
-            else "roughly keeps the layer order"
-            if rho >= 0.5
-            else "does not keep the layer order"
-            if not math.isnan(rho)
-            else "is constant (no rank correlation)"
-        )
-        where = (
-            "held-out documents"
-            if state["on_heldout"]
-            else "the training documents, as the data held no held-out document"
-        )
-        skipped = (
-            f" Only every {target['stride']}-th target state was fitted (memory budget)."
-            if target["stride"] > 1
-            else ""
-        )
-        return (
-            f"Affine maps from the {info.n_layers + 1} residual states of {info.name} onto the "
-            f"{target['n_layers'] + 1} of {target['label']}, fitted on {int(train)} positions and "
-            f"scored on {int(n)} positions of {where}. The best target state {follows} "
-            f"(Spearman {rho:.2f}; best targets by source state: "
-            f"{', '.join(str(int(b)) for b in best)}). Best R² ranges from {np.nanmin(r2):.3f} to "
-            f"{np.nanmax(r2):.3f}; the final state h_{info.n_layers} maps best onto target "
-            f"h_{best[-1]}.{skipped}"
-        )
+def _summary(numbers: LinmapNumbers) -> str:
+    target, rho = numbers.target, numbers.diagonality
+    r2, best = numbers.best_r2, numbers.best
+    # Spearman measures order only: a map can keep the order and still bunch its targets.
+    follows = (
+        "keeps the layer order closely"
+        if rho >= 0.9
+        else "roughly keeps the layer order"
+        if rho >= 0.5
+        else "does not keep the layer order"
+        if not math.isnan(rho)
+        else "is constant (no rank correlation)"
+    )
+    where = (
+        "held-out documents"
+        if numbers.on_heldout
+        else "the training documents, as the data held no held-out document"
+    )
+    skipped = (
+        f" Only every {target['stride']}-th target state was fitted (memory budget)."
+        if target["stride"] > 1
+        else ""
+    )
+    return (
+        f"Affine maps from the {numbers.n_src + 1} residual states of {numbers.source} onto the "
+        f"{target['n_layers'] + 1} of {target['label']}, fitted on {numbers.train_positions} "
+        f"positions and scored on {numbers.eval_positions} positions of {where}. The best target "
+        f"state {follows} (Spearman {rho:.2f}; best targets by source state: "
+        f"{', '.join(str(int(b)) for b in best)}). Best R² ranges from {np.nanmin(r2):.3f} to "
+        f"{np.nanmax(r2):.3f}; the final state h_{numbers.n_src} maps best onto target "
+        f"h_{best[-1]}.{skipped}"
+    )
 
 
 def check_same_tokenizer(source: Any, target: Any, source_name: str, target_name: str) -> None:

@@ -10,10 +10,15 @@ Modes:
 - ``future``: skip at positions ``1 ≤ τ < t``, measure at ``t' ≥ t``, for ``splits`` random split
   points ``t ∈ range(stride, T − 4, stride)`` per prompt (the source's 4 points, ``range(8, T-4, 8)``);
   max over split points, then max or mean over prompts (both are kept).
-- ``current``: skip at every position ``≥ 1``, measure at every position.
+- ``current``: skip at every position ``≥ 1``, measure at every position. With ``skip_bos`` the
+  first position is skipped too: removing the block everywhere, which ``prune`` measures (its
+  ``n = 1`` removal is this mode's ``output_kl``, ``exclude_bos`` alike).
 - ``local``: the future split, but nothing downstream is recomputed at the skipped positions: the
   direct residual write of ``s`` is removed from every later residual there, so the effect reaches
   ``t' ≥ t`` only through attention.
+
+Beside ``O``, the mean over measured positions of ``KL(p̃ ‖ p)`` (``lens``'s and ``prune``'s
+direction) per skipped block.
 
 Cost: blocks ``0..s`` are unchanged by skipping ``s``, so each intervened pass resumes from the
 clean residual and runs only the blocks after ``s`` (:mod:`lensdiv.ops.skipping`).
@@ -23,14 +28,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from lensdiv.core.analyzer import Analyzer, DataFacts, ModelInfo, Step
+from lensdiv.analyzers.positions import FirstPosition
+from lensdiv.core.analyzer import DataFacts, ModelInfo, Step
 from lensdiv.core.errors import OptionError
 from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
@@ -39,13 +45,18 @@ from lensdiv.ops.skipping import Mode, Part, later_effect, skip_effects, split_i
 
 
 @dataclass(frozen=True)
-class LayerSkip(Analyzer):
+class LayerSkip(FirstPosition):
     """Effects of skipping each block on later layers' updates and on the output.
+
+    Option ``exclude_bos``: see :class:`~lensdiv.analyzers.positions.FirstPosition` (it matters
+    in ``current`` mode only: the others measure after a split point ``t ≥ stride``).
 
     Args:
         mode: ``future`` (skip before a split point, measure after it), ``current`` (skip and
             measure everywhere) or ``local`` (future split, direct write removed, no recompute).
         part: Skip the whole ``block``, or only its ``attn`` or ``mlp`` write.
+        skip_bos: Skip at the first (BOS) position too (the source leaves it untouched); with
+            ``mode=current`` the block is then removed at every position, as ``prune`` does.
         splits: Split points drawn per prompt (future/local).
         stride: Split points are drawn from ``range(stride, T - 4, stride)``.
         seed: Seed of the split-point draw.
@@ -64,6 +75,7 @@ class LayerSkip(Analyzer):
 
     mode: Mode = "future"
     part: Part = "block"
+    skip_bos: bool = False
     splits: int = 4
     stride: int = 8
     seed: int = 0
@@ -109,11 +121,17 @@ class LayerSkip(Analyzer):
             splits=self.splits,
             stride=self.stride,
             generator=generator,
+            skip_bos=self.skip_bos,
         )
+        keep = step.batch.positions(exclude_bos=self.exclude_bos)
+        intervals = replace(intervals, measure=intervals.measure & keep[intervals.rows])
         state.add("rows_too_short", step.batch.tokens.shape[0] - intervals.rows.unique().numel())
         if intervals.rows.numel() == 0:
             return
         runs_before = resumer.blocks_run
+        kl = torch.zeros(
+            intervals.rows.numel(), step.info.n_layers, dtype=torch.float64, device=keep.device
+        )
         effect, output = skip_effects(
             step,
             intervals,
@@ -121,6 +139,7 @@ class LayerSkip(Analyzer):
             local=self.mode == "local",
             resumer=resumer,
             chunk=self.chunk,
+            kl=kl,
         )
         state.fix("resume", {"mode": resumer.mode, "note": resumer.reason})
         state.add("block_runs", resumer.blocks_run - runs_before)
@@ -134,6 +153,8 @@ class LayerSkip(Analyzer):
         state.max("E_max", per_e.amax(0))
         state.add("O_sum", per_o.sum(0))
         state.max("O_max", per_o.amax(0))
+        state.add("KL_sum", kl.sum(0))
+        state.add("measured", int(intervals.measure.sum()))
 
     def finalize(self, state: Stats, info: ModelInfo) -> Result:
         if "prompts" not in state:
@@ -152,6 +173,8 @@ class SkipEffects:
     Args:
         effect: ``E[s, l]`` by aggregate over prompts (``max``, ``mean``).
         output: ``O[s]`` by aggregate over prompts.
+        kl: Mean ``KL(p̃ ‖ p)`` per skipped block over the measured positions (``None`` for a
+            state saved before it was measured).
         prompts: Prompts with at least one split point.
         split_points: (prompt, split point) pairs measured.
         rows_too_short: Rows without a split point.
@@ -162,6 +185,7 @@ class SkipEffects:
 
     effect: Mapping[str, Float[Tensor, "skipped layer"]]
     output: Mapping[str, Float[Tensor, " skipped"]]
+    kl: Float[Tensor, " skipped"] | None
     prompts: int
     split_points: int
     rows_too_short: int
@@ -177,6 +201,9 @@ class SkipEffects:
         return cls(
             effect={"max": state["E_max"], "mean": state["E_sum"] / n},
             output={"max": state["O_max"], "mean": state["O_sum"] / n},
+            kl=(
+                state["KL_sum"] / max(float(state["measured"]), 1.0) if "KL_sum" in state else None
+            ),
             prompts=int(n),
             split_points=int(state["pairs"]),
             rows_too_short=int(state.get("rows_too_short", 0)),
@@ -212,6 +239,8 @@ def present(effects: SkipEffects, options: LayerSkip) -> Result:
     for name in ("max", "mean"):
         columns[f"output_{name}"] = effects.output[name].tolist()
         columns[f"later_{name}"] = effects.later(name).tolist()
+    if effects.kl is not None:
+        columns["output_kl"] = effects.kl.tolist()
     main = Table("skip", columns, "Effect of skipping each block (later layers, output)")
     head = effects.effect[agg]
     grid: dict[str, list] = {"skipped": layers}
@@ -236,6 +265,7 @@ def present(effects: SkipEffects, options: LayerSkip) -> Result:
             "effect_mean": effects.effect["mean"].cpu().numpy(),
             "output_max": effects.output["max"].cpu().numpy(),
             "output_mean": effects.output["mean"].cpu().numpy(),
+            **({} if effects.kl is None else {"output_kl": effects.kl.cpu().numpy()}),
         },
         plots=_plots(agg),
         meta={
@@ -246,6 +276,10 @@ def present(effects: SkipEffects, options: LayerSkip) -> Result:
             "resume_note": effects.resume_note,
             "block_runs_per_prompt": effects.block_runs_per_prompt,
             "output_bound": math.sqrt(2),
+            "bos": ("skipped" if options.skip_bos else "never skipped")
+            + "; "
+            + ("left out of" if options.exclude_bos else "in")
+            + " every statistic",
         },
     )
 

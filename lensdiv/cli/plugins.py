@@ -90,7 +90,7 @@ def plugins_new(
 
     Example: lensdiv plugins new resid-norm && pip install -e lensdiv-resid-norm
     """
-    from lensdiv.scaffold import new_plugin  # start-up: the registry loads every analyzer
+    from lensdiv.testing.scaffold import new_plugin  # start-up: the registry loads every analyzer
 
     with user_errors():
         root = new_plugin(name, directory)

@@ -479,56 +479,96 @@ class TunedFit(TunedRecipe, Analyzer):
         return lens, self.progress(state)
 
     def finalize(self, state: Stats, info: ModelInfo) -> Result:
-        lens, done = self.trained(state, info)
+        return present(TunedOutcome.from_state(self, state, info), self, info)
+
+
+# -- the numbers ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TunedOutcome:
+    """What a fit's state holds once finished: the translators (its pending step taken), what
+    training did, and the summed KL of every step.
+
+    Args:
+        lens: The translators (float32, on the CPU).
+        progress: Steps, tokens, the last step's KL per layer, completeness.
+        history: ``Σ_l KL(p_L ‖ p_l)`` of each step, before its update (the pending one too).
+    """
+
+    lens: Translators
+    progress: TunedProgress
+    history: list[float]
+
+    @classmethod
+    def from_state(cls, fit: TunedFit, state: Stats, info: ModelInfo) -> TunedOutcome:
+        """The outcome of a merged state."""
+        lens, done = fit.trained(state, info)
         history = [*state["history"]]
         if GRAD + "weight" in state:
             history.append(sum(done.loss or []))
-        layers = list(range(info.n_layers))
-        loss = done.loss or [math.nan] * info.n_layers
-        tables = {
-            "tuned": Table(
-                "tuned",
-                {"layer": layers, "state": [f"h{layer}" for layer in layers], "kl": loss},
-                "Tuned lens: mean KL(p_L ‖ p_l) per residual state on the last step's tokens "
-                "(before its update)",
-            ),
-            "training": Table(
-                "training",
-                {"step": list(range(1, len(history) + 1)), "kl": history},
-                "Tuned lens: the summed KL over the layers, step by step",
-            ),
-        }
-        warnings: tuple[str, ...] = ()
-        if done.steps < self.recipe.sgd_steps:
-            warnings = (
-                f"trained {done.steps} of {self.recipe.sgd_steps} steps (the data ran out, or the run was "
-                "stopped): the learning rate had not decayed to 0",
-            )
-        meta = {"steps": done.steps, "tokens": done.tokens, "complete": done.complete}
-        return Result(
-            self.name,
-            f"Tuned lens after {done.steps} of {self.steps} steps ({done.tokens} tokens): "
-            f"summed KL {history[0] if history else math.nan:.4g} at the first step, "
-            f"{history[-1] if history else math.nan:.4g} at the last; saved in tuned-lens's "
-            f"layout ({TUNED_FOLDER}/).",
-            tables=tables,
-            plots=(
-                Plot(
-                    "line",
-                    "tuned_training",
-                    "Tuned lens: training loss",
-                    "training",
-                    x="step",
-                    y=("kl",),
-                    xlabel="step",
-                    ylabel="Σ_l KL(p_L ‖ p_l) (nats)",
-                    caption="The loss of each step, before its update.",
-                ),
-            ),
-            meta={**meta, "final_kl": done.loss},
-            warnings=warnings,
-            artifacts=(tuned_folder(lens, info, self.recipe, done),),
+        return cls(lens, done, history)
+
+    def loss(self, n_layers: int) -> list[float]:
+        """The last step's mean KL per residual state (NaN before any step)."""
+        return self.progress.loss or [math.nan] * n_layers
+
+    def stopped_early(self, recipe: TunedRecipe) -> bool:
+        """Whether fewer SGD steps were taken than the recipe plans."""
+        return self.progress.steps < recipe.sgd_steps
+
+
+# -- the result ----------------------------------------------------------------------------------
+def present(outcome: TunedOutcome, fit: TunedFit, info: ModelInfo) -> Result:
+    """The tables, training curve, summary and lens folder of a fit."""
+    done, history = outcome.progress, outcome.history
+    layers = list(range(info.n_layers))
+    tables = {
+        "tuned": Table(
+            "tuned",
+            {
+                "layer": layers,
+                "state": [f"h{layer}" for layer in layers],
+                "kl": outcome.loss(info.n_layers),
+            },
+            "Tuned lens: mean KL(p_L ‖ p_l) per residual state on the last step's tokens "
+            "(before its update)",
+        ),
+        "training": Table(
+            "training",
+            {"step": list(range(1, len(history) + 1)), "kl": history},
+            "Tuned lens: the summed KL over the layers, step by step",
+        ),
+    }
+    warnings: tuple[str, ...] = ()
+    if outcome.stopped_early(fit.recipe):
+        warnings = (
+            f"trained {done.steps} of {fit.recipe.sgd_steps} steps (the data ran out, or the run "
+            "was stopped): the learning rate had not decayed to 0",
         )
+    meta = {"steps": done.steps, "tokens": done.tokens, "complete": done.complete}
+    return Result(
+        fit.name,
+        f"Tuned lens after {done.steps} of {fit.steps} steps ({done.tokens} tokens): "
+        f"summed KL {history[0] if history else math.nan:.4g} at the first step, "
+        f"{history[-1] if history else math.nan:.4g} at the last; saved in tuned-lens's "
+        f"layout ({TUNED_FOLDER}/).",
+        tables=tables,
+        plots=(
+            Plot(
+                "line",
+                "tuned_training",
+                "Tuned lens: training loss",
+                "training",
+                x="step",
+                y=("kl",),
+                xlabel="step",
+                ylabel="Σ_l KL(p_L ‖ p_l) (nats)",
+                caption="The loss of each step, before its update.",
+            ),
+        ),
+        meta={**meta, "final_kl": done.loss},
+        warnings=warnings,
+        artifacts=(tuned_folder(outcome.lens, info, fit.recipe, done),),
+    )
 
 
 def tuned_folder(

@@ -38,7 +38,6 @@ it):
 from __future__ import annotations
 
 import functools
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +47,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from lensdiv.core.errors import OptionError
+from lensdiv.ops.derived import derived
 from lensdiv.ops.readout import BLOCK_ELEMENTS, FinalReadout, Workspace, block_rows
 
 PRODUCTS = ("auto", "float32", "bf16")
@@ -159,18 +159,17 @@ class _Bf16Weights:
     has_bias: bool
 
 
-_BF16: weakref.WeakKeyDictionary[FinalReadout, _Bf16Weights] = weakref.WeakKeyDictionary()
-
-
 def _bf16_weights(readout: FinalReadout) -> _Bf16Weights:
-    cached = _BF16.get(readout)
-    if cached is None:
-        W_T = readout.W_U.t().contiguous()
+    """The readout's :class:`_Bf16Weights` (:func:`~lensdiv.ops.derived.derived`: made once,
+    made again when ``W_U`` or ``b_U`` change)."""
+    W_U, b_U = readout.W_U, readout.b_U
+
+    def make() -> _Bf16Weights:
+        W_T = W_U.t().contiguous()
         mean = W_T.mean(0)
-        centred = (W_T - mean).to(torch.bfloat16)
-        has_bias = bool(readout.b_U.any())
-        cached = _BF16[readout] = _Bf16Weights(W_T, centred, mean, has_bias)
-    return cached
+        return _Bf16Weights(W_T, (W_T - mean).to(torch.bfloat16), mean, bool(b_U.any()))
+
+    return derived(readout, "cells.bf16", (W_U, b_U), make)
 
 
 # -- the grid ------------------------------------------------------------------------------------

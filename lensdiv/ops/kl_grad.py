@@ -21,33 +21,29 @@ logits the same way.
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from lensdiv.ops.derived import derived
 from lensdiv.ops.readout import Workspace, block_rows
-
-#: bfloat16 copies of the unembedding, one per readout (made once, kept while the readout lives;
-#: made again if its weights are written in place), with the versions they were made from.
-_BF16: weakref.WeakKeyDictionary[Any, tuple[tuple[int, int], Tensor, Tensor]] = (
-    weakref.WeakKeyDictionary()
-)
 
 
 def unembedding(readout: Any, bf16: bool = False) -> tuple[Tensor, Tensor]:
     """``(W_U, b_U)`` of ``readout`` (a :class:`~lensdiv.ops.readout.FinalReadout`) as the
-    products take them: the readout's own, or bfloat16 copies made once."""
+    products take them: the readout's own, or bfloat16 copies (:func:`~lensdiv.ops.derived.derived`:
+    made once, made again when the weights change)."""
     if not bf16:
         return readout.W_U, readout.b_U
-    version = (readout.W_U._version, readout.b_U._version)
-    cached = _BF16.get(readout)
-    if cached is None or cached[0] != version:
-        low = (readout.W_U.to(torch.bfloat16), readout.b_U.to(torch.bfloat16))
-        cached = _BF16[readout] = (version, *low)
-    return cached[1], cached[2]
+    W_U, b_U = readout.W_U, readout.b_U
+    return derived(
+        readout,
+        "kl_grad.bf16",
+        (W_U, b_U),
+        lambda: (W_U.to(torch.bfloat16), b_U.to(torch.bfloat16)),
+    )
 
 
 class _Logits:

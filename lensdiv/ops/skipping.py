@@ -56,17 +56,21 @@ def split_intervals(
     splits: int,
     stride: int,
     generator: torch.Generator,
+    skip_bos: bool = False,
 ) -> Intervals:
     """The source's intervals: ``current`` skips ``τ ≥ 1`` and measures everything; ``future`` and
     ``local`` draw up to ``splits`` split points ``t ∈ range(stride, n − 4, stride)`` per row of
-    real length ``n`` and skip ``1 ≤ τ < t``, measure ``t' ≥ t``. Rows too short get none."""
+    real length ``n`` and skip ``1 ≤ τ < t``, measure ``t' ≥ t``. Rows too short get none.
+    ``skip_bos`` skips the first position too (``τ ≥ 0``): ``current`` then removes the block at
+    every position, as ``prune`` does."""
     n_rows, width = mask.shape
+    first = 0 if skip_bos else 1
     pos = torch.arange(width, device=mask.device)
     lengths = mask.sum(1).tolist()
     rows, starts = [], []
     for row, n in enumerate(lengths):
         if mode == "current":
-            if n > 1:
+            if n > first:
                 rows.append(row)
                 starts.append(0)
             continue
@@ -81,10 +85,10 @@ def split_intervals(
     t = torch.tensor(starts, dtype=torch.long, device=mask.device)[:, None]
     real = mask[index]
     if mode == "current":
-        skip = (pos >= 1) & real
+        skip = (pos >= first) & real
         measure = real.clone()
     else:
-        skip = (pos >= 1) & (pos < t) & real
+        skip = (pos >= first) & (pos < t) & real
         measure = (pos >= t) & real
     return Intervals(rows=index, skip=skip, measure=measure)
 
@@ -98,6 +102,7 @@ def skip_effects(
     resumer: Resumer | None = None,
     chunk: int = 0,
     layers: list[int] | None = None,
+    kl: Float[Tensor, "pair skipped"] | None = None,
 ) -> tuple[Float[Tensor, "pair skipped layer"], Float[Tensor, "pair skipped"]]:
     """``E`` and ``O`` for every intervened row and skipped block, from one clean step.
 
@@ -110,6 +115,9 @@ def skip_effects(
         resumer: Reused across calls (it checks itself once per model).
         chunk: Intervened rows per forward pass (``0``: as many as the batch has rows).
         layers: Blocks to skip (default all).
+        kl: Where given (float64, ``[pair, L]``, zeros), each entry is filled with the sum over
+            the pair's measured positions of ``KL(p̃ ‖ p)``, the skipped output's KL to the
+            clean one (``lens``'s and ``prune``'s direction).
 
     Returns:
         ``E[pair, s, l]`` (0 where ``s`` is not in ``layers``) and ``O[pair, s]``, in float64.
@@ -135,21 +143,38 @@ def skip_effects(
         measure = intervals.measure[sel]
         tokens = step.batch.tokens[rows]
         clean_h = [x[rows] for x in h]
-        clean_p = _probs(final_readout(model), clean_h[L][measure])
+        clean_p = _probs(final_readout(model), clean_h[L][measure], log=kl is not None)
         for s in layers:
-            e, o = _one_skip(
-                resumer, step, tokens, clean_h, clean_p, rows, skip, measure, s, part, local
+            e, o, k = _one_skip(
+                resumer,
+                step,
+                tokens,
+                clean_h,
+                clean_p,
+                rows,
+                skip,
+                measure,
+                s,
+                part,
+                local,
+                with_kl=kl is not None,
             )
             effect[sel, s] = e
             output[sel, s] = o
+            if kl is not None:
+                kl[sel, s] = k.to(kl.device)
     return effect, output
 
 
-def _probs(readout: FinalReadout, final: Float[Tensor, "n d_model"]) -> Float[Tensor, "n d_vocab"]:
+def _probs(
+    readout: FinalReadout, final: Float[Tensor, "n d_model"], *, log: bool = False
+) -> Float[Tensor, "n d_vocab"]:
     """Output distributions of final residual vectors (readout dtype, on the readout's device),
-    a block of rows at a time."""
+    a block of rows at a time; with ``log``, their log-probabilities."""
     blocks = [
-        readout.probabilities(final[lo : lo + _READOUT_ROWS])
+        _log_probs(readout, final[lo : lo + _READOUT_ROWS])
+        if log
+        else readout.probabilities(final[lo : lo + _READOUT_ROWS])
         for lo in range(0, final.shape[0], _READOUT_ROWS)
     ]
     if not blocks:
@@ -169,8 +194,12 @@ def _one_skip(
     s: int,
     part: Part,
     local: bool,
-) -> tuple[Float[Tensor, "pair layer"], Float[Tensor, " pair"]]:
-    """Skip block ``s`` on every row of the chunk; return ``E[:, s, :]`` and ``O[:, s]``."""
+    *,
+    with_kl: bool = False,
+) -> tuple[Float[Tensor, "pair layer"], Float[Tensor, " pair"], Tensor]:
+    """Skip block ``s`` on every row of the chunk; return ``E[:, s, :]``, ``O[:, s]`` and, with
+    ``with_kl`` (then ``clean_p`` holds log-probabilities), ``Σ KL(p̃ ‖ p)`` over each pair's
+    measured positions (else an empty tensor)."""
     info = step.info
     L = info.n_layers
     n_pairs = tokens.shape[0]
@@ -234,13 +263,29 @@ def _one_skip(
     readout = final_readout(step.model)
     vectors = last[measure]
     dist = torch.empty(vectors.shape[0], dtype=torch.float64, device=tokens.device)
+    kls = torch.empty(vectors.shape[0] if with_kl else 0, dtype=torch.float64, device=dist.device)
     for lo in range(0, vectors.shape[0], _READOUT_ROWS):
         hi = lo + _READOUT_ROWS
-        probs = readout.probabilities(vectors[lo:hi])
-        dist[lo:hi] = (clean_p[lo:hi] - probs).norm(dim=-1).double().to(dist.device)
+        if with_kl:
+            log_q, log_p = _log_probs(readout, vectors[lo:hi]), clean_p[lo:hi]
+            probs, clean = log_q.exp(), log_p.exp()
+            kls[lo:hi] = (probs * (log_q - log_p)).sum(-1).double().to(dist.device)
+        else:
+            probs, clean = readout.probabilities(vectors[lo:hi]), clean_p[lo:hi]
+        dist[lo:hi] = (clean - probs).norm(dim=-1).double().to(dist.device)
     per_pos = torch.zeros(measure.shape, dtype=torch.float64, device=tokens.device)
     per_pos[measure] = dist
-    return effect, per_pos.amax(dim=1)
+    kl = torch.zeros(0, dtype=torch.float64, device=tokens.device)
+    if with_kl:
+        per_kl = torch.zeros(measure.shape, dtype=torch.float64, device=tokens.device)
+        per_kl[measure] = kls.to(tokens.device)
+        kl = per_kl.sum(dim=1)
+    return effect, per_pos.amax(dim=1), kl
+
+
+def _log_probs(readout: FinalReadout, final: Float[Tensor, "n d_model"]) -> Tensor:
+    """Next-token log-probabilities of final residual vectors, in the readout dtype."""
+    return torch.log_softmax(readout.logits(final), dim=-1)
 
 
 def later_effect(effect: Float[Tensor, "skipped layer"]) -> Float[Tensor, " skipped"]:

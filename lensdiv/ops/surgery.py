@@ -325,20 +325,47 @@ def moment_update(
 def linearity(
     n: float, sx: Float[Tensor, "state d"], sxx: Float[Tensor, "state d d"], sxy: Tensor
 ) -> Float[Tensor, " block"]:
-    """Linearity score of each block (Razzhigaev et al. 2024): the share of the centred
-    ``h_{ℓ+1}``'s variance that the best linear map of the centred ``h_ℓ`` explains,
-    ``1 − min_A ‖X̃A − Ỹ‖²_F / ‖Ỹ‖²_F`` (a tiny ridge keeps it defined with fewer tokens than
-    dimensions, where it is 1)."""
+    """``R²`` of each block (Razzhigaev et al. 2024): the share of the centred ``h_{ℓ+1}``'s
+    variance that the best linear map of the centred ``h_ℓ`` explains,
+    ``R² = 1 − min_A ‖X̃A − Ỹ‖²_F / ‖Ỹ‖²_F``, exactly (no ridge), in float64 from the moments.
+
+    ``A`` is the least-squares map of the covariances, ``C_xx A = C_xy``, solved by the
+    pseudo-inverse of ``C_xx`` scaled to unit diagonal (a state with a few huge coordinates is
+    then as well conditioned as its correlations); the residual ``‖X̃A − Ỹ‖²/n = tr C_yy −
+    2⟨A, C_xy⟩ + ⟨A, C_xx A⟩`` is that map's own. With fewer tokens than dimensions ``Ỹ`` lies in
+    the span of ``X̃`` and ``R² = 1``."""
     n = max(float(n), 1.0)
+    sx, sxx, sxy = sx.cpu().double(), sxx.cpu().double(), sxy.cpu().double()
     mean = sx / n
     cov = sxx / n - mean[:, :, None] * mean[:, None, :]
     scores = []
     for s in range(sxy.shape[0]):
         cxx, cyy = cov[s], cov[s + 1]
         cxy = sxy[s] / n - mean[s][:, None] * mean[s + 1][None, :]
-        ridge = 1e-9 * float(cxx.diagonal().sum().clamp_min(1e-300)) / cxx.shape[0]
-        eye = torch.eye(cxx.shape[0], dtype=cxx.dtype, device=cxx.device)
-        explained = (cxy * torch.linalg.solve(cxx + ridge * eye, cxy)).sum()
-        total = cyy.diagonal().sum()
-        scores.append(float(explained / total) if total > 0 else 1.0)
+        total = float(cyy.diagonal().sum())
+        if total <= 0:
+            scores.append(1.0)
+            continue
+        # A coordinate whose variance is rounding of its raw moment is constant: it drops out.
+        floor = 64 * torch.finfo(cxx.dtype).eps * (sxx[s].diagonal() / n)
+        a = least_squares_map(cxx, cxy, floor)
+        resid = total - 2.0 * float((a * cxy).sum()) + float((a * (cxx @ a)).sum())
+        scores.append(1.0 - max(resid, 0.0) / total)
     return torch.tensor(scores, dtype=torch.float64)
+
+
+def least_squares_map(
+    cxx: Float[Tensor, "d d"], cxy: Float[Tensor, "d e"], floor: Float[Tensor, " d"] | None = None
+) -> Float[Tensor, "d e"]:
+    """A minimiser ``A`` of ``‖X̃A − Ỹ‖²`` from the covariances (``C_xx A = C_xy``, float64), by
+    the pseudo-inverse of ``C_xx`` scaled to unit diagonal: coordinates whose variance is at most
+    ``floor`` (default 0) drop out, and eigenvalues below ``d·ε`` of the largest count as zero."""
+    var = cxx.diagonal()
+    keep = var > (0.0 if floor is None else floor)
+    scale = torch.where(keep, var.clamp_min(1e-300).rsqrt(), torch.zeros_like(var))
+    corr = cxx * scale[:, None] * scale[None, :]
+    w, v = torch.linalg.eigh(corr)
+    cutoff = float(w.max().clamp_min(0.0)) * corr.shape[0] * torch.finfo(corr.dtype).eps
+    inv = torch.where(w > cutoff, 1.0 / w.clamp_min(1e-300), torch.zeros_like(w))
+    b = v @ (inv[:, None] * (v.T @ (scale[:, None] * cxy)))
+    return scale[:, None] * b

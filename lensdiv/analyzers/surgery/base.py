@@ -14,19 +14,20 @@ import torch
 from torch import Tensor
 
 from lensdiv.analyzers.depth_score import DepthScore
-from lensdiv.core.analyzer import Analyzer, Batch, ModelInfo, Step
+from lensdiv.analyzers.positions import FirstPosition
+from lensdiv.core.analyzer import Batch, ModelInfo, Step
 from lensdiv.core.stats import Stats
 from lensdiv.ops.resume import Resumer
 from lensdiv.ops.surgery import answered
 
 
 @dataclass(frozen=True)
-class Surgery(Analyzer):
-    """A depth surgery: interventions on whole blocks, read at the output.
+class Surgery(FirstPosition):
+    """A depth surgery: interventions on whole blocks (at every position, the first included),
+    read at the output. Option ``exclude_bos``: see
+    :class:`~lensdiv.analyzers.positions.FirstPosition`.
 
     Args:
-        exclude_bos: Leave the first (BOS) position out of every statistic (it is intervened
-            on all the same).
         task: ``""`` (the default): measure on the run's corpus. Else measure on task examples
             instead, in ``depth-score``'s formats — ``kb`` (the toy knowledge base), ``arith``,
             ``auto`` or a JSONL file of ``prompt``/``answer``/``grade`` rows — and add each
@@ -36,7 +37,6 @@ class Surgery(Analyzer):
 
     extra_forwards = True
 
-    exclude_bos: bool = False
     task: str = ""
     per_grade: int = 32
 

@@ -1,5 +1,6 @@
-"""The numbers of a ``prune`` run, from its merged state alone: the true-effect grids, the cheap
-signals' grids, each signal's pick and regret per length, rank correlations, pruning curves."""
+"""The numbers of a ``prune`` or ``reorder`` run, from its merged state alone: ``prune``'s
+true-effect grids, the cheap signals' grids, each signal's pick and regret per length, rank
+correlations, pruning curves; ``reorder``'s effect of each variant, swaps beside removals."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from lensdiv.core.analyzer import ModelInfo
 from lensdiv.core.stats import Stats
 from lensdiv.ops.surgery import SUMS, linearity, mean_sem
 
-if TYPE_CHECKING:  # the analyzer imports this module; its type is only an annotation here
-    from lensdiv.analyzers.surgery import Prune
+if TYPE_CHECKING:  # the analyzers import this module; their types are only annotations here
+    from lensdiv.analyzers.surgery import Prune, Reorder
 
 # The true effects (name: (sum key, square key, count key)).
 METRICS = {
@@ -28,7 +29,7 @@ METRICS = {
     "top1": ("top1", "top1", "n_target"),
 }
 # The cheap signals: a predicted cost per (ℓ, n), lower = more removable.
-SIGNALS = ("block_influence", "angular_last", "angular_all", "linearity")
+SIGNALS = ("block_influence", "angular_last", "angular_all", "nonlinearity")
 
 
 def summarize(sums: Tensor) -> dict[str, tuple[Tensor, Tensor]]:
@@ -48,7 +49,8 @@ class PruneNumbers:
         clean: The full model's ``ce`` and ``top1`` over the same positions.
         signals: ``{signal: [ℓ, n−1]}`` predicted costs (lower = more removable).
         block_influence: ``1 − cos(h_ℓ, h_{ℓ+1})`` per block (all tokens).
-        linearity: Linearity score per block (``None`` when not computed).
+        linearity_r2: The linearity score ``R²`` per block (``None`` when not computed); the
+            signal ``nonlinearity`` sums ``1 − R²`` over a range.
         curves: ``{curve: [KL after removing k = 0..N blocks]}`` (contiguous best,
             block influence order, greedy), NaN where not measured.
         greedy_order: Blocks in the order greedy removal took them.
@@ -66,7 +68,7 @@ class PruneNumbers:
     clean: dict[str, float]
     signals: dict[str, Tensor]
     block_influence: Tensor
-    linearity: Tensor | None
+    linearity_r2: Tensor | None
     curves: dict[str, list[float]]
     greedy_order: list[int]
     positions: int
@@ -105,7 +107,7 @@ class PruneNumbers:
             clean={k: float(clean_stats[k][0][0]) for k in ("ce", "top1")},
             signals=signals,
             block_influence=bi,
-            linearity=lin,
+            linearity_r2=lin,
             curves=curves,
             greedy_order=greedy,
             positions=int(float(state["clean"][SUMS.index("n")])),
@@ -151,7 +153,7 @@ def signal_grids(
 ) -> dict[str, Tensor]:
     """Predicted cost of removing ``(ℓ, n)`` by each signal: the sum of block influence over the
     range, the angular distance ``d(h_ℓ, h_{ℓ+n})`` (last token; all tokens), the sum of
-    ``1 − linearity`` over the range."""
+    ``1 − R²`` over the range (``nonlinearity``)."""
 
     def range_sum(per_block: Tensor) -> Tensor:
         grid = torch.full((L, N), math.nan, dtype=torch.float64)
@@ -168,7 +170,7 @@ def signal_grids(
     out["angular_last"] = out["angular_last"].masked_fill(~valid, math.nan)
     out["angular_all"] = out["angular_all"].masked_fill(~valid, math.nan)
     if lin is not None:
-        out["linearity"] = range_sum(1.0 - lin)
+        out["nonlinearity"] = range_sum(1.0 - lin)
     return out
 
 
@@ -218,3 +220,86 @@ def greedy_chosen(state: Stats, steps: int) -> list[int]:
         free = [b for b in range(kl.shape[0]) if b not in chosen]
         chosen.append(min(free, key=lambda b: (float(kl[b]), b)))
     return chosen
+
+
+@dataclass(frozen=True)
+class ReorderNumbers:
+    """Everything ``reorder`` reports, as tensors and small lists.
+
+    Args:
+        n_layers: ``L``.
+        middle: The middle range ``[a, b)``.
+        names: The variants, in the analyzer's order.
+        effects: ``{metric: (mean, sem)}`` per variant (kl, ce, dce, agree, top1).
+        clean_ce: The full model's next-token CE over the same positions.
+        resume: The resume modes used.
+        accuracy: Task examples (option ``task``): the share answered whole per variant and by
+            the full model (``None`` on the corpus).
+        examples: Task examples measured (0 on the corpus).
+    """
+
+    n_layers: int
+    middle: tuple[int, int]
+    names: list[str]
+    effects: dict[str, tuple[Tensor, Tensor]]
+    clean_ce: float
+    resume: list[str]
+    accuracy: tuple[Tensor, float] | None = None
+    examples: int = 0
+
+    @classmethod
+    def from_state(cls, state: Stats, info: ModelInfo, options: Reorder) -> ReorderNumbers:
+        """The numbers of a merged state (at least one position measured)."""
+        clean = summarize(state["clean"].cpu()[:, None])
+        return cls(
+            n_layers=info.n_layers,
+            middle=options.middle(info),
+            names=[name for name, _ in options.variants(info)],
+            effects=summarize(state["sums"].cpu().T),
+            clean_ce=float(clean["ce"][0][0]),
+            resume=sorted(state.get("resume", ())),
+            accuracy=accuracy(state),
+            examples=int(float(state.get("answers_n", 0))),
+        )
+
+    def of(self, metric: str, name: str) -> float:
+        """The mean of ``metric`` for the variant ``name``."""
+        return float(self.effects[metric][0][self.names.index(name)])
+
+    def swaps(self) -> dict[str, list[float]]:
+        """Per block ``ℓ``: KL and CE change of swapping ``ℓ, ℓ+1`` (NaN for the last block: none
+        after it) and of removing ``ℓ``."""
+        L = self.n_layers
+        out: dict[str, list[float]] = {}
+        for metric in ("kl", "dce"):
+            out[f"{metric}_swap"] = [
+                self.of(metric, f"swap{s}") if s < L - 1 else math.nan for s in range(L)
+            ]
+            out[f"{metric}_remove"] = [self.of(metric, f"remove{s}") for s in range(L)]
+        return out
+
+    @property
+    def middle_variants(self) -> list[str]:
+        """The variants of the middle range (neither a swap nor a removal)."""
+        return [n for n in self.names if not n.startswith(("swap", "remove"))]
+
+    def gentlest_and_worst(self) -> tuple[str, str]:
+        """The middle-range variants of least and of most KL (ties: the earlier)."""
+        middle = self.middle_variants
+        return (
+            min(middle, key=lambda n: self.of("kl", n)),
+            max(middle, key=lambda n: self.of("kl", n)),
+        )
+
+    def cheaper_swaps(self) -> int:
+        """Blocks ``ℓ < L − 1`` whose swap with ``ℓ+1`` costs less KL than removing ``ℓ``."""
+        swaps = self.swaps()
+        pairs = zip(swaps["kl_swap"][:-1], swaps["kl_remove"][:-1], strict=True)
+        return sum(s < r for s, r in pairs)
+
+    def most_accurate(self) -> str | None:
+        """The middle-range variant that keeps the most task accuracy (``None`` on the corpus)."""
+        if self.accuracy is None:
+            return None
+        shares = self.accuracy[0]
+        return max(self.middle_variants, key=lambda n: float(shares[self.names.index(n)]))

@@ -1,5 +1,6 @@
-"""The result of a ``prune`` run: tables, arrays, figures (with what each source claimed) and the
-summary, from :class:`~lensdiv.analyzers.surgery.numbers.PruneNumbers`."""
+"""The result of a ``prune`` or ``reorder`` run: tables, arrays, figures (with what each source
+claimed) and the summary, from :class:`~lensdiv.analyzers.surgery.numbers.PruneNumbers` and
+:class:`~lensdiv.analyzers.surgery.numbers.ReorderNumbers`."""
 
 from __future__ import annotations
 
@@ -8,17 +9,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lensdiv.analyzers.surgery.numbers import METRICS, PruneNumbers
+from lensdiv.analyzers.surgery.numbers import METRICS, PruneNumbers, ReorderNumbers
 from lensdiv.core.results import Plot, Result, Table
 
-if TYPE_CHECKING:  # the analyzer imports this module; its type is only an annotation here
-    from lensdiv.analyzers.surgery import Prune
+if TYPE_CHECKING:  # the analyzers import this module; their types are only annotations here
+    from lensdiv.analyzers.surgery import Prune, Reorder
 
 _SIGNAL_LABELS = {
     "block_influence": "Σ block influence 1 − cos(h_j, h_{j+1}) over the range (ShortGPT)",
     "angular_last": "angular distance arccos(cos(h_ℓ, h_{ℓ+n}))/π, last token (Gromov et al.)",
     "angular_all": "angular distance arccos(cos(h_ℓ, h_{ℓ+n}))/π, all tokens",
-    "linearity": "Σ (1 − linearity score) over the range (Razzhigaev et al.)",
+    "nonlinearity": "Σ (1 − R²) over the range: the linearity score's complement "
+    "(Razzhigaev et al.)",
 }
 
 
@@ -49,8 +51,8 @@ def present(numbers: PruneNumbers, options: Prune) -> Result:
         "agree_remove": numbers.effects["agree"][0][:, 0].tolist(),
         "block_influence": numbers.block_influence.tolist(),
     }
-    if numbers.linearity is not None:
-        blocks["linearity"] = numbers.linearity.tolist()
+    if numbers.linearity_r2 is not None:
+        blocks["linearity_r2"] = numbers.linearity_r2.tolist()
     task: dict[str, Any] = {}
     if numbers.accuracy is not None:
         blocks["accuracy_remove"] = numbers.accuracy[0][:, 0].tolist()
@@ -190,3 +192,78 @@ def _plots(numbers: PruneNumbers) -> tuple[Plot, ...]:
             "the first and the last block are the most critical.",
         ),
     )
+
+
+# -- reorder ---------------------------------------------------------------------------------------
+def present_reorder(numbers: ReorderNumbers, options: Reorder) -> Result:
+    """Tables (every variant; swaps beside removals per block), plot and summary of a reorder
+    run."""
+    columns: dict[str, list] = {"variant": numbers.names}
+    for metric, (mean, sem) in numbers.effects.items():
+        columns[metric] = mean.tolist()
+        columns[f"{metric}_sem"] = sem.tolist()
+    task_meta: dict[str, Any] = {}
+    if numbers.accuracy is not None:
+        columns["accuracy"] = numbers.accuracy[0].tolist()
+        task_meta = {
+            "task": options.task,
+            "examples": numbers.examples,
+            "clean_accuracy": numbers.accuracy[1],
+        }
+    swaps: dict[str, list[Any]] = {"block": list(range(numbers.n_layers)), **numbers.swaps()}
+    swaps = {k: swaps[k] for k in ("block", "kl_swap", "kl_remove", "dce_swap", "dce_remove")}
+    a, b = numbers.middle
+    return Result(
+        analyzer=options.name,
+        summary=_reorder_summary(numbers),
+        tables={
+            "variants": Table("variants", columns, "Output effect of each variant (mean, sem)"),
+            "swaps": Table("swaps", swaps, "Swapping blocks ℓ, ℓ+1 vs removing block ℓ"),
+        },
+        plots=(
+            Plot(
+                "line",
+                "reorder_swaps",
+                "Swapping adjacent blocks vs removing one",
+                "swaps",
+                x="block",
+                y=("kl_swap", "kl_remove"),
+                xlabel="block ℓ",
+                ylabel="KL(p ‖ p_out) (nats)",
+                caption="kl_swap: blocks ℓ and ℓ+1 exchanged; kl_remove: block ℓ removed. "
+                "Lad et al. report that swapping adjacent middle blocks costs little, less "
+                "than removing one, and that the first and last blocks are fragile.",
+            ),
+        ),
+        meta={
+            "middle": [a, b],
+            "clean_ce": numbers.clean_ce,
+            "resume": numbers.resume,
+            "bos": "intervened on; "
+            + ("left out of" if options.exclude_bos else "in")
+            + " every statistic",
+            **task_meta,
+        },
+    )
+
+
+def _reorder_summary(numbers: ReorderNumbers) -> str:
+    a, b = numbers.middle
+    L = numbers.n_layers
+    gentlest, worst = numbers.gentlest_and_worst()
+    summary = (
+        f"On the middle range of blocks {a}..{b - 1}, {gentlest} moves the output least "
+        f"(KL {numbers.of('kl', gentlest):.3g} nats) and {worst} most "
+        f"(KL {numbers.of('kl', worst):.3g}). Swapping blocks ℓ, ℓ+1 costs less than removing "
+        f"block ℓ for {numbers.cheaper_swaps()} of {L - 1} blocks. Full model: CE "
+        f"{numbers.clean_ce:.3g} nats."
+    )
+    kept = numbers.most_accurate()
+    if kept is not None and numbers.accuracy is not None:
+        share = float(numbers.accuracy[0][numbers.names.index(kept)])
+        summary += (
+            f" Task accuracy over {numbers.examples} examples: full model "
+            f"{numbers.accuracy[1]:.0%}; {kept} keeps {share:.0%}, the most of the middle-range "
+            "variants."
+        )
+    return summary

@@ -6,7 +6,8 @@ model's output (``KL(p_removed ‖ p_out)``, the ``lens`` direction), next-token
 its change, top-1 agreement with the full model and top-1 accuracy — at every real position
 (``exclude_bos`` leaves the first out of every statistic). Beside it, the cheap signals of the
 clean pass: block influence (ShortGPT), angular distance (Gromov et al.; last token and all
-tokens), linearity (Razzhigaev et al.); which start each signal picks per ``n``, and its regret.
+tokens), nonlinearity ``1 − R²`` (of Razzhigaev et al.'s linearity score ``R²``); which start
+each signal picks per ``n``, and its regret.
 
 Passes: the grid and the signals in pass 0; with ``curves``, pass ``k ≥ 1`` removes the ``k``
 blocks of least block influence and runs greedy step ``k`` (every remaining block tried on top of
@@ -56,7 +57,9 @@ class Prune(Surgery):
         max_n: Longest range removed (``0``: half the depth, at least 1).
         curves: Also draw the pruning curves of block-influence order and of greedy true
             removal (one more pass over the data per block removed).
-        linearity: Compute the linearity score of each block (``d_model²`` moments per state).
+        linearity: Compute the linearity score ``R²`` of each block (the ``blocks`` table's
+            ``linearity_r2``) and the signal ``nonlinearity``, ``1 − R²`` summed over a range
+            (``d_model²`` moments per state).
         chunk: Interventions stacked in one forward pass (``0``: all that resume at one block).
         resume: Resume each removal from the cached clean residual (``False``: run every block
             of every intervened pass, the full-forward-pass reference of ``bench/``).

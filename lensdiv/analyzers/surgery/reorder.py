@@ -19,20 +19,19 @@ each variant's accuracy on task examples, as ``prune`` measures each removal's.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from lensdiv.analyzers.surgery.base import (
     Surgery,
-    accuracy,
     add_answers,
     answer_positions,
     count_answers,
 )
-from lensdiv.analyzers.surgery.numbers import summarize
+from lensdiv.analyzers.surgery.numbers import ReorderNumbers
+from lensdiv.analyzers.surgery.present import present_reorder
 from lensdiv.core.analyzer import ModelInfo, Step
-from lensdiv.core.results import Plot, Result, Table
+from lensdiv.core.results import Result
 from lensdiv.core.stats import Stats
 from lensdiv.ops.resume import resumer_for
 from lensdiv.ops.surgery import SUMS, Program, output_sums, program_final
@@ -120,96 +119,4 @@ class Reorder(Surgery):
     def finalize(self, state: Stats, info: ModelInfo) -> Result:
         if "sums" not in state:
             raise ValueError("no position was measured; use longer sequences or more data")
-        names = [name for name, _ in self.variants(info)]
-        stats = summarize(state["sums"].cpu().T)
-        clean = summarize(state["clean"].cpu()[:, None])
-        return _present(self, info, names, stats, clean, sorted(state.get("resume", ())), state)
-
-
-def _present(
-    options: Reorder,
-    info: ModelInfo,
-    names: list[str],
-    stats: dict[str, tuple[torch.Tensor, torch.Tensor]],
-    clean: dict[str, tuple[torch.Tensor, torch.Tensor]],
-    resume: list[str],
-    state: Stats,
-) -> Result:
-    """Tables (every variant; swaps beside removals per block), plots and summary."""
-    L = info.n_layers
-    a, b = options.middle(info)
-    at = {name: i for i, name in enumerate(names)}
-    columns: dict[str, list] = {"variant": names}
-    for metric, (mean, sem) in stats.items():
-        columns[metric] = mean.tolist()
-        columns[f"{metric}_sem"] = sem.tolist()
-    task = accuracy(state)
-    task_meta: dict[str, Any] = {}
-    if task is not None:
-        columns["accuracy"] = task[0].tolist()
-        task_meta = {
-            "task": options.task,
-            "examples": int(float(state["answers_n"])),
-            "clean_accuracy": task[1],
-        }
-    kl = stats["kl"][0]
-    dce = stats["dce"][0]
-    nan = float("nan")  # the last block has no block after it to swap with
-    swaps: dict[str, list[Any]] = {
-        "block": list(range(L)),
-        "kl_swap": [float(kl[at[f"swap{s}"]]) if s < L - 1 else nan for s in range(L)],
-        "kl_remove": [float(kl[at[f"remove{s}"]]) for s in range(L)],
-        "dce_swap": [float(dce[at[f"swap{s}"]]) if s < L - 1 else nan for s in range(L)],
-        "dce_remove": [float(dce[at[f"remove{s}"]]) for s in range(L)],
-    }
-    middle = [n for n in names if not n.startswith(("swap", "remove"))]
-    worst = max(middle, key=lambda n: float(kl[at[n]]))
-    gentlest = min(middle, key=lambda n: float(kl[at[n]]))
-    cheaper = sum(
-        s < r for s, r in zip(swaps["kl_swap"][:-1], swaps["kl_remove"][:-1], strict=True)
-    )
-    summary = (
-        f"On the middle range of blocks {a}..{b - 1}, {gentlest} moves the output least "
-        f"(KL {float(kl[at[gentlest]]):.3g} nats) and {worst} most "
-        f"(KL {float(kl[at[worst]]):.3g}). Swapping blocks ℓ, ℓ+1 costs less than removing "
-        f"block ℓ for {cheaper} of {L - 1} blocks. Full model: CE "
-        f"{float(clean['ce'][0][0]):.3g} nats."
-    )
-    if task is not None:
-        kept = max(middle, key=lambda n: float(task[0][at[n]]))
-        summary += (
-            f" Task accuracy over {task_meta['examples']} examples: full model {task[1]:.0%}; "
-            f"{kept} keeps {float(task[0][at[kept]]):.0%}, the most of the middle-range variants."
-        )
-    return Result(
-        analyzer=options.name,
-        summary=summary,
-        tables={
-            "variants": Table("variants", columns, "Output effect of each variant (mean, sem)"),
-            "swaps": Table("swaps", swaps, "Swapping blocks ℓ, ℓ+1 vs removing block ℓ"),
-        },
-        plots=(
-            Plot(
-                "line",
-                "reorder_swaps",
-                "Swapping adjacent blocks vs removing one",
-                "swaps",
-                x="block",
-                y=("kl_swap", "kl_remove"),
-                xlabel="block ℓ",
-                ylabel="KL(p ‖ p_out) (nats)",
-                caption="kl_swap: blocks ℓ and ℓ+1 exchanged; kl_remove: block ℓ removed. "
-                "Lad et al. report that swapping adjacent middle blocks costs little, less "
-                "than removing one, and that the first and last blocks are fragile.",
-            ),
-        ),
-        meta={
-            "middle": [a, b],
-            "clean_ce": float(clean["ce"][0][0]),
-            "resume": resume,
-            "bos": "intervened on; "
-            + ("left out of" if options.exclude_bos else "in")
-            + " every statistic",
-            **task_meta,
-        },
-    )
+        return present_reorder(ReorderNumbers.from_state(state, info, self), self)
