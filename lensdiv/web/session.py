@@ -72,6 +72,7 @@ class _States(NamedTuple):
     clean_p: torch.Tensor  # the output distributions at the last position
     corrupt_p: torch.Tensor
 
+
 #: The patch tab's example on the toy models (byte tokenizer): subject–verb agreement as the toy
 #: corpus' grammar writes it. A singular subject makes the verb take ``s`` ("The city laughs"), a
 #: plural one does not ("The dogs laugh."); the prompts are the same length in bytes. On the
