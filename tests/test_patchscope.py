@@ -67,7 +67,7 @@ def naive(model: Any, prompt: str, position: int, start: int, h: torch.Tensor) -
             t[:, position] = row.to(t)
             return t
 
-        def keep(t: torch.Tensor, hook: Any) -> torch.Tensor:
+        def keep(t: torch.Tensor, hook: Any, kept: dict = kept) -> torch.Tensor:
             kept["h"] = t[0, -1].clone()
             return t
 

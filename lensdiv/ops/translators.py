@@ -440,7 +440,7 @@ def parse_lens(spec: Any) -> Lens:
         return read_lens(spec)
     if not isinstance(spec, str):
         raise LensError(
-            f"a lens is one of {', '.join(_made())}, 'tuned:PATH', 'jacobian:PATH', "
+            f"a lens is {', '.join(repr(k) for k in _made())}, 'tuned:PATH', 'jacobian:PATH', "
             f"'affine:PATH' or a lens folder, not {spec!r}"
         )
     name, sep, where = spec.strip().partition(":")
