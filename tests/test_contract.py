@@ -31,6 +31,7 @@ CHEAP = {
     "depth-score": {"per_grade": 2, "batch_size": 4},
     "submod": {"samples": 4, "greedy": 3},
     "fit-jacobian": {"skip_first": 4},
+    "patchscope": {"every": 8, "prompt": "a -> a; ?"},
 }
 
 
@@ -44,7 +45,7 @@ def contract_models(tiny_dirs: dict[str, Path], native_model: Any) -> dict[str, 
 def test_every_builtin_is_checked() -> None:
     assert sorted(
         ["bias", "contrib", "depth-score", "dynamics", "lens", "linmap", "patch", "skip", "submod",
-         "fit-affine", "fit-jacobian", "prune", "reorder"]
+         "fit-affine", "fit-jacobian", "prune", "reorder", "patchscope"]
     ) == BUILTIN
 
 

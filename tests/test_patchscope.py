@@ -264,3 +264,24 @@ def test_cli_shows_patchscope_beside_the_logit_lens(tiny_dirs: dict[str, Path]) 
     bad = CliRunner().invoke(app, ["lens", str(tiny_dirs["gpt2"]), TEXT,
                                    "--lens", "patchscope:colour=red"])
     assert bad.exit_code == 2 and "Traceback" not in bad.output
+
+
+def test_the_sweep_diagonal_is_the_lens_through_patchscope(tiny_dirs: dict[str, Path]) -> None:
+    """The (source × target) sweep: its diagonal is `lens --lens patchscope`, its last column
+    `--lens patchscope:target=last`, on the same positions."""
+    spec = dict(data="text:" + "the cat sat on the mat and the dog ran home. " * 4,
+                max_tokens=64, seq_len=32, progress=False)
+    sweep = analyze(str(tiny_dirs["llama"]), plugins="patchscope",
+                    options={"patchscope": {"every": "1", "exclude_bos": "false"}}, **spec)
+    assert not sweep.errors, sweep.errors
+    kl, ce = sweep["patchscope"].arrays["kl"], sweep["patchscope"].arrays["ce"]
+    L = kl.shape[0]
+    same = analyze(str(tiny_dirs["llama"]), plugins="lens", lens="patchscope", **spec)
+    last = analyze(str(tiny_dirs["llama"]), plugins="lens", lens="patchscope:target=last", **spec)
+    torch.testing.assert_close(torch.tensor(kl.diagonal()),
+                               torch.tensor(same["lens"].table()["kl"][:L]), rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(torch.tensor(ce[:, L - 1]),
+                               torch.tensor(last["lens"].table()["ce"][:L]), rtol=1e-6, atol=1e-9)
+    top1 = sweep["patchscope"].arrays["top1"]
+    assert ((top1 >= 0) & (top1 <= 1)).all()
+    assert len(sweep["patchscope"].plots) == 3
