@@ -41,6 +41,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from lensdiv.core.analyzer import ModelInfo
+from lensdiv.core.devices import input_device
 from lensdiv.core.errors import LensError
 from lensdiv.ops.capture import capture, stop_hook_name
 from lensdiv.ops.readout import final_readout
@@ -315,7 +316,9 @@ class Inspection:
     def __init__(self, model: Any, prompt: str, position: int, *, fast: bool = True) -> None:
         self.model = model
         self.n_layers = L = int(model.cfg.n_layers)
-        tokens = model.to_tokens(prompt, truncate=False)
+        # where the embedding computes (a split model's weights may sit on the meta device)
+        tokens = model.to_tokens(prompt, truncate=False, move_to_device=False)
+        tokens = tokens.to(input_device(model))
         m = int(tokens.shape[1])
         if not -m <= position < m:
             raise LensError(
@@ -468,7 +471,7 @@ class Inspection:
                 self.prefix = [(layer.keys, layer.values) for layer in cache.layers]
                 if len(self.prefix) != self.n_layers:
                     raise ValueError(f"a cache of {len(self.prefix)} layers")
-            self.mode = "cache"
+            self.mode, self.reason = "cache", ""
             want = self.clean[self.n_layers][-1]
             scale = float(want.abs().max().clamp_min(1e-6))
             tolerance = _TOLERANCE.get(want.dtype, _TOLERANCE_LOW)
