@@ -47,12 +47,22 @@ from lensdiv.data.sources import DataSpec, token_batches
 from lensdiv.ops.blocklens import PatchscopeLens, inspection
 from lensdiv.ops.capture import capture
 from lensdiv.ops.readout import block_rows, final_readout
-from lensdiv.testing.models import boot_tiny, save_tiny_model
+from lensdiv.testing.models import boot_tiny, tiny_config
 
 
-def build(layers: int, d_model: int) -> Any:
+def build(layers: int, d_model: int, n_ctx: int = 512) -> Any:
+    """A random GPT-2 of this shape (the byte tokenizer), ``n_ctx`` positions."""
+    from transformers import AutoModelForCausalLM
+
+    from lensdiv.data.tokenizer import byte_tokenizer
+
     folder = Path(tempfile.mkdtemp(prefix="bench-patchscope-")) / "gpt2"
-    return boot_tiny("gpt2", save_tiny_model("gpt2", folder, n_layers=layers, d_model=d_model))
+    config = tiny_config("gpt2", n_layers=layers, d_model=d_model)
+    config.n_positions = n_ctx
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).eval().save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    return boot_tiny("gpt2", folder)
 
 
 def batches(model: Any, tokens: int, seq_len: int) -> list[torch.Tensor]:
@@ -211,7 +221,11 @@ def main() -> None:
     last = torch.cat(prompts)[:16]
     last_states = [s.reshape(16, args.seq_len, -1)[:, -1] for s in states_of(model, last)]
     seq = batches(model, args.sequence, args.sequence)[0][:1]
-    figures = {
+    def save() -> None:
+        with open(args.out, "w") as fh:
+            json.dump(figures, fh, indent=1)
+
+    figures: dict[str, Any] = {
         "model": f"GPT-2 (Hugging Face, random), {L} layers, d_model {args.d_model}, "
         f"vocab {model.cfg.d_vocab}",
         "tokens": args.tokens,
@@ -225,18 +239,20 @@ def main() -> None:
         "floor_pieces_s": {"clean_pass": floor_clean, "blocks": floor_blocks,
                            "readout": floor_readout},
         "floor_ratio": t_lens / floor,
-        "peers_last_position_16_prompts": compare(model, last_states, torch.arange(16),
-                                                  args.repeats),
-        "peers_every_position_one_sequence": compare(
-            model, states_of(model, seq), torch.arange(seq.shape[1]), 1
-        ),
     }
+    save()
+    figures["peers_last_position_16_prompts"] = compare(model, last_states, torch.arange(16),
+                                                        args.repeats)
+    save()
+    figures["peers_every_position_one_sequence"] = compare(
+        model, states_of(model, seq), torch.arange(seq.shape[1]), 1
+    )
+    save()
     small, large = peak_rss(args, args.tokens), peak_rss(args, 4 * args.tokens)
     figures["memory_mib"] = {str(args.tokens): small, str(4 * args.tokens): large,
                              "ratio": large / small}
+    save()
     print(json.dumps(figures, indent=1))
-    with open(args.out, "w") as fh:
-        json.dump(figures, fh, indent=1)
 
 
 if __name__ == "__main__":
