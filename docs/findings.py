@@ -171,6 +171,11 @@ RULES = {
     "jacobian_lens": "a comparison, not a claim of the paper (verdict: compared): the Jacobian "
     "lens' KL to the output against the logit lens' and the tuned lens' (held-out tokens), and "
     "which reads closer to the output",
+    "patchscope_lens": "a comparison (verdict: compared): the token-identity Patchscope's KL "
+    "to the output by residual state (held-out tokens) against the logit lens' on the same "
+    "tokens and the tuned and Jacobian lenses' (their rows' held-out tokens); the paper's claim "
+    "(it estimates the next token better than the logit and tuned lenses from the middle "
+    "layers on) is stated as it holds or fails on the toy",
     "lens_bias": "reproduced if the ensemble of the residual states read through the tuned "
     "lens has a lower cross-entropy than read through the logit lens, with lower bias; partly "
     "if only one of the two holds",
@@ -887,6 +892,80 @@ def jacobian_lens(sizes: Sizes, out: Path) -> Finding:
         "question from predicting the output; a comparison, not a claim of the paper",
         figure=figure,
         values={"kl_logit": logit.tolist(), "kl_jacobian": j.tolist(), "kl_tuned": t.tolist()},
+    )
+
+
+def _recorded(out: Path, key: str) -> dict[str, Any] | None:
+    """The values of a row recorded in ``out/findings.json`` (``None``: none recorded)."""
+    path = out / "findings.json"
+    if not path.is_file():
+        return None
+    rows = {f["key"]: f for f in json.loads(path.read_text())["findings"]}
+    return rows[key]["values"] if key in rows else None
+
+
+def patchscope_lens(sizes: Sizes, out: Path) -> Finding:
+    """P1: the token-identity Patchscope's KL to the output beside the logit, tuned and
+    Jacobian lenses' (theirs from their rows as recorded, or fitted now)."""
+    from lensdiv.lenses.fit import evaluate_lens
+
+    tuned, jac = _recorded(out, "tuned_lens"), _recorded(out, "jacobian_lens")
+    if tuned is None or jac is None:
+        fits = _lens_fits(sizes, out)
+        tuned = {"kl_tuned": list(fits["tuned"].evaluation["kl_tuned"]),
+                 "tokens": fits["tuned"].manifest.get("tokens")}
+        jac = {"kl_jacobian": list(fits["jacobian"].evaluation["kl_jacobian"])}
+    tokens = max(sizes.lens_tokens // 4, 512)
+    table = evaluate_lens(sizes.lens_model, "patchscope", max_tokens=tokens,
+                          skip_tokens=int(tuned.get("tokens") or 0), progress=False)
+    logit, patch = np.asarray(table["kl_logit"]), np.asarray(table["kl_patchscope"])
+    t, j = np.asarray(tuned["kl_tuned"]), np.asarray(jac["kl_jacobian"])
+    L = len(logit) - 1
+    middle = slice(L // 2, L)  # from the middle layers on, the output aside
+    beats_logit = bool(np.all(patch[middle] < logit[middle]))
+    beats_tuned = bool(np.all(patch[middle] < t[middle]))
+    fig, (ax,) = _figure(1, 6)
+    _kl_plot(ax, table, ["patchscope"])
+    ax.plot(range(len(t)), t, "o--", label="tuned lens (its row's held-out run)")
+    ax.plot(range(len(j)), j, "s--", label="Jacobian lens (its row's held-out run)")
+    ax.legend()
+    ax.set_title(f"{sizes.lens_model}: held-out tokens")
+    figure = _save(fig, out, "p1_patchscope_lens.png")
+    pairs = ", ".join(
+        f"h{i} {a:.2f} / {b:.2f} / {c:.2f} / {d:.2f}"
+        for i, (a, b, c, d) in enumerate(zip(logit, patch, t, j, strict=True))
+    )
+    claim = (
+        "holds" if beats_logit and beats_tuned
+        else "holds against the logit lens only" if beats_logit
+        else "fails"
+    )
+    against_tuned = ", ".join(
+        f"h{i} {'lower' if patch[i] < t[i] else 'higher'} ({patch[i]:.2f} vs {t[i]:.2f})"
+        for i in range(1, L)
+    )
+    return Finding(
+        key="patchscope_lens",
+        title="The model as its own lens: the token-identity Patchscope",
+        paper="Patchscopes (Ghandeharioun et al., ICML 2024, §4.1): h_l patched into the "
+        "inspection prompt 'cat -> cat; 1135 -> 1135; hello -> hello; ?' at its last token "
+        "estimates the next token better than the logit and tuned lenses from the middle "
+        "layers on",
+        toy=f"{sizes.lens_model}, KL(p_l ‖ p_out) in nats, logit / patchscope (ℓ* = ℓ, "
+        f"{tokens} held-out tokens) / tuned / Jacobian (their rows' held-out tokens): {pairs}",
+        scaling="—",
+        command=f"lensdiv lenses evaluate {sizes.lens_model} --lens patchscope --max-tokens "
+        f"{tokens}",
+        verdict=COMPARED,
+        why=f"the paper's claim {claim} on the toy from h{L // 2} on. The patchscope reads "
+        f"{'every' if np.all(patch[:-1] < logit[:-1]) else 'not every'} state closer to the "
+        f"output than the logit lens; against the tuned lens: {against_tuned}. Caveats of a "
+        "byte-level toy: its 'next token' is one byte and the inspection prompt 44 bytes it "
+        "never saw as a list of repetitions; the tuned and Jacobian figures are on their rows' "
+        "held-out tokens, the logit and patchscope ones on the tokens after the tuned fit's",
+        figure=figure,
+        values={"kl_logit": logit.tolist(), "kl_patchscope": patch.tolist(),
+                "kl_tuned": t.tolist(), "kl_jacobian": j.tolist(), "tokens": tokens},
     )
 
 
@@ -1751,6 +1830,7 @@ MEASUREMENTS: dict[str, Callable[[Sizes, Path], Finding]] = {
     "teacher_student": teacher_student,
     "tuned_lens": tuned_lens,
     "jacobian_lens": jacobian_lens,
+    "patchscope_lens": patchscope_lens,
     "lens_bias": lens_bias,
     "study_alignment": study_alignment,
     "study_updates": study_updates,
@@ -1765,6 +1845,7 @@ MEASUREMENTS: dict[str, Callable[[Sizes, Path], Finding]] = {
 DEFINITIONS = {
     "tuned_lens": "tuned-lens",
     "jacobian_lens": "fit-jacobian",
+    "patchscope_lens": "patchscope",
     "lens_bias": "lenses",
     "contribution": "contrib",
     "skip": "skip",

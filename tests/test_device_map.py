@@ -91,6 +91,15 @@ def test_every_analyzer_matches_the_unsplit_model(split: Any, whole: Any, name: 
     assert_results_close(_unplaced(two[name]), _unplaced(one[name]), rtol=1e-6, what=name)
 
 
+def test_the_patchscope_lens_matches_the_unsplit_model(split: Any, whole: Any) -> None:
+    """The inspection prompt's cached prefix and the continuations on a split model."""
+    one = analyze(whole, data=SPEC, plugins="lens", lens="patchscope", progress=False)
+    two = analyze(split, data=SPEC, plugins="lens", lens="patchscope", progress=False)
+    assert not one.errors and not two.errors, (one.errors, two.errors)
+    assert_results_close(_unplaced(two["lens"]), _unplaced(one["lens"]), rtol=1e-6,
+                         what="lens through patchscope")
+
+
 def _unplaced(result: Result) -> Result:
     model = {k: v for k, v in result.meta["model"].items() if k != "device_map"}
     return dataclasses.replace(result, meta={**result.meta, "model": model})

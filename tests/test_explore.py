@@ -89,11 +89,12 @@ def same_view(got: dict[str, Any], view: Any) -> None:
 
 def test_info(client: TestClient, session: Session, tuned: str) -> None:
     info = client.get("/api/info").json()
-    assert info["lenses"] == ["logit", "last-block", tuned]
+    # the kinds made without files come from the registry of lens kinds, then the fitted ones
+    assert info["lenses"] == ["logit", "last-block", "patchscope", tuned]
     assert info["n_layers"] == session.info.n_layers and info["runs"] is True
 
 
-@pytest.mark.parametrize("lens", ["logit", "last-block", "tuned"])
+@pytest.mark.parametrize("lens", ["logit", "last-block", "patchscope", "tuned"])
 def test_grid_is_the_prompt_view(client: TestClient, native_model: Any, tuned: str,
                                  lens: str) -> None:
     name = tuned if lens == "tuned" else lens

@@ -254,15 +254,16 @@ class Dynamics(Analyzer):
         last = step.resid(L).reshape(n_seq * n_pos, -1)[rows]
         ce[L - 1] = cross_entropy(readout, last, wanted, workspace=ws).sum().to(ce.device)
         state.add("lens_ce", ce)
-        translator = lens_of(step)
-        if not translator.identity:  # the run's fitted lens beside it: T_l(h_l), same rows
+        lens = lens_of(step)
+        if not lens.identity:  # the run's lens beside it: R_l(h_l), same rows
             fitted = torch.zeros(L, dtype=torch.float64, device=tokens.device)
+            flat = [step.resid(layer).reshape(n_seq * n_pos, -1) for layer in range(L + 1)]
+            read = lens.reader(step.model, tokens, dtype=readout.dtype, device=readout.device)
             for layer in range(L):
-                h = step.resid(layer).reshape(n_seq * n_pos, -1)[rows]
-                h = translator.apply(h, layer, dtype=readout.dtype, device=readout.device)
+                h = read(flat, layer, rows)
                 fitted[layer] = cross_entropy(readout, h, wanted, workspace=ws).sum()
             state.add("fitted_lens_ce", fitted)
-            state.fix("lens", translator.describe())
+            state.fix("lens", lens.describe())
         state.add("lens_n", rows.numel())
         state.add("lens_blocks", len(inputs) * n_seq)
         state.fix("resume_mode", resumer.mode)
@@ -551,7 +552,7 @@ def _line_plots(fitted: Any = None) -> tuple[Plot, ...]:
             caption="h_l pushed through the final block, the final norm and the unembedding; "
             "at l = L − 1 this is the model's own loss."
             + (
-                f" {fitted['kind']}_lens_ce: h_l through the run's lens' translator T_l, then the "
+                f" {fitted['kind']}_lens_ce: h_l through the run's lens (R_l), then the "
                 "final norm and unembedding."
                 if fitted
                 else ""

@@ -1,7 +1,7 @@
 """``lens`` — the logit lens (docs/science.md A2): read every block input through the final norm
-and unembedding and compare with the model's output; or, with a fitted lens (``--lens
-tuned:PATH``, ``jacobian:PATH``, ``affine:PATH``; docs/science.md D1–D3), read each state through
-its translator first.
+and unembedding and compare with the model's output; or, with another lens (``--lens
+tuned:PATH``, ``jacobian:PATH``, ``affine:PATH``, docs/science.md D1–D3: each state through its
+translator first; ``--lens last-block`` or ``patchscope``, C1 and P1: through model blocks).
 
 Per residual state ``h_l`` (``l = 0..L``): ``KL(p_l ‖ p_out)``, top-k overlap with the output's
 top-k, entropy, and the cross-entropy, probability, rank and top-1 accuracy of the true next
@@ -85,6 +85,8 @@ class LogitLens(Analyzer):
             k=min(self.top_k, info.d_vocab),
             workspace=workspace(step),
             translator=translator,
+            model=step.model,
+            tokens=step.batch.tokens,
         )
         w = has_target.reshape(-1)[rows].double()
         state.fix("readout", readout.precision)
@@ -146,7 +148,7 @@ class LogitLens(Analyzer):
                     ("kl",),
                     "KL(p_l ‖ p_out) (nats)",
                     "p_l: h_l read through the final norm and unembedding"
-                    + (f" after the {PHRASES[lens['kind']]}' translator T_l" if lens else "")
+                    + (_through(lens) if lens else "")
                     + "; mean over positions. 0 at h_L by definition.",
                 ),
                 _line(
@@ -174,6 +176,14 @@ class LogitLens(Analyzer):
                 **({"lens": lens} if lens else {}),
             },
         )
+
+
+def _through(lens: dict[str, Any]) -> str:
+    """How the run's lens reached the readout, for a caption."""
+    phrase = PHRASES[lens["kind"]]
+    if "source" in lens:  # a fitted (affine) lens
+        return f" after the {phrase}' translator T_l"
+    return f" after the {phrase}'s blocks (docs/science.md)"
 
 
 def _line(name: str, title: str, y: tuple[str, ...], ylabel: str, caption: str) -> Plot:

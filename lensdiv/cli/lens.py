@@ -32,9 +32,10 @@ def lens(
         str,
         typer.Option(
             "--lens",
-            help="logit (h_l → final norm → unembedding), last-block, or a fitted lens "
-            "(tuned:PATH, jacobian:PATH, affine:PATH; PATH the --out folder of lensdiv lenses "
-            "fit); several, comma-separated, side by side.",
+            help="logit (h_l → final norm → unembedding), last-block, patchscope (h_l patched "
+            "into an inspection prompt; patchscope:target=last&position=-1&prompt_file=P for "
+            "options), or a fitted lens (tuned:PATH, jacobian:PATH, affine:PATH; PATH the --out "
+            "folder of lensdiv lenses fit); several, comma-separated, side by side.",
         ),
     ] = "logit",
     skip: Annotated[
@@ -55,6 +56,7 @@ def lens(
     Example: lensdiv lens gpt2 "The capital of France is" --top-k 3 --html france.html
 
     More: lensdiv lens toy "The happy dog" --lens last-block;
+    lensdiv lens toy "The happy dog" --lens logit,patchscope;
     lensdiv lens toy "The happy dog" --skip 2;
     lensdiv lens toy "The happy dog" --lens logit,tuned:lenses/toy --html cmp.html
     """

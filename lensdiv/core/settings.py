@@ -45,9 +45,9 @@ class RunSettings:
         bos: ``"prepend"`` puts BOS at position 0 of every row; ``"none"`` does not.
         seed: Seeds torch and the built-in corpus; recorded in every result.
         lens: The lens every analyzer reads residual states through: ``"logit"``,
-            ``"tuned:PATH"``, ``"jacobian:PATH"``, ``"affine:PATH"`` (PATH: a fit's ``--out``
+            ``"last-block"``, ``"patchscope[:OPTIONS]"``, ``"tuned:PATH"``, ``"jacobian:PATH"``, ``"affine:PATH"`` (PATH: a fit's ``--out``
             folder, the lens' file or folder, or a published lens' name), a path alone (the
-            kind read from its files) or a ``Translator``.
+            kind read from its files) or a ``Lens``.
         device: Where the model runs (``"cpu"``, ``"cuda:1"``, a ``torch.device``); ``None``:
             the best available.
         dtype: The model's precision (``"bfloat16"``, a ``torch.dtype``); ``None``: float32.
@@ -68,8 +68,9 @@ class RunSettings:
     seed: int = _setting(0, "Random seed (recorded in every result).", data=True)
     lens: Any = _setting(
         "logit",
-        "Read residual states through: logit (default), tuned:PATH, jacobian:PATH or "
-        "affine:PATH (PATH: the --out folder of `lensdiv lenses fit`, the lens' file or folder, "
+        "Read residual states through: logit (default), last-block, patchscope (h_l patched into "
+        "an inspection prompt; patchscope:target=last&prompt_file=P for options), tuned:PATH, "
+        "jacobian:PATH or affine:PATH (PATH: the --out folder of `lensdiv lenses fit`, the lens' file or folder, "
         "or a published lens' name), or PATH alone (the kind read from the files).",
         cli=str,
     )

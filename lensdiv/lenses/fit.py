@@ -13,8 +13,10 @@ sharded, and under ``torchrun`` its gradient is all-reduced by the run's data-pa
 Every kind's ``--out`` folder has one layout: ``manifest.json``, ``lens.json`` (the kind, and
 where the lens is: ``fit-tuned/tuned_lens/``, ``fit-affine/affine_lens/``, ``fit-jacobian/jacobian_lens.pt``),
 ``evaluation.csv``/``.json``; ``--lens KIND:OUT`` and ``--lens OUT`` read it. How each kind is
-fitted is attached to its entry in the registry of lens kinds (:data:`~lensdiv.ops.translators.LENS_KINDS`):
-:class:`AnalyzerFitter`, :class:`TunedFitter` (each a :class:`Fitter` of a :class:`FitRequest`).
+fitted is named by its entry in the registry of lens kinds (:data:`~lensdiv.ops.translators.LENS_KINDS`,
+``fitter="lensdiv.lenses.fit:TUNED_FITTER"``, imported when asked): :class:`AnalyzerFitter`,
+:class:`TunedFitter` (each a :class:`~lensdiv.ops.translators.Fitter` of a
+:class:`~lensdiv.ops.translators.FitRequest`).
 
 Then, unless the fit is one shard of many, the lens is evaluated on the tokens that follow the
 fit's in the same data (``DataSpec.skip_tokens``): the ``lens`` analyzer through the logit lens and
@@ -29,7 +31,7 @@ import inspect
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from lensdiv.core.analyzer import Analyzer, ModelInfo
 from lensdiv.core.errors import DataError, DataWarning, LensdivError, OptionError
@@ -46,8 +48,9 @@ from lensdiv.ops.translators import (
     LABELS,
     LENS_KINDS,
     PHRASES,
+    FitRequest,
+    Fitter,
     Translator,
-    attach_fitter,
     fitted_kinds,
     parse_lens,
     write_pointer,
@@ -181,13 +184,14 @@ def fit_lens(
     settings = RunSettings.of(settings, given, caller="fit_lens", defaults=_FIT_DEFAULTS)
     _no_lens(settings, "a fit reads the model's own residual states", "tuned: init=LENS")
     found = LENS_KINDS.get(kind)
-    if found is None or found.fitter is None:
+    how = None if found is None else found.fitting()
+    if found is None or how is None:
         raise OptionError(
             f"unknown lens kind {kind!r}", hint=f"use one of {', '.join(fitted_kinds())}"
         )
     out = Path(out)
     options = dict(options or {})
-    fitter, tokens, start = found.fitter.plan(
+    fitter, tokens, start = how.plan(
         FitRequest(
             preset, options, init, settings.max_tokens, settings.seq_len, settings.batch_size, shard
         )
@@ -225,7 +229,7 @@ def fit_lens(
         ),
         "the end of the fit",
     )[0]
-    lens = out / fitter.name / found.fitter.artifact if written else None
+    lens = out / fitter.name / how.artifact if written else None
     fit = LensFit(kind, lens, out, run=run, manifest=run.manifest, warnings=said)
     if lens is not None and current_world().main:
         write_pointer(out, kind, lens)  # --lens KIND:OUT and --lens OUT read it
@@ -299,32 +303,7 @@ def _say(line: str, said: list[str]) -> None:
         warnings.warn(line, DataWarning, stacklevel=3)
 
 
-# -- how each kind is fitted (attached to the kinds of lens: lensdiv.ops.translators) --------------
-
-
-@dataclass(frozen=True)
-class FitRequest:
-    """What a fit was asked for, as every :class:`Fitter` reads it: the tuned lens' ``preset``
-    and ``init`` (a start lens), the kind's ``options`` (``-O``), the run's ``max_tokens``
-    (``None``: the default), ``seq_len`` and ``batch_size``, and the ``shard`` (``None``: all)."""
-
-    preset: str | None
-    options: dict[str, Any]
-    init: Any
-    max_tokens: int | None
-    seq_len: int
-    batch_size: int
-    shard: Any
-
-
-class Fitter(Protocol):
-    """How a lens kind is fitted (attached to its :class:`~lensdiv.ops.translators.LensKind`):
-    ``plan`` gives the fitting analyzer, the tokens it reads and a start lens (or ``None``);
-    ``artifact`` is where the result leaves the lens, under the analyzer's folder."""
-
-    artifact: str
-
-    def plan(self, request: FitRequest) -> tuple[Analyzer, int, Translator | None]: ...
+# -- how each kind is fitted (named by the kinds of lens: lensdiv.ops.translators) -----------------
 
 
 @dataclass(frozen=True)
@@ -365,9 +344,10 @@ class TunedFitter:
         )
 
 
-attach_fitter("tuned", TunedFitter())
-attach_fitter("jacobian", AnalyzerFitter(JacobianFit, JACOBIAN_FILE))
-attach_fitter("affine", AnalyzerFitter(AffineFit, AFFINE_FOLDER))
+# What the kinds of lens name as their fitters (LensKind.fitter, imported when first asked).
+TUNED_FITTER: Fitter = TunedFitter()
+JACOBIAN_FITTER: Fitter = AnalyzerFitter(JacobianFit, JACOBIAN_FILE)
+AFFINE_FITTER: Fitter = AnalyzerFitter(AffineFit, AFFINE_FOLDER)
 
 
 @settings_keywords(**_EVALUATE_DEFAULTS)
@@ -521,6 +501,12 @@ def tuned_fit(
             )
         recipe = dataclasses.replace(recipe, steps=steps)
     start = parse_lens(init) if init is not None else None
+    if start is not None and not isinstance(start, Translator):
+        raise OptionError(
+            f"a tuned lens starts from an affine map of h_l, which the {start.lens_kind.phrase} "
+            "is not",
+            hint="start from a fitted lens: init=tuned:PATH, affine:PATH or jacobian:PATH",
+        )
     spec = None if start is None else start.spec
     return TunedFit.from_recipe(recipe, start=spec), recipe.steps * step, start
 

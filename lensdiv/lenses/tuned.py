@@ -337,6 +337,7 @@ class TunedFit(TunedRecipe, Analyzer):
         start = None if self.start is None else parse_lens(self.start)
         if start is not None:
             start.check(info)
+        assert start is None or isinstance(start, Translator)  # checked by fit_lens' plan
         return self.start_state(info, start)
 
     def start_state(self, info: ModelInfo, start: Translator | None = None) -> Stats:

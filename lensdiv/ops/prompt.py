@@ -7,6 +7,8 @@ Readings of the same grid (:class:`~lensdiv.view.prompt.PromptView`; several sid
   through the final norm and the unembedding; the top row is the model's output.
 - ``lens="last-block"`` (docs/science.md C1): each ``h_l`` through the final block first, then the
   final norm and the unembedding; at ``l = L − 1`` this is the model's output.
+- ``lens="patchscope"`` (docs/science.md P1): each ``h_l`` patched into an inspection prompt
+  (:mod:`lensdiv.ops.blocklens`), the model run on, the prompt's last position read out.
 - a fitted lens (``lens="tuned:PATH"``, ``"jacobian:PATH"``, ``"affine:PATH"``; docs/science.md
   D1–D3): each ``h_l`` through the lens' translator ``T_l``, then the final norm and unembedding.
 - ``skip=s``: the logit lens of the model with block ``s`` skipped (``h_{s+1} := h_s``, or only
@@ -24,7 +26,7 @@ number in float32).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,11 +40,9 @@ from lensdiv.models.load import load_model
 from lensdiv.ops.capture import capture
 from lensdiv.ops.cells import Cells, cells, describe
 from lensdiv.ops.readout import Workspace, final_readout, readout_dtype
-from lensdiv.ops.resume import Resumer
-from lensdiv.ops.translators import LABELS, LENS_KINDS, PHRASES, Translator, is_path, parse_lens
+from lensdiv.ops.translators import LENS_KINDS, Lens, is_path, parse_lens
 from lensdiv.view.prompt import PromptView, PromptViews
 
-LENSES = ("logit", "last-block")
 PARTS = ("block", "attn", "mlp")
 
 
@@ -66,9 +66,10 @@ def prompt_view(
         model: A ``TransformerBridge`` or a model spec (``"toy"``, ``"gpt2"``, a folder).
         text: The prompt.
         top_k: Tokens kept per cell (shown on hover).
-        lens: ``"logit"``, ``"last-block"`` (see the module docstring), a fitted lens
-            (``"tuned:PATH"``, ``"jacobian:PATH"``, ``"affine:PATH"`` or a
-            :class:`~lensdiv.ops.translators.Translator`), or several of them (a comma-separated
+        lens: Any lens ``--lens`` takes (:func:`~lensdiv.ops.translators.parse_lens`:
+            ``"logit"``, ``"last-block"``, ``"patchscope[:OPTIONS]"``, a fitted lens
+            ``"tuned:PATH"``, ``"jacobian:PATH"``, ``"affine:PATH"``, or a
+            :class:`~lensdiv.ops.translators.Lens`), or several of them (a comma-separated
             string or a list): then a :class:`~lensdiv.view.prompt.PromptViews`, the lenses
             side by side.
         skip: Skip this block (0-based) at every position but the first; logit lens only.
@@ -112,14 +113,12 @@ def prompt_view(
             )
         )
     lens = lenses[0]
-    translator = lens if isinstance(lens, Translator) else None
     info = ModelInfo.from_model(model)
     L = info.n_layers
-    if translator is not None:
-        translator.check(info)
-        if skip is not None:
-            raise OptionError("--skip works with the logit lens only", hint="drop --lens")
-    _check_options(top_k, "logit" if translator is not None else lens, skip, part, L)
+    lens.check(info)
+    if skip is not None and not lens.identity:
+        raise OptionError("--skip works with the logit lens only", hint="drop --lens")
+    _check_options(top_k, skip, part, L)
     tokens = _tokens(model, text, prepend_bos)
     names = [info.resid(layer) for layer in range(L + 1)]
     with torch.no_grad():
@@ -131,17 +130,13 @@ def prompt_view(
                 _, states = capture(model, tokens, names, need_logits=False)
             rows = [states[name][0] for name in names]
             labels = [f"h{layer}" for layer in range(L + 1)]
-        elif lens == "last-block":
-            rows = _through_last_block(model, tokens, [clean[name] for name in names[:-1]])
-            labels = [f"h{layer}" for layer in range(L)]
         else:
-            rows = [clean[name][0] for name in names]
-            labels = [f"h{layer}" for layer in range(L + 1)]
-            if translator is not None:
-                rows = [
-                    translator.apply(h, layer, dtype=full.dtype, device=full.device)
-                    for layer, h in enumerate(rows)
-                ]
+            flat = [clean[name][0] for name in names]
+            every = torch.arange(tokens.shape[1], device=tokens.device)
+            read = lens.reader(model, tokens, dtype=full.dtype, device=full.device)
+            shown = lens.shown(L)
+            rows = [read(flat, layer, every) for layer in shown]
+            labels = [f"h{layer}" for layer in shown]
         following = torch.cat([tokens[0, 1:], tokens[0, :1]])  # the last one unused
         grid = cells(
             full,
@@ -152,22 +147,20 @@ def prompt_view(
             products=products,
             workspace=workspace,
         )
-    kind = translator.kind if translator is not None else lens
-    title, note = _describe(kind, skip, part, L)
-    fields = _view(model, info, tokens[0], grid, labels, title, note, kind, skip)
+    title, note = _describe(lens, skip, part, L)
+    fields = _view(model, info, tokens[0], grid, labels, title, note, lens.kind, skip)
+    dtype = next(model.parameters()).dtype
     return PromptView(
         **fields,
         meta={
             "lensdiv": versions()["lensdiv"],
-            "lens": "skip" if skip is not None else kind,
-            **({"translator": translator.describe()} if translator is not None else {}),
+            "lens": "skip" if skip is not None else lens.kind,
+            **({"translator": lens.describe()} if not lens.identity else {}),
             "top_k": top_k,
             "prepend_bos": prepend_bos,
-            "readout_dtype": str(readout_dtype(next(model.parameters()).dtype)).replace(
-                "torch.", ""
-            ),
+            "readout_dtype": str(readout_dtype(dtype)).replace("torch.", ""),
             "readout": how if grid.products == "float32" else f"{how}; {describe(grid.products)}",
-            "model_dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+            "model_dtype": str(dtype).replace("torch.", ""),
             **({"skip": skip, "part": part} if skip is not None else {}),
         },
     )
@@ -212,34 +205,6 @@ def skip_hooks(skip: int, part: str) -> list[tuple[str, Callable[..., Tensor]]]:
     return [(f"blocks.{skip}.hook_resid_pre", keep), (f"blocks.{skip}.hook_resid_post", replace)]
 
 
-def _through_last_block(
-    model: Any, tokens: Int[Tensor, "1 pos"], states: Sequence[Float[Tensor, "1 pos d_model"]]
-) -> list[Float[Tensor, "pos d_model"]]:
-    """``f_{L-1}(h_l)`` for ``l = 0..L-2`` (resumed at the final block), then ``h_L`` itself."""
-    L = len(states)
-    out: dict[str, Tensor] = {}
-
-    def keep(tensor: Tensor, *, hook: Any) -> Tensor:
-        out["h"] = tensor.detach()
-        return tensor
-
-    rows: list[Tensor] = []
-    if L > 1:
-        resumer = Resumer(model)
-        stacked = torch.cat(list(states[:-1]))
-        resumer.run(
-            tokens.repeat(L - 1, 1),
-            L - 1,
-            stacked,
-            [(f"blocks.{L - 1}.hook_resid_post", keep)],
-            logits=False,
-        )
-        rows = list(out["h"])
-    final = f"blocks.{L - 1}.hook_resid_post"
-    _, last = capture(model, tokens, [final], need_logits=False)
-    return [*rows, last[final][0]]
-
-
 def _view(
     model: Any,
     info: ModelInfo,
@@ -272,7 +237,7 @@ def _view(
     }
 
 
-def _describe(lens: str, skip: int | None, part: str, n_layers: int) -> tuple[str, str]:
+def _describe(lens: Lens, skip: int | None, part: str, n_layers: int) -> tuple[str, str]:
     if skip is not None:
         what = f"block {skip}" if part == "block" else f"the {part} write of block {skip}"
         return (
@@ -281,29 +246,11 @@ def _describe(lens: str, skip: int | None, part: str, n_layers: int) -> tuple[st
             f"but the first, through the final norm and unembedding; KL is to the unskipped "
             f"model's output.",
         )
-    if lens in LENS_KINDS and LENS_KINDS[lens].read is not None:  # a fitted lens
-        label = LABELS[lens]
-        return (
-            label,
-            f"Row h_l: the residual stream before block l through the {PHRASES[lens]}' "
-            f"translator T_l, then the final norm and unembedding; h{n_layers} (top) is the "
-            "model's output.",
-        )
-    if lens == "last-block":
-        return (
-            "Last-block lens",
-            f"Row h_l: the residual stream before block l pushed through the final block "
-            f"({n_layers - 1}), the final norm and the unembedding; the top row is the output.",
-        )
-    return (
-        "Logit lens",
-        "Row h_l: the residual stream before block l through the final norm and unembedding; "
-        f"h{n_layers} (top) is the model's output.",
-    )
+    return lens.label, lens.lens_kind.explain(n_layers)
 
 
-def _lenses(lens: Any) -> list[Any]:
-    """``lens`` as a list of ``"logit"``, ``"last-block"`` and fitted lenses (translators)."""
+def _lenses(lens: Any) -> list[Lens]:
+    """``lens`` as a list of lenses (a comma-separated string, a list, or one)."""
     given = (
         lens.split(",")
         if isinstance(lens, str)
@@ -311,38 +258,33 @@ def _lenses(lens: Any) -> list[Any]:
         if isinstance(lens, (list, tuple))
         else [lens]
     )
-    out: list[Any] = []
+    out: list[Lens] = []
     for one in given:
         name = one.strip() if isinstance(one, str) else one
-        if name in LENSES:
-            out.append(name)
-        elif isinstance(name, str) and ":" not in name and not is_path(name):
-            raise OptionError(
-                f"unknown lens {name!r}",
-                hint="use logit, last-block, or a fitted lens: tuned:PATH, jacobian:PATH, "
-                "affine:PATH, or a lens folder",
-            )
-        else:
-            out.append(parse_lens(name))
+        if isinstance(name, str) and ":" not in name and not is_path(name):
+            kind = LENS_KINDS.get(name.lower())
+            if kind is None or kind.make is None:
+                made = [k for k, found in LENS_KINDS.items() if found.make is not None]
+                raise OptionError(
+                    f"unknown lens {name!r}",
+                    hint=f"use {', '.join(made)}, or a fitted lens: tuned:PATH, jacobian:PATH, "
+                    "affine:PATH, or a lens folder",
+                )
+        out.append(parse_lens(name))
     if not out:
         raise OptionError("no lens given", hint="e.g. --lens logit,tuned:DIR")
     return out
 
 
-def _check_options(top_k: int, lens: str, skip: int | None, part: str, n_layers: int) -> None:
+def _check_options(top_k: int, skip: int | None, part: str, n_layers: int) -> None:
     if top_k < 1:
         raise OptionError(f"--top-k must be at least 1, got {top_k}")
-    if lens not in LENSES:
-        raise OptionError(f"unknown lens {lens!r}", hint=f"use one of {', '.join(LENSES)}")
     if part not in PARTS:
         raise OptionError(f"unknown part {part!r}", hint=f"use one of {', '.join(PARTS)}")
-    if skip is not None:
-        if not 0 <= skip < n_layers:
-            raise OptionError(
-                f"cannot skip block {skip}: the model has {n_layers} blocks (0-{n_layers - 1})"
-            )
-        if lens != "logit":
-            raise OptionError("--skip works with the logit lens only", hint="drop --lens")
+    if skip is not None and not 0 <= skip < n_layers:
+        raise OptionError(
+            f"cannot skip block {skip}: the model has {n_layers} blocks (0-{n_layers - 1})"
+        )
 
 
 def _tokens(model: Any, text: str, prepend_bos: bool) -> Int[Tensor, "1 pos"]:

@@ -38,7 +38,7 @@ from torch import Tensor
 from lensdiv.core.analyzer import Step
 from lensdiv.core.errors import HookError
 from lensdiv.ops.norms import FinalNorm, ModuleNorm, NoNorm, declared_norm
-from lensdiv.ops.translators import LOGIT, Translator
+from lensdiv.ops.translators import LOGIT, Lens
 
 # Full-vocabulary elements of one readout buffer ([rows, d_vocab]); a lens holds three of them
 # (128 MiB each in float32). Large enough for an efficient unembedding matmul on any vocabulary:
@@ -422,7 +422,7 @@ def workspace(step: Step) -> Workspace:
     return ws
 
 
-def lens_of(step: Step) -> Translator:
+def lens_of(step: Step) -> Lens:
     """The run's lens (``--lens``; the logit lens unless one was given)."""
     lens = step.context.lens
     return LOGIT if lens is None else lens
@@ -548,7 +548,9 @@ def lens_statistics(
     reference: int = -1,
     workspace: Workspace | None = None,
     block_elements: int = BLOCK_ELEMENTS,
-    translator: Translator | None = None,
+    translator: Lens | None = None,
+    model: Any = None,
+    tokens: Int[Tensor, "batch pos"] | None = None,
 ) -> LensRows:
     """The lens of every state at the given rows, against the reference state's output.
 
@@ -566,8 +568,11 @@ def lens_statistics(
         reference: Index into ``states`` of the output state (default the last).
         workspace: Scratch buffers (a fresh one when omitted).
         block_elements: Logits per buffer (rows per block = this / d_vocab).
-        translator: The lens' translators, indexed like ``states`` (``None``: the logit lens);
-            applied in the readout dtype before the final norm.
+        translator: The lens (:class:`~lensdiv.ops.translators.Lens`; ``None``: the logit
+            lens), indexed like ``states``: its reader gives the state the final norm reads
+            (an affine translator applied in the readout dtype; a lens that runs blocks, in
+            the model's).
+        model, tokens: The model and the batch's tokens, for a lens that runs model blocks.
 
     Returns:
         :class:`LensRows` on the device of ``rows``.
@@ -585,6 +590,7 @@ def lens_statistics(
     targets = targets.to(device)
     step = block_rows(V, block_elements)
     order = [reference] + [i for i in range(n_states) if i != reference]
+    read = (translator or LOGIT).reader(model, tokens, dtype=dtype, device=device)
     for lo in range(0, n, step):
         idx = rows[lo : lo + step]
         r, t, block = int(idx.numel()), targets[lo : lo + step], slice(lo, lo + step)
@@ -593,9 +599,7 @@ def lens_statistics(
         scratch = ws.get("lens.scratch", (r, V), dtype, device)
         ref: RowStats | None = None
         for i in order:
-            h = flat[i].index_select(0, idx.to(flat[i].device))
-            if translator is not None and translator.translates(i):
-                h = translator.apply(h, i, dtype=dtype, device=device)
+            h = read(flat, i, idx)
             if i == reference:
                 logits = readout.logits(h, out=z_ref)
                 s = ref = row_stats(logits, scratch, targets=t, k=k, expect=True, product=z)

@@ -27,9 +27,11 @@ model) on the readout's device, to a state already converted to that dtype: the 
 :mod:`lensdiv.ops.readout` holds, and the cost is one ``d_model × d_model`` matmul per state.
 
 **Kinds of lens** are objects in one registry (:data:`LENS_KINDS`, :class:`LensKind`): a kind's
-name and how results name it, its file layout (a reader, a writer), where a fit's output folder
-holds it, and — attached by :mod:`lensdiv.lenses.fit`, the layer above — how it is fitted. Adding
-a kind is one :func:`register_lens_kind` call (ARCHITECTURE.md lists the steps).
+name and how results name it, its file layout (a reader, a writer) or how it is made without
+files, where a fit's output folder holds it, and how it is fitted (its :class:`Fitter`, named by
+import path and imported when asked). Every lens is a :class:`Lens`: affine translators here,
+readouts that run model blocks (``last-block``, ``patchscope``) in :mod:`lensdiv.ops.blocklens`.
+Adding a kind is one :func:`register_lens_kind` call (ARCHITECTURE.md lists the steps).
 
 **Files.** ``--lens KIND:PATH`` takes the output folder of ``lensdiv lenses fit --kind KIND --out
 PATH`` (its ``lens.json`` says where the lens is), the lens' own file or folder, or other tools'
@@ -45,20 +47,21 @@ Hugging Face hub (tuned-lens's lenses; ``JacobianLens.from_pretrained``); a path
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
+import importlib
 import json
 import os
-from collections.abc import Callable, Iterator, Mapping
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from lensdiv.core.analyzer import ModelInfo
+from lensdiv.core.analyzer import Analyzer, ModelInfo
 from lensdiv.core.errors import LensError
 from lensdiv.ops.lens_files import (
     JACOBIAN_FILE,
@@ -83,9 +86,81 @@ from lensdiv.ops.lens_files import (
 LENS_FILE = "lens.json"
 
 
+#: What a lens' reader does: ``read(states, index, rows)`` → the state the final norm reads for
+#: the given flat rows of residual state ``h_index`` (``states``: every ``h_l`` of one batch,
+#: flattened to ``[rows, d_model]``).
+Reader = Callable[[Sequence[Tensor], int, Tensor], Tensor]
+
+
+class Lens(ABC):
+    """A lens: reads residual states ``h_l`` (any ``l``, any positions) into next-token logits,
+    as ``readout(R_l(h_l))`` with the model's final norm and unembedding (:mod:`lensdiv.ops.readout`).
+
+    Two families: affine translators (:class:`Translator`: logit, tuned, Jacobian, affine), whose
+    ``R_l`` is an affine map of the state alone, and readouts that run model blocks
+    (:mod:`lensdiv.ops.blocklens`: ``last-block``, ``patchscope``). Every lens reads ``h_L`` (the
+    final residual) as it is, so the model's output is every lens' reference.
+
+    Attributes:
+        kind: The name of its kind in :data:`LENS_KINDS`.
+        affine: Whether ``R_l`` is an affine map of ``h_l`` alone (what a decomposition into
+            members needs: ``bias``).
+    """
+
+    kind: str
+    affine: ClassVar[bool] = False
+
+    @property
+    def lens_kind(self) -> LensKind:
+        """Its kind, from the registry."""
+        return LENS_KINDS[self.kind]
+
+    @property
+    def label(self) -> str:
+        """``"Tuned lens"``: how results name it."""
+        return self.lens_kind.label
+
+    @property
+    def identity(self) -> bool:
+        """The logit lens: every state read as it is."""
+        return False
+
+    @property
+    def source(self) -> str | None:
+        """Where its files came from (``None``: it has none)."""
+        return None
+
+    @property
+    @abstractmethod
+    def spec(self) -> str:
+        """What ``--lens`` takes to make this lens again."""
+
+    def translates(self, index: int) -> bool:
+        """Whether residual state ``h_index`` is changed before the readout."""
+        return False
+
+    def shown(self, n_layers: int) -> range:
+        """The residual indices the prompt view shows (``h_0..h_L``; fewer where two coincide)."""
+        return range(n_layers + 1)
+
+    def check(self, info: ModelInfo) -> None:  # noqa: B027 - most lenses fit every model
+        """Refuse a model this lens cannot read (raises :class:`LensError`)."""
+
+    @abstractmethod
+    def describe(self) -> dict[str, Any]:
+        """What the manifest and every result record of the lens (the same on every shard)."""
+
+    @abstractmethod
+    def reader(
+        self, model: Any, tokens: Tensor | None, *, dtype: torch.dtype, device: torch.device
+    ) -> Reader:
+        """The reader of one batch: ``tokens`` ``[batch, pos]`` are the batch's (what a lens
+        that runs blocks over the sequence needs); ``dtype`` and ``device`` are the readout's."""
+
+
 @dataclass(frozen=True, eq=False)
-class Translator:
-    """A lens' per-layer translators (see the module docstring).
+class Translator(Lens):
+    """A lens' per-layer affine translators (see the module docstring).
 
     Args:
         kind: ``logit``, ``tuned``, ``jacobian`` or ``affine``.
@@ -103,11 +178,7 @@ class Translator:
     _placed: dict[tuple[int, torch.dtype, torch.device], tuple[Tensor, Tensor | None]] = field(
         default_factory=dict, repr=False
     )
-
-    @property
-    def label(self) -> str:
-        """``"Tuned lens"``: how results name it."""
-        return LABELS[self.kind]
+    affine: ClassVar[bool] = True
 
     @property
     def identity(self) -> bool:
@@ -122,6 +193,19 @@ class Translator:
     def translates(self, index: int) -> bool:
         """Whether residual state ``h_index`` is changed before the readout."""
         return index in self.maps
+
+    def reader(
+        self, model: Any, tokens: Tensor | None, *, dtype: torch.dtype, device: torch.device
+    ) -> Reader:
+        """The rows of ``h_index``, through ``T_index`` where it has one."""
+
+        def read(states: Sequence[Tensor], index: int, rows: Tensor) -> Tensor:
+            h = states[index].index_select(0, rows.to(states[index].device))
+            if self.translates(index):
+                h = self.apply(h, index, dtype=dtype, device=device)
+            return h
+
+        return read
 
     def apply(
         self,
@@ -200,9 +284,42 @@ LOGIT = Translator()
 
 
 @dataclass(frozen=True)
+class FitRequest:
+    """What a fit was asked for, as every :class:`Fitter` reads it: the tuned lens' ``preset``
+    and ``init`` (a start lens), the kind's ``options`` (``-O``), the run's ``max_tokens``
+    (``None``: the default), ``seq_len`` and ``batch_size``, and the ``shard`` (``None``: all)."""
+
+    preset: str | None
+    options: dict[str, Any]
+    init: Any
+    max_tokens: int | None
+    seq_len: int
+    batch_size: int
+    shard: Any
+
+
+@runtime_checkable
+class Fitter(Protocol):
+    """How a lens kind is fitted (:attr:`LensKind.fitter`): ``plan`` gives the fitting analyzer,
+    the tokens it reads and a start lens (or ``None``); ``artifact`` is where the result leaves
+    the lens, under the analyzer's folder."""
+
+    @property
+    def artifact(self) -> str: ...
+
+    def plan(self, request: FitRequest) -> tuple[Analyzer, int, Translator | None]: ...
+
+
+def _resolve(where: str) -> Any:
+    """The object at ``"package.module:attribute"`` (imported now)."""
+    module, _, attribute = where.partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
+@dataclass(frozen=True)
 class LensKind:
-    """One kind of lens: what reads its files, what the fit's output folder holds, how results
-    name it, and (attached by :mod:`lensdiv.lenses.fit`) how it is fitted.
+    """One kind of lens: what reads its files or makes it, what the fit's output folder holds,
+    how results name it, and how it is fitted.
 
     Args:
         name: What ``--lens NAME:PATH`` and ``lenses fit --kind NAME`` call it.
@@ -210,14 +327,21 @@ class LensKind:
         phrase: The same in the middle of a sentence (``"tuned lens"``).
         layout: Its file layout in words (``"tuned-lens's layout"``).
         read: ``read(path, kind, source)``: the translator in a local file or folder of this
-            layout (``None``: nothing to read, the logit lens).
+            layout (``None``: nothing to read).
         write: ``write(path, maps, n_layers, model_name)``: write a lens' maps in this layout
             (the fits write through the same writers, as their results' artifacts).
         owns: Whether a file or folder is a lens of this kind (``--lens PATH`` without a kind).
         hub: ``hub(name, kind)``: a published lens by name (``None``: none is published).
         fitted: Where ``lensdiv lenses fit --kind NAME --out D`` leaves the lens, relative to
             ``D`` (found there when ``D`` has no ``lens.json``: merged shards).
-        fitter: How it is fitted (a :class:`lensdiv.lenses.fit.Fitter`; ``None``: it is not).
+        fitter: How it is fitted: a :class:`Fitter`, or where one is (``"module:attribute"``,
+            imported when first asked, so that the answer never depends on what was imported
+            before); ``None``: it is not fitted.
+        make: ``make(options)``: the lens of a kind with no files (``logit``, ``last-block``,
+            ``patchscope``) from what follows ``NAME:`` in ``--lens`` (``""`` for nothing);
+            a callable or where one is (``"module:attribute"``).
+        note: What a row ``h_l`` of its prompt view shows (``{L}``: the blocks, ``{last}``:
+            ``L − 1``); empty: an affine translator's ``T_l`` then the readout.
     """
 
     name: str
@@ -229,7 +353,35 @@ class LensKind:
     owns: Callable[[Path], bool] | None = None
     hub: Callable[[str, str], Translator] | None = None
     fitted: str | None = None
-    fitter: Any = None
+    fitter: Fitter | str | None = None
+    make: Callable[[str], Lens] | str | None = None
+    note: str = ""
+
+    def explain(self, n_layers: int) -> str:
+        """What a row ``h_l`` of its prompt view shows, in a sentence or two."""
+        if self.note:
+            return self.note.format(L=n_layers, last=n_layers - 1)
+        return (
+            f"Row h_l: the residual stream before block l through the {self.phrase}' translator "
+            f"T_l, then the final norm and unembedding; h{n_layers} (top) is the model's output."
+        )
+
+    def fitting(self) -> Fitter | None:
+        """Its :class:`Fitter` (imported from where :attr:`fitter` says, on first use)."""
+        found: Fitter | None = _resolve(self.fitter) if isinstance(self.fitter, str) else self.fitter
+        return found
+
+    def build(self, options: str = "") -> Lens:
+        """The lens of a kind without files from ``options`` (what follows ``NAME:``).
+
+        Raises:
+            LensError: The kind is read from files, or the options are not its own.
+        """
+        if self.make is None:
+            raise LensError(f"a {self.phrase} is read from files: --lens {self.name}:PATH")
+        make = _resolve(self.make) if isinstance(self.make, str) else self.make
+        lens: Lens = make(options)
+        return lens
 
 
 #: Every kind of lens by name (:func:`register_lens_kind` adds one).
@@ -237,14 +389,10 @@ LENS_KINDS: dict[str, LensKind] = {}
 
 
 def register_lens_kind(kind: LensKind) -> LensKind:
-    """Add (or replace) a kind of lens; returns it."""
+    """Add (or replace) a kind of lens, with its reader, maker and fitter in one step; returns
+    it."""
     LENS_KINDS[kind.name] = kind
     return kind
-
-
-def attach_fitter(name: str, fitter: Any) -> LensKind:
-    """Say how the kind ``name`` is fitted (the layer that fits lenses does)."""
-    return register_lens_kind(dataclasses.replace(LENS_KINDS[name], fitter=fitter))
 
 
 def fitted_kinds() -> list[str]:
@@ -274,31 +422,32 @@ LABELS: Mapping[str, str] = _Names("label")
 PHRASES: Mapping[str, str] = _Names("phrase")
 
 
-def parse_lens(spec: Any) -> Translator:
-    """A translator from what ``--lens`` / ``lens=`` take: ``"logit"``, ``"KIND:PATH"``
-    (``tuned``, ``jacobian``, ``affine``: the output folder of ``lensdiv lenses fit``, the lens'
-    own file or folder, another tool's file, or a published lens' name), ``PATH`` (the kind read
-    from the files), or a :class:`Translator`.
+def parse_lens(spec: Any) -> Lens:
+    """A lens from what ``--lens`` / ``lens=`` take: a kind without files (``"logit"``,
+    ``"last-block"``, ``"patchscope"`` or ``"patchscope:OPTIONS"``), ``"KIND:PATH"`` (``tuned``,
+    ``jacobian``, ``affine``: the output folder of ``lensdiv lenses fit``, the lens' own file or
+    folder, another tool's file, or a published lens' name), ``PATH`` (the kind read from the
+    files), or a :class:`Lens`.
 
     Raises:
         LensError: Not one of these, or a file that cannot be read (one line, with a hint).
     """
     if spec is None:
         return LOGIT
-    if isinstance(spec, Translator):
+    if isinstance(spec, Lens):
         return spec
     if isinstance(spec, Path):
         return read_lens(spec)
     if not isinstance(spec, str):
         raise LensError(
-            f"a lens is 'logit', 'tuned:PATH', 'jacobian:PATH', 'affine:PATH' or a lens "
-            f"folder, not {spec!r}"
+            f"a lens is {', '.join(repr(k) for k in _made())}, 'tuned:PATH', 'jacobian:PATH', "
+            f"'affine:PATH' or a lens folder, not {spec!r}"
         )
     name, sep, where = spec.strip().partition(":")
     name = name.strip().lower()
-    if name == "logit" and not sep:
-        return LOGIT
     kind = LENS_KINDS.get(name)
+    if kind is not None and kind.make is not None and kind.read is None:
+        return kind.build(where.strip())
     if sep and kind is not None and kind.read is not None and where.strip():
         return read_lens(where.strip(), kind.name)
     if (not sep or kind is None) and is_path(spec.strip()):
@@ -306,8 +455,14 @@ def parse_lens(spec: Any) -> Translator:
     fitted = ", ".join(f"{k}:PATH" for k, found in LENS_KINDS.items() if found.read is not None)
     raise LensError(
         f"unknown lens {spec!r}",
-        hint=f"use logit, {fitted} or a lens folder (the --out of lensdiv lenses fit)",
+        hint=f"use {', '.join(_made())}, {fitted} or a lens folder (the --out of lensdiv "
+        "lenses fit)",
     )
+
+
+def _made() -> list[str]:
+    """The kinds made without files (``logit``, ``last-block``, ``patchscope``)."""
+    return [name for name, kind in LENS_KINDS.items() if kind.make is not None]
 
 
 def is_path(where: str) -> bool:
@@ -453,7 +608,43 @@ def _fitted_by(kind: str) -> Callable[[Path], bool]:
 
 
 TUNED_LAYOUT = f"tuned-lens's layout ({TUNED_CONFIG} + {TUNED_PARAMS})"
-register_lens_kind(LensKind("logit", "Logit lens", "logit lens"))
+def _logit(options: str) -> Translator:
+    if options:
+        raise LensError(f"the logit lens takes no options, not {options!r}", hint="use --lens logit")
+    return LOGIT
+
+
+register_lens_kind(
+    LensKind(
+        "logit",
+        "Logit lens",
+        "logit lens",
+        make=_logit,
+        note="Row h_l: the residual stream before block l through the final norm and "
+        "unembedding; h{L} (top) is the model's output.",
+    )
+)
+register_lens_kind(
+    LensKind(
+        "last-block",
+        "Last-block lens",
+        "last-block lens",
+        make="lensdiv.ops.blocklens:last_block",
+        note="Row h_l: the residual stream before block l pushed through the final block "
+        "({last}), the final norm and the unembedding; the top row is the output.",
+    )
+)
+register_lens_kind(
+    LensKind(
+        "patchscope",
+        "Patchscope lens",
+        "patchscope lens",
+        make="lensdiv.ops.blocklens:patchscope",
+        note="Row h_l: the residual stream before block l patched into the inspection prompt "
+        "(its last position, as the input of block l), the model run on, and read at the "
+        "prompt's last position; h{L} (top) is the model's output.",
+    )
+)
 register_lens_kind(
     LensKind(
         "tuned",
@@ -465,6 +656,7 @@ register_lens_kind(
         owns=_fitted_by("tuned"),
         hub=_tuned_hub,
         fitted="fit-tuned/tuned_lens",
+        fitter="lensdiv.lenses.fit:TUNED_FITTER",
     )
 )
 register_lens_kind(
@@ -478,6 +670,7 @@ register_lens_kind(
         owns=is_jacobian_file,
         hub=_jacobian_hub,
         fitted=f"fit-jacobian/{JACOBIAN_FILE}",
+        fitter="lensdiv.lenses.fit:JACOBIAN_FITTER",
     )
 )
 register_lens_kind(
@@ -491,14 +684,15 @@ register_lens_kind(
         owns=_fitted_by("affine"),
         hub=_tuned_hub,
         fitted="fit-affine/affine_lens",
+        fitter="lensdiv.lenses.fit:AFFINE_FITTER",
     )
 )
 
 
-def write_lens(path: str | Path, lens: Translator, *, n_layers: int, model_name: str) -> list[Path]:
+def write_lens(path: str | Path, lens: Lens, *, n_layers: int, model_name: str) -> list[Path]:
     """Write ``lens`` in its kind's layout (``n_layers``: the model's blocks)."""
     found = LENS_KINDS[lens.kind]
-    if found.write is None:
+    if found.write is None or not isinstance(lens, Translator):
         raise LensError(f"a {found.phrase} has no file to write")
     maps = LensMaps(dict(lens.maps), lens.d_model, dict(lens.meta))
     return found.write(Path(path), maps, n_layers, model_name)
@@ -526,10 +720,13 @@ __all__ = [
     "PHRASES",
     "TUNED_CONFIG",
     "TUNED_PARAMS",
+    "FitRequest",
+    "Fitter",
+    "Lens",
     "LensKind",
     "Map",
+    "Reader",
     "Translator",
-    "attach_fitter",
     "fitted_kinds",
     "is_path",
     "parse_lens",

@@ -31,7 +31,7 @@ from lensdiv.core.errors import HookError
 from lensdiv.core.results import Result
 from lensdiv.core.stats import Stats
 from lensdiv.ops.capture import capture
-from lensdiv.ops.translators import Translator
+from lensdiv.ops.translators import Lens
 
 
 def check_hooks(analyzers: Iterable[Analyzer], info: ModelInfo) -> dict[str, list[str]]:
@@ -110,7 +110,7 @@ class Engine:
         *,
         hooks: Mapping[str, list[str]] | None = None,
         resources: Mapping[str, Any] | None = None,
-        lens: Translator | None = None,
+        lens: Lens | None = None,
     ) -> None:
         self.model = model
         self.info = info

@@ -103,8 +103,9 @@ def example_views(run: Run, model: Any, prompts: Sequence[str] | None = None) ->
     bos = run.manifest.get("data", {}).get("bos", "prepend") == "prepend"
     views = [prompt_view(model, text, top_k=top_k, prepend_bos=bos) for text in texts]
     lens = run.manifest.get("lens", {})
-    if texts and lens.get("source"):  # the run read through a fitted lens: show it beside
-        fitted = parse_lens(f"{lens['kind']}:{lens['source']}")
+    spec = lens.get("spec") or (f"{lens['kind']}:{lens['source']}" if lens.get("source") else "")
+    if texts and spec and spec != "last-block":  # the run's own lens: show it beside
+        fitted = parse_lens(spec)
         views.insert(1, prompt_view(model, texts[0], top_k=top_k, lens=fitted, prepend_bos=bos))
     if texts and "dynamics" in run.results:
         views.append(prompt_view(model, texts[0], top_k=top_k, lens="last-block", prepend_bos=bos))

@@ -31,7 +31,7 @@ from lensdiv.data.prefetch import ready_batches
 from lensdiv.data.sources import DataSpec, check_source, most_tokens
 from lensdiv.models.load import load_model
 from lensdiv.ops.readout import readout_dtype
-from lensdiv.ops.translators import LOGIT, Translator, parse_lens
+from lensdiv.ops.translators import LOGIT, Lens, parse_lens
 from lensdiv.run.distributed import DataParallelFeed, World, current_world, gather_objects
 from lensdiv.run.engine import Engine, describe, input_device
 from lensdiv.run.feed import Feed, LocalFeed
@@ -158,9 +158,10 @@ def analyze(
             out in float32 whatever the dtype, float64 for a float64 model: see the README's
             precision policy); ``seed`` seeds torch and the built-in corpus (recorded in every
             result); ``lens`` is the lens every analyzer reads residual states through:
-            ``"logit"`` (the default), ``"tuned:PATH"``, ``"jacobian:PATH"``, ``"affine:PATH"``
-            (a fitted lens' file or folder, or a published lens' name) or a
-            :class:`~lensdiv.ops.translators.Translator`, recorded in the manifest and named in
+            ``"logit"`` (the default), ``"last-block"``, ``"patchscope[:OPTIONS]"``,
+            ``"tuned:PATH"``, ``"jacobian:PATH"``, ``"affine:PATH"`` (a fitted lens' file or
+            folder, or a published lens' name) or a
+            :class:`~lensdiv.ops.translators.Lens`, recorded in the manifest and named in
             the results of the analyzers that use it.
         threads: Set torch's intra-op threads (``torch.set_num_threads``, for this process)
             before the run; ``None`` keeps torch's setting. Recorded in the manifest.
@@ -264,7 +265,7 @@ def _run(
     world: World,
     part: tuple[int, int] | None,
     feed: Feed | None,
-    translator: Translator = LOGIT,
+    translator: Lens = LOGIT,
 ) -> Run:
     import torch
 

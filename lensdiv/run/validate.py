@@ -52,7 +52,7 @@ def warn_unread_lens(lens: Any, analyzers: Sequence[Analyzer]) -> None:
         return
     names = ", ".join(a.name for a in analyzers)
     warnings.warn(
-        f"the {PHRASES[lens.kind]} {lens.source} applies to none of the selected analyzers "
+        f"the {PHRASES[lens.kind]} {lens.spec} applies to none of the selected analyzers "
         f"({names}): none of them reads residual states through a lens, so the run is the "
         "same without it",
         LensWarning,

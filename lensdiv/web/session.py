@@ -45,10 +45,10 @@ from lensdiv.ops.attention import pattern_hook
 from lensdiv.ops.capture import capture
 from lensdiv.ops.cells import products_of
 from lensdiv.ops.patching import last_position, rows_per_pass
-from lensdiv.ops.prompt import LENSES, PARTS, float32_readout, prompt_view
+from lensdiv.ops.prompt import PARTS, float32_readout, prompt_view
 from lensdiv.ops.readout import Workspace, final_readout
 from lensdiv.ops.resume import Resumer
-from lensdiv.ops.translators import parse_lens
+from lensdiv.ops.translators import LENS_KINDS, Lens, parse_lens
 from lensdiv.run.outcome import MANIFEST
 from lensdiv.run.report import REPORT
 from lensdiv.studies.crossmodel.folder import HTML, STUDY
@@ -119,7 +119,8 @@ class Session:
     Args:
         model: A loaded ``TransformerBridge``.
         lenses: Fitted lenses (``tuned:PATH`` ...; whatever :func:`parse_lens` reads), each
-            checked against the model now; ``logit`` and ``last-block`` are always there.
+            checked against the model now; the kinds made without files (``logit``,
+            ``last-block``, ``patchscope``: the registry's) are always there.
         runs: The folder whose runs and studies the page lists (``None``: none).
         products: The grid's unembedding products (:data:`lensdiv.ops.cells.PRODUCTS`):
             ``"auto"`` (bfloat16 for the vocabulary-wide sums where the hardware has it and the
@@ -135,13 +136,15 @@ class Session:
     ) -> None:
         self.model = model
         self.info = ModelInfo.from_model(model)
-        self.lenses: dict[str, Any] = {name: name for name in LENSES}
+        self.lenses: dict[str, Lens] = {
+            name: kind.build() for name, kind in LENS_KINDS.items() if kind.make is not None
+        }
         for spec in lenses:
-            if spec in LENSES:
+            if spec in self.lenses:
                 continue
-            translator = parse_lens(spec)
-            translator.check(self.info)
-            self.lenses[spec] = translator
+            found = parse_lens(spec)
+            found.check(self.info)
+            self.lenses[spec] = found
         self.runs_root = runs.resolve() if runs is not None else None
         self.products = products_of(products, final_readout(model))
         self.workspace = Workspace()  # the grid's buffers, kept between requests
@@ -186,7 +189,7 @@ class Session:
         if skip is not None:
             if not 0 <= skip < L:
                 raise RequestError(f"cannot skip block {skip}: the model has blocks 0-{L - 1}")
-            if lens != "logit":
+            if not self.lenses[lens].identity:
                 raise RequestError(
                     "a skipped block is shown with the logit lens", hint="lens=logit"
                 )

@@ -109,8 +109,8 @@ class BiasDiversity(Analyzer):
         batch_size: Examples per forward pass (label mode).
         members: ``sublayers`` (B1: the embedding and every attention and MLP output, whose
             logit contributions add up to the model's logits) or ``states``: every residual
-            state ``h_0 .. h_L`` read out through the run's lens (``--lens``: logit, tuned,
-            Jacobian, affine) as a member predicting on its own; the ensemble is then the mean
+            state ``h_0 .. h_L`` read out through the run's lens (``--lens``: any lens, those
+            that run blocks too) as a member predicting on its own; the ensemble is then the mean
             of their logits (both identities hold exactly), taken at the ``every`` positions.
     """
 
@@ -263,18 +263,14 @@ class BiasDiversity(Analyzer):
         state.add("n", int(keep.sum()))
         state.add("n_ce", int(keep.sum()))
         y_all = targets[keep].to(readout.device)
-        states = [step.resid(layer)[keep] for layer in range(n_states)]
+        flat = [step.resid(layer).reshape(-1, info.d_model) for layer in range(n_states)]
+        index = keep.reshape(-1).nonzero()[:, 0]
+        read = lens.reader(step.model, batch.tokens, dtype=readout.dtype, device=readout.device)
         per_chunk = max(1, _LOGIT_ELEMENTS // (n_states * readout.d_vocab))
         for start in range(0, y_all.shape[0], per_chunk):
             rows = slice(start, start + per_chunk)
-            f = torch.stack(
-                [
-                    readout.logits(
-                        lens.apply(h[rows], layer, dtype=readout.dtype, device=readout.device)
-                    )
-                    for layer, h in enumerate(states)
-                ]
-            )
+            idx = index[rows]
+            f = torch.stack([readout.logits(read(flat, layer, idx)) for layer in range(n_states)])
             y = y_all[rows]
             for p, size in enumerate(prefix_sizes(info, self.members)):
                 out = direct_decomposition(f[:size], y)

@@ -1,0 +1,259 @@
+"""Benchmark: the ``lens`` analyzer through the patchscope lens against its floor, and against
+the peers' way of computing Patchscopes.
+
+Builds a random Hugging Face GPT-2 from a config (``--layers --d-model``; the byte tokenizer's
+vocabulary) and times, on the same batches (``--tokens`` in rows of ``--seq-len``):
+
+- ``lens_patchscope``: ``analyze(model, data, plugins="lens", lens="patchscope")`` — the clean
+  pass, every state ``h_0..h_{L-1}`` of every position patched into the token-identity prompt
+  at ``ℓ* = ℓ`` and run on against the prompt's cached prefix, the readout and statistics of
+  ``L + 1`` states per token, the result;
+- the *floor*, from its own pieces: the clean pass (the ``L + 1`` states captured); the block
+  floor ``Σ_ℓ Σ_{k ≥ ℓ} u_k(T)`` — ``u_k(T)``: block ``k``'s own Hugging Face module applied,
+  in a tight loop, to the arguments it receives in a continuation of ``T`` one-token rows
+  against the cached prefix (its cache reset to the prefix before each call), best of
+  ``--tight`` calls and of the rounds; and the readout floor: final norm, unembedding and a
+  float32 log-softmax of every one of the ``(L + 1) · T`` rows, in the blocks of rows the
+  readout uses. ``floor_ratio`` = ``lens_patchscope`` over the floor (target ≤ 1.3);
+- ``peers``: the way Patchscopes are computed elsewhere (nnterp's ``patchscope_lens``, the
+  TransformerLens demo): one forward pass of the whole inspection prompt per layer and per
+  source position, a hook writing the state at the patch position, then the same readout;
+  against ``ours`` (:meth:`~lensdiv.ops.blocklens.PatchscopeLens.read_all` and the same readout)
+  for the last position of 16 prompts at every layer, and for every (layer, position) of one
+  ``--sequence``-token sequence;
+- ``memory``: peak RSS of the ``lens_patchscope`` run in a fresh process at ``--tokens`` and at
+  4× as many (memory flat in tokens: their ratio).
+
+    python bench/bench_patchscope.py [--layers 6 --d-model 256 --tokens 512 --sequence 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lensdiv import analyze
+from lensdiv.core.analyzer import ModelInfo
+from lensdiv.data.sources import DataSpec, token_batches
+from lensdiv.ops.blocklens import PatchscopeLens, inspection
+from lensdiv.ops.capture import capture
+from lensdiv.ops.readout import block_rows, final_readout
+from lensdiv.testing.models import boot_tiny, tiny_config
+
+
+def build(layers: int, d_model: int, n_ctx: int = 512) -> Any:
+    """A random GPT-2 of this shape (the byte tokenizer), ``n_ctx`` positions."""
+    from transformers import AutoModelForCausalLM
+
+    from lensdiv.data.tokenizer import byte_tokenizer
+
+    folder = Path(tempfile.mkdtemp(prefix="bench-patchscope-")) / "gpt2"
+    config = tiny_config("gpt2", n_layers=layers, d_model=d_model)
+    config.n_positions = n_ctx
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).eval().save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    return boot_tiny("gpt2", folder)
+
+
+def batches(model: Any, tokens: int, seq_len: int) -> list[torch.Tensor]:
+    spec = DataSpec(max_tokens=tokens, seq_len=seq_len, batch_size=8)
+    return [b.tokens for b in token_batches(spec, model.tokenizer)]
+
+
+def best(fn: Any, repeats: int) -> float:
+    fn()
+    out = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        out = min(out, time.perf_counter() - start)
+    return out
+
+
+def states_of(model: Any, tokens: torch.Tensor) -> list[torch.Tensor]:
+    info = ModelInfo.from_model(model)
+    names = [info.resid(layer) for layer in range(info.n_layers + 1)]
+    with torch.no_grad():
+        _, cache = capture(model, tokens, names, need_logits=False)
+    return [cache[name].reshape(-1, info.d_model) for name in names]
+
+
+def readout_rows(model: Any, h: torch.Tensor) -> None:
+    readout = final_readout(model)
+    step = block_rows(readout.d_vocab)
+    for lo in range(0, h.shape[0], step):
+        torch.log_softmax(readout.logits(h[lo : lo + step]), -1)
+
+
+def block_units(model: Any, rows: int, repeats: int) -> list[float]:
+    """``u_k(rows)``: each block's own module on a continuation of ``rows`` one-token rows
+    against the cached prefix."""
+    found = inspection(model, PatchscopeLens().prompt, -1)
+    seen: list[tuple[Any, tuple, dict]] = []
+    handles = []
+    for block in model.blocks:
+        layer = block.original_component
+
+        def record(module: Any, args: tuple, kwargs: dict, layer: Any = layer) -> None:
+            seen.append((layer, args, dict(kwargs)))
+
+        handles.append(layer.register_forward_pre_hook(record, with_kwargs=True))
+    try:
+        found._continue(0, found.clean[0][-1].expand(rows, -1).clone())  # one call: no pieces
+    finally:
+        for handle in handles:
+            handle.remove()
+    units = []
+    for k, (layer, args, kwargs) in enumerate(seen):
+        cache = next((x for x in (*args, *kwargs.values()) if hasattr(x, "update")
+                      and hasattr(x, "layers")), None)
+        keys, values = found.prefix[k]
+
+        def call(layer: Any = layer, args: tuple = args, kwargs: dict = kwargs, cache: Any = cache,
+                 k: int = k, keys: Any = keys, values: Any = values) -> None:
+            if cache is not None:
+                cache.layers[k].keys = keys.expand(rows, -1, -1, -1)
+                cache.layers[k].values = values.expand(rows, -1, -1, -1)
+            with torch.no_grad():
+                layer(*args, **kwargs)
+
+        units.append(best(call, repeats))
+    return units
+
+
+def peers(model: Any, found: Any, sources: list[tuple[int, torch.Tensor]]) -> None:
+    """One forward of the whole inspection prompt per (layer, state), then the readout."""
+    L = found.n_layers
+    finals = []
+    for layer, h in sources:
+        kept: dict[str, torch.Tensor] = {}
+
+        def patch(t: torch.Tensor, hook: Any, h: torch.Tensor = h) -> torch.Tensor:
+            t[:, found.position] = h.to(t)
+            return t
+
+        def keep(t: torch.Tensor, hook: Any, kept: dict = kept) -> torch.Tensor:
+            kept["h"] = t[0, -1]
+            return t
+
+        hooks = [(f"blocks.{layer}.hook_resid_pre", patch),
+                 (f"blocks.{L - 1}.hook_resid_post", keep)]
+        with torch.no_grad(), model.hooks(fwd_hooks=hooks):
+            model(found.tokens)
+        finals.append(kept["h"])
+    readout_rows(model, torch.stack(finals))
+
+
+def ours(model: Any, found: Any, states: list[torch.Tensor], rows: torch.Tensor) -> None:
+    with torch.no_grad():
+        out = PatchscopeLens().read_all(found, states, rows)
+        readout_rows(model, torch.cat(list(out.values())))
+
+
+def compare(model: Any, states: list[torch.Tensor], rows: torch.Tensor, repeats: int) -> dict:
+    found = inspection(model, PatchscopeLens().prompt, -1)
+    L = found.n_layers
+    sources = [(layer, states[layer][r]) for layer in range(L) for r in rows.tolist()]
+    t_peers = best(lambda: peers(model, found, sources), max(1, repeats // 2))
+    t_ours = best(lambda: ours(model, found, states, rows), repeats)
+    return {"states": len(sources), "peers_s": t_peers, "ours_s": t_ours,
+            "speedup": t_peers / t_ours}
+
+
+def peak_rss(args: argparse.Namespace, tokens: int) -> float:
+    """Peak RSS (MiB) of the lens_patchscope run in a fresh process."""
+    code = (
+        "import sys, resource, torch; sys.path.insert(0, 'bench');"
+        "from bench_patchscope import build; from lensdiv import analyze;"
+        "from lensdiv.data.sources import DataSpec;"
+        f"torch.manual_seed(0); m = build({args.layers}, {args.d_model});"
+        f"analyze(m, data=DataSpec(max_tokens={tokens}, seq_len={args.seq_len}, batch_size=8),"
+        "plugins='lens', lens='patchscope', progress=False);"
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--sequence", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tight", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default="bench/patchscope_cpu.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = build(args.layers, args.d_model)
+    L = int(model.cfg.n_layers)
+    spec = DataSpec(max_tokens=args.tokens, seq_len=args.seq_len, batch_size=8)
+    found = inspection(model, PatchscopeLens().prompt, -1)
+    t_lens = best(lambda: analyze(model, data=spec, plugins="lens", lens="patchscope",
+                                  progress=False), args.repeats)
+    t_logit = best(lambda: analyze(model, data=spec, plugins="lens", progress=False),
+                   args.repeats)
+    floor_clean = floor_blocks = floor_readout = 0.0
+    for tokens in batches(model, args.tokens, args.seq_len):
+        T = tokens.numel()
+        floor_clean += best(lambda tokens=tokens: states_of(model, tokens), args.repeats)
+        units = block_units(model, T, args.tight)
+        floor_blocks += sum((k + 1) * u for k, u in enumerate(units))
+        h = torch.randn((L + 1) * T, model.cfg.d_model)
+        floor_readout += best(lambda h=h: readout_rows(model, h), args.repeats)
+    floor = floor_clean + floor_blocks + floor_readout
+    prompts = batches(model, 16 * args.seq_len, args.seq_len)
+    last = torch.cat(prompts)[:16]
+    last_states = [s.reshape(16, args.seq_len, -1)[:, -1] for s in states_of(model, last)]
+    seq = batches(model, args.sequence, args.sequence)[0][:1]
+    def save() -> None:
+        with open(args.out, "w") as fh:
+            json.dump(figures, fh, indent=1)
+
+    figures: dict[str, Any] = {
+        "model": f"GPT-2 (Hugging Face, random), {L} layers, d_model {args.d_model}, "
+        f"vocab {model.cfg.d_vocab}",
+        "tokens": args.tokens,
+        "threads": args.threads,
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+        "inspection_prompt_tokens": int(found.tokens.shape[1]),
+        "mode": found.mode,
+        "lens_patchscope_s": t_lens,
+        "lens_logit_s": t_logit,
+        "floor_s": floor,
+        "floor_pieces_s": {"clean_pass": floor_clean, "blocks": floor_blocks,
+                           "readout": floor_readout},
+        "floor_ratio": t_lens / floor,
+    }
+    save()
+    figures["peers_last_position_16_prompts"] = compare(model, last_states, torch.arange(16),
+                                                        args.repeats)
+    save()
+    figures["peers_every_position_one_sequence"] = compare(
+        model, states_of(model, seq), torch.arange(seq.shape[1]), 1
+    )
+    save()
+    small, large = peak_rss(args, args.tokens), peak_rss(args, 4 * args.tokens)
+    figures["memory_mib"] = {str(args.tokens): small, str(4 * args.tokens): large,
+                             "ratio": large / small}
+    save()
+    print(json.dumps(figures, indent=1))
+
+
+if __name__ == "__main__":
+    main()
