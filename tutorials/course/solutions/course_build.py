@@ -9,6 +9,7 @@ An exercise cell is a function's header (signature and docstring) followed by ei
 
 from __future__ import annotations
 
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,8 +92,9 @@ def notebook(cells: list[Cell], solved: bool) -> nbformat.NotebookNode:
     }
     out = []
     for cell in cells:
-        if cell.kind == "md":
-            out.append(nbformat.v4.new_markdown_cell(cell.text))
+        if cell.kind == "md":  # a solution sits one folder deeper: its relative links too
+            text = re.sub(r"\]\((\.\./)", r"](../\1", cell.text) if solved else cell.text
+            out.append(nbformat.v4.new_markdown_cell(text))
         elif cell.kind == "code":
             out.append(nbformat.v4.new_code_cell(cell.text))
         else:
