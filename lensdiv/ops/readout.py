@@ -14,7 +14,8 @@ model being studied); only their measurements are read out this way.
 are read in blocks of rows; within a block every state is read in turn against the reference
 state's logits, which stay in a preallocated buffer, and every full-vocabulary pass writes into
 preallocated buffers (:class:`Workspace`), because a fresh 100 MB tensor per pass costs more in
-page faults than the arithmetic it holds.
+page faults than the arithmetic it holds. The top-k comes from one pass of chunk maxima
+(:func:`top_k`), and an unembedding without a bias is one product (:func:`_unembed`).
 
 **Devices.** The readout lives where the unembedding executes: inputs are moved there and
 results come back to the caller's device. Weights offloaded by accelerate (``meta`` tensors with
