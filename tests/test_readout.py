@@ -76,3 +76,13 @@ def test_lens_statistics_on_a_wide_vocabulary_equal_a_float64_reference(bias: bo
         top = lp.topk(k, dim=-1).indices
         same = (top[:, :, None] == ref_top[:, None, :]).any(-1).sum(-1).double() / k
         assert torch.equal(got.overlap[i], same)
+
+
+def test_a_bridge_is_put_in_eval_mode_only_when_a_module_is_training() -> None:
+    from lensdiv.models.load import load_model
+    from lensdiv.testing.models import boot_native_tiny
+
+    model = boot_native_tiny().eval()
+    model.blocks[0].train()  # one module left training: the whole model goes to eval mode
+    assert load_model(model) is model
+    assert not any(module.training for module in model.modules())
