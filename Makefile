@@ -46,6 +46,7 @@ bench: setup
 	$(BIN)/python bench/bench_dynamics.py --json bench/dynamics_cpu.json
 	$(BIN)/python bench/bench_distributed.py --tokens 8192 --json bench/distributed_cpu.json
 	$(BIN)/python bench/bench_floor.py --tokens 384 --threads 1 --json bench/floor_cpu.json
+	$(BIN)/python bench/bench_lens_floor.py --json bench/lens_floor_cpu.json
 	$(BIN)/python bench/bench_memory.py --json bench/memory_cpu.json
 	$(BIN)/python bench/bench_study.py --json bench/study_cpu.json
 	$(BIN)/python bench/bench_lenses.py --json bench/lenses_cpu.json

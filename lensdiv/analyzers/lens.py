@@ -104,78 +104,130 @@ class LogitLens(Analyzer):
         state.add("rank", (lens.rank * w).sum(1))
 
     def finalize(self, state: Stats, info: ModelInfo) -> Result:
-        lens = state.get("lens")
-        label = LABELS[lens["kind"]] if lens else LABELS["logit"]
+        return _present(LensNumbers.from_state(state, info), self)
+
+
+@dataclass(frozen=True)
+class LensNumbers:
+    """Everything ``lens`` reports, from its merged state alone: per residual state ``h_l``
+    (``l = 0..L``) the means over positions (``target`` ones over the positions with a next
+    token).
+
+    Args:
+        positions: Positions read.
+        positions_with_target: Of them, those with a next token.
+        kl: ``KL(p_l ‖ p_out)``; ``kl_sem`` its standard error over positions.
+        overlap: Share of the output's top-k among ``p_l``'s top-k.
+        entropy: ``H(p_l)``.
+        ce: ``−log p_l(next token)``; ``target_prob``: ``p_l(next token)``.
+        top1_acc: ``p_l``'s top token is the next token; ``mean_rank``: tokens ranked above it.
+        readout: What the readout computed in (:attr:`FinalReadout.precision`).
+        lens: The run's fitted lens (its description), ``None`` for the logit lens.
+    """
+
+    positions: int
+    positions_with_target: int
+    kl: list[float]
+    kl_sem: list[float]
+    overlap: list[float]
+    entropy: list[float]
+    ce: list[float]
+    target_prob: list[float]
+    top1_acc: list[float]
+    mean_rank: list[float]
+    readout: Any
+    lens: dict[str, Any] | None
+
+    @classmethod
+    def from_state(cls, state: Stats, info: ModelInfo) -> LensNumbers:
+        """The numbers of a merged state."""
         n = float(state["n"])
         nt = max(float(state["n_target"]), 1.0)
-        kl = (state["kl"] / n).tolist()
         kl_var = (state["kl_sq"] / n - (state["kl"] / n) ** 2).clamp_min(0.0)
-        kl_sem = (kl_var.sqrt() / math.sqrt(max(n - 1, 1.0))).tolist()
-        layers = list(range(info.n_layers + 1))
-        table = Table(
-            "lens",
-            {
-                "layer": layers,
-                "state": [f"h{layer}" for layer in layers],
-                "kl": kl,
-                "kl_sem": kl_sem,
-                f"top{self.top_k}_overlap": (state["overlap"] / n).tolist(),
-                "entropy": (state["entropy"] / n).tolist(),
-                "ce": (state["ce"] / nt).tolist(),
-                "target_prob": (state["target_prob"] / nt).tolist(),
-                "top1_acc": (state["top1"] / nt).tolist(),
-                "mean_rank": (state["rank"] / nt).tolist(),
-            },
-            f"{label} per residual state (h0 = embedding, hL = final residual)",
+        return cls(
+            positions=int(n),
+            positions_with_target=int(nt),
+            kl=(state["kl"] / n).tolist(),
+            kl_sem=(kl_var.sqrt() / math.sqrt(max(n - 1, 1.0))).tolist(),
+            overlap=(state["overlap"] / n).tolist(),
+            entropy=(state["entropy"] / n).tolist(),
+            ce=(state["ce"] / nt).tolist(),
+            target_prob=(state["target_prob"] / nt).tolist(),
+            top1_acc=(state["top1"] / nt).tolist(),
+            mean_rank=(state["rank"] / nt).tolist(),
+            readout=state.get("readout"),
+            lens=state.get("lens"),
         )
-        ce = table["ce"]
-        overlap = table[f"top{self.top_k}_overlap"]
-        summary = (
-            ("" if lens is None else f"{label}: ")
-            + f"KL(p_l || p_out) falls from {kl[0]:.3g} nats at the embedding to {kl[-2]:.3g} at the "
-            f"input of the last block (0 at the output); top-{self.top_k} overlap "
-            f"{overlap[0]:.2f} -> {overlap[-2]:.2f}. Lens cross-entropy on the next token: "
-            f"{ce[0]:.3g} -> {ce[-1]:.3g} nats over {int(n)} positions."
-        )
-        return Result(
-            analyzer=self.name,
-            summary=summary,
-            tables={"lens": table},
-            plots=(
-                _line(
-                    "lens_kl",
-                    f"{label}: KL to the output",
-                    ("kl",),
-                    "KL(p_l ‖ p_out) (nats)",
-                    "p_l: h_l read through the final norm and unembedding"
-                    + (_through(lens) if lens else "")
-                    + "; mean over positions. 0 at h_L by definition.",
-                ),
-                _line(
-                    "lens_agreement",
-                    f"{label}: agreement",
-                    (f"top{self.top_k}_overlap", "top1_acc", "target_prob"),
-                    "fraction (0 to 1)",
-                    f"top{self.top_k}_overlap: share of the output's top {self.top_k} "
-                    "tokens in p_l's; top1_acc: p_l's top token is the true next token; "
-                    "target_prob: p_l of the true next token.",
-                ),
-                _line(
-                    "lens_ce",
-                    f"{label}: loss and entropy",
-                    ("ce", "entropy"),
-                    "cross-entropy, entropy (nats)",
-                    "ce: −log p_l(next token); entropy: H(p_l). Means over positions.",
-                ),
+
+
+def _present(numbers: LensNumbers, options: LogitLens) -> Result:
+    """The ``lens`` table, summary, plots and meta of the numbers."""
+    lens, k = numbers.lens, options.top_k
+    label = LABELS[lens["kind"]] if lens else LABELS["logit"]
+    layers = list(range(len(numbers.kl)))
+    table = Table(
+        "lens",
+        {
+            "layer": layers,
+            "state": [f"h{layer}" for layer in layers],
+            "kl": numbers.kl,
+            "kl_sem": numbers.kl_sem,
+            f"top{k}_overlap": numbers.overlap,
+            "entropy": numbers.entropy,
+            "ce": numbers.ce,
+            "target_prob": numbers.target_prob,
+            "top1_acc": numbers.top1_acc,
+            "mean_rank": numbers.mean_rank,
+        },
+        f"{label} per residual state (h0 = embedding, hL = final residual)",
+    )
+    kl, ce, overlap = numbers.kl, numbers.ce, numbers.overlap
+    summary = (
+        ("" if lens is None else f"{label}: ")
+        + f"KL(p_l || p_out) falls from {kl[0]:.3g} nats at the embedding to {kl[-2]:.3g} at the "
+        f"input of the last block (0 at the output); top-{k} overlap "
+        f"{overlap[0]:.2f} -> {overlap[-2]:.2f}. Lens cross-entropy on the next token: "
+        f"{ce[0]:.3g} -> {ce[-1]:.3g} nats over {numbers.positions} positions."
+    )
+    return Result(
+        analyzer=options.name,
+        summary=summary,
+        tables={"lens": table},
+        plots=(
+            _line(
+                "lens_kl",
+                f"{label}: KL to the output",
+                ("kl",),
+                "KL(p_l ‖ p_out) (nats)",
+                "p_l: h_l read through the final norm and unembedding"
+                + (_through(lens) if lens else "")
+                + "; mean over positions. 0 at h_L by definition.",
             ),
-            meta={
-                "positions": int(n),
-                "positions_with_target": int(nt),
-                "every": self.every,
-                "readout": state.get("readout"),
-                **({"lens": lens} if lens else {}),
-            },
-        )
+            _line(
+                "lens_agreement",
+                f"{label}: agreement",
+                (f"top{k}_overlap", "top1_acc", "target_prob"),
+                "fraction (0 to 1)",
+                f"top{k}_overlap: share of the output's top {k} "
+                "tokens in p_l's; top1_acc: p_l's top token is the true next token; "
+                "target_prob: p_l of the true next token.",
+            ),
+            _line(
+                "lens_ce",
+                f"{label}: loss and entropy",
+                ("ce", "entropy"),
+                "cross-entropy, entropy (nats)",
+                "ce: −log p_l(next token); entropy: H(p_l). Means over positions.",
+            ),
+        ),
+        meta={
+            "positions": numbers.positions,
+            "positions_with_target": numbers.positions_with_target,
+            "every": options.every,
+            "readout": numbers.readout,
+            **({"lens": lens} if lens else {}),
+        },
+    )
 
 
 def _through(lens: dict[str, Any]) -> str:

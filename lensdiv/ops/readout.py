@@ -14,7 +14,8 @@ model being studied); only their measurements are read out this way.
 are read in blocks of rows; within a block every state is read in turn against the reference
 state's logits, which stay in a preallocated buffer, and every full-vocabulary pass writes into
 preallocated buffers (:class:`Workspace`), because a fresh 100 MB tensor per pass costs more in
-page faults than the arithmetic it holds.
+page faults than the arithmetic it holds. The top-k comes from one pass of chunk maxima
+(:func:`top_k`), and an unembedding without a bias is one product (:func:`_unembed`).
 
 **Devices.** The readout lives where the unembedding executes: inputs are moved there and
 results come back to the caller's device. Weights offloaded by accelerate (``meta`` tensors with
@@ -97,6 +98,17 @@ class FinalReadout:
     logit_scale: float = 1.0
     transform: Callable[[Tensor], Tensor] | None = None
 
+    # (b_U's storage and version, whether any of it is non-zero): see :attr:`biased`.
+    _bias_seen: tuple[Any, ...] = field(default=(), init=False, repr=False)
+
+    @property
+    def biased(self) -> bool:
+        """Whether the unembedding has a non-zero bias (checked again when ``b_U`` changes)."""
+        key = (self.b_U.data_ptr(), self.b_U._version)
+        if self._bias_seen[:2] != key:
+            self._bias_seen = (*key, bool(self.b_U.any()))
+        return bool(self._bias_seen[2])
+
     @property
     def kind(self) -> str:
         """The final norm's kind: ``"LN"``, ``"RMS"``, ``"none"`` or ``"module"``."""
@@ -155,10 +167,7 @@ class FinalReadout:
     ) -> Float[Tensor, "n d_vocab"]:
         """Readout-dtype logits of residual vectors (into ``out`` when given), on :attr:`device`."""
         x = self.normalize(h)
-        if out is None:
-            z = torch.addmm(self.b_U, x, self.W_U)
-        else:
-            z = torch.addmm(self.b_U, x, self.W_U, out=out)
+        z = _unembed(x, self.W_U, self.b_U if self.biased else None, out)
         if self.transform is not None:
             z = self.transform(z) if out is None else out.copy_(self.transform(z))
         return z
@@ -170,6 +179,20 @@ class FinalReadout:
         z = self.logits(h, out=out)
         z.sub_(z.amax(-1, keepdim=True)).exp_()
         return z.div_(z.sum(-1, keepdim=True))
+
+
+def _unembed(
+    x: Float[Tensor, "n d_model"],
+    W_U: Float[Tensor, "d_model d_vocab"],
+    b_U: Float[Tensor, " d_vocab"] | None,
+    out: Tensor | None,
+) -> Float[Tensor, "n d_vocab"]:
+    """``x @ W_U (+ b_U)`` (into ``out`` when given). Without a bias, one product: ``addmm``
+    first copies the bias into every row of its output, a full pass over the logits for
+    nothing where the bias is zero (GPT-2 and most models); the product is the same."""
+    if b_U is None:
+        return torch.mm(x, W_U) if out is None else torch.mm(x, W_U, out=out)
+    return torch.addmm(b_U, x, W_U) if out is None else torch.addmm(b_U, x, W_U, out=out)
 
 
 _READOUTS: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], FinalReadout]] = (
@@ -489,7 +512,7 @@ def row_stats(
     """
     top = None
     if k > 0:
-        values, top = z.topk(k, dim=-1)
+        values, top = top_k(z, k)
         peak = values[:, :1]
     else:
         peak = z.amax(-1, keepdim=True)
@@ -517,6 +540,38 @@ def row_stats(
             torch.mul(scratch, z, out=product)
         expected = product.sum(-1).double() / norm
     return RowStats(lse=lse, expect=expected, shift=shift, target=target, rank=ranks, top=top)
+
+
+# Logits per chunk when :func:`top_k` looks for the largest among the chunks' maxima.
+TOPK_CHUNK = 64
+
+
+def top_k(
+    z: Float[Tensor, "n d_vocab"], k: int, chunk: int = TOPK_CHUNK
+) -> tuple[Float[Tensor, "n k"], Int[Tensor, "n k"]]:
+    """``z.topk(k, dim=-1)`` (values sorted, largest first, and their indices), from one
+    vectorised pass over the logits.
+
+    ``torch.topk`` over a row of 50k logits costs a CPU several times an elementwise pass (it
+    was an eighth of a lens's statistics). The ``k`` largest logits of a row lie in the ``k``
+    chunks (of ``chunk`` consecutive logits) with the largest maxima, so the row's chunk maxima
+    are taken in one pass, and ``topk`` looks only at those ``k`` chunks and the row's last,
+    incomplete chunk. The values are ``torch.topk``'s; among equal logits the indices may be
+    others (``torch.topk`` leaves the order of ties unspecified too).
+    """
+    n, V = z.shape
+    whole = V - V % chunk
+    if z.stride(-1) != 1 or whole < 4 * k * chunk:  # a narrow vocabulary: topk is cheap
+        values, indices = z.topk(k, dim=-1)
+        return values, indices
+    chunks = z.as_strided((n, whole // chunk, chunk), (z.stride(0), chunk, 1))
+    best = chunks.amax(-1).topk(k, dim=-1).indices
+    within = torch.arange(chunk, device=z.device)
+    cols = (best.unsqueeze(-1) * chunk + within).reshape(n, k * chunk)
+    if whole < V:
+        cols = torch.cat([cols, torch.arange(whole, V, device=z.device).expand(n, -1)], dim=1)
+    values, picked = z.gather(1, cols).topk(k, dim=-1)
+    return values, cols.gather(1, picked)
 
 
 @dataclass

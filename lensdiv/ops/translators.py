@@ -368,7 +368,9 @@ class LensKind:
 
     def fitting(self) -> Fitter | None:
         """Its :class:`Fitter` (imported from where :attr:`fitter` says, on first use)."""
-        found: Fitter | None = _resolve(self.fitter) if isinstance(self.fitter, str) else self.fitter
+        found: Fitter | None = (
+            _resolve(self.fitter) if isinstance(self.fitter, str) else self.fitter
+        )
         return found
 
     def build(self, options: str = "") -> Lens:
@@ -608,9 +610,13 @@ def _fitted_by(kind: str) -> Callable[[Path], bool]:
 
 
 TUNED_LAYOUT = f"tuned-lens's layout ({TUNED_CONFIG} + {TUNED_PARAMS})"
+
+
 def _logit(options: str) -> Translator:
     if options:
-        raise LensError(f"the logit lens takes no options, not {options!r}", hint="use --lens logit")
+        raise LensError(
+            f"the logit lens takes no options, not {options!r}", hint="use --lens logit"
+        )
     return LOGIT
 
 
