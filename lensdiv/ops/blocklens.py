@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, ClassVar
@@ -45,7 +45,7 @@ from lensdiv.core.devices import input_device
 from lensdiv.core.errors import LensError
 from lensdiv.ops.capture import capture, stop_hook_name
 from lensdiv.ops.readout import final_readout
-from lensdiv.ops.resume import Resumer
+from lensdiv.ops.resume import Resumer, stubbed_blocks
 from lensdiv.ops.translators import Lens, Reader
 
 #: The token identity inspection prompt of the Patchscopes paper (patched at its last position).
@@ -417,7 +417,7 @@ class Inspection:
         kwargs = {"past_key_values": self._cache(n)} if self.prefix else {}
         with (
             torch.no_grad(),
-            self._stubbed(start, resid),
+            stubbed_blocks(self.model, start, resid, tuple_output=self._tuple),
             self.model.hooks(fwd_hooks=hooks),
             suppress(_Stop),
         ):
@@ -434,24 +434,6 @@ class Inspection:
         for layer, (keys, values) in enumerate(self.prefix):
             cache.update(keys.expand(n, -1, -1, -1), values.expand(n, -1, -1, -1), layer)
         return cache
-
-    @contextmanager
-    def _stubbed(self, start: int, resid: Tensor) -> Any:
-        """Blocks ``0..start-1`` return ``resid`` without computing anything."""
-        value: Any = (resid,) if self._tuple else resid
-
-        def stub(*args: Any, **kwargs: Any) -> Any:
-            return value
-
-        layers = [self.model.blocks[k].original_component for k in range(start)]
-        try:
-            for layer in layers:
-                layer.forward = stub
-            yield
-        finally:
-            for layer in layers:
-                with suppress(AttributeError):
-                    del layer.forward
 
     # -- deciding the mode ---------------------------------------------------------------------
     def _decide(self) -> None:

@@ -102,7 +102,7 @@ class Resumer:
             self._decide(tokens)
         self.blocks_run += (self.n_layers - start) * tokens.shape[0]
         if self.mode == "resume" and start > 0:
-            with self._stubbed(start, resid):
+            with stubbed_blocks(self.model, start, resid, tuple_output=self._tuple_output):
                 return self._forward(tokens, fwd_hooks, logits, grad)
         site = "blocks.0.hook_resid_pre" if start == 0 else f"blocks.{start - 1}.hook_resid_post"
         self.blocks_run += start * tokens.shape[0]
@@ -167,24 +167,6 @@ class Resumer:
         with torch.set_grad_enabled(grad):
             flat = final_readout(self.model).logits(h.reshape(-1, h.shape[-1]))
         return flat.to(h.device).view(*h.shape[:-1], -1)
-
-    @contextmanager
-    def _stubbed(self, start: int, resid: Tensor) -> Any:
-        """Blocks ``0..start-1`` return ``resid`` without computing anything."""
-        value: Any = (resid,) if self._tuple_output else resid
-
-        def stub(*args: Any, **kwargs: Any) -> Any:
-            return value
-
-        layers = [self.model.blocks[j].original_component for j in range(start)]
-        try:
-            for layer in layers:
-                layer.forward = stub
-            yield
-        finally:
-            for layer in layers:
-                with suppress(AttributeError):
-                    del layer.forward
 
     def _decide(self, tokens: Tensor) -> None:
         """Probe the block output structure and check the fast path against a full pass, once
@@ -287,3 +269,23 @@ def resumer_for(step: Step, *, fast: bool = True) -> Resumer:
     """The run's :class:`Resumer` for ``step.model`` (built, and checked, once per run)."""
     resumer: Resumer = step.cached(("resumer", fast), lambda: Resumer(step.model, fast=fast))
     return resumer
+
+
+@contextmanager
+def stubbed_blocks(model: Any, start: int, resid: Tensor, *, tuple_output: bool | None) -> Any:
+    """Blocks ``0..start-1`` of ``model`` return ``resid`` without computing anything (a pass
+    resumed at block ``start``; ``tuple_output``: the blocks return a tuple)."""
+    value: Any = (resid,) if tuple_output else resid
+
+    def stub(*args: Any, **kwargs: Any) -> Any:
+        return value
+
+    layers = [model.blocks[j].original_component for j in range(start)]
+    try:
+        for layer in layers:
+            layer.forward = stub
+        yield
+    finally:
+        for layer in layers:
+            with suppress(AttributeError):
+                del layer.forward
