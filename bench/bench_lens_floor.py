@@ -294,7 +294,7 @@ def main() -> None:
     figures: dict[str, Any] = {
         "model": f"{LAYERS} layers, d_model {D_MODEL}, vocab {VOCAB} (random Hugging Face "
         "GPT-2 booted through TransformerLens; a GPT-2-sized byte-level BPE)",
-        "lensdiv": str(tree),
+        "lensdiv": lensdiv.__version__,
         "commit": _commit(tree),
         "torch": torch.__version__,
         "cpus": os.cpu_count(),
