@@ -600,3 +600,16 @@ def test_the_outcome_of_a_fit_without_a_result(llama_dir: Path) -> None:
     lens, _ = fit.trained(states[fit.name], info)
     assert torch.equal(outcome.lens.weight, lens.weight) and torch.equal(outcome.lens.bias, lens.bias)
     assert not torch.equal(lens.weight, torch.zeros_like(lens.weight))  # two steps were taken
+
+
+def test_a_start_that_runs_blocks_is_one_line(llama_dir: Path, tmp_path: Path) -> None:
+    """A tuned lens trains affine translators: starting it from a lens that runs model blocks
+    (``last-block``, ``patchscope``) is refused before any pass, in one line, not an assertion."""
+    from lensdiv.run.runner import analyze
+
+    for lens in ("last-block", "patchscope"):
+        fit = TunedFit(steps=1, tokens_per_step=48, affine_passes=0, start=lens)
+        with pytest.raises(OptionError, match="starts from an affine lens"):
+            analyze(str(llama_dir), plugins=[fit], seq_len=24, batch_size=2, max_tokens=96,
+                    out=tmp_path / lens, progress=False)
+        assert not (tmp_path / lens / "manifest.json").exists()

@@ -333,12 +333,26 @@ class TunedFit(TunedRecipe, Analyzer):
     def hooks(self, info: ModelInfo) -> list[str]:
         return [info.resid(layer) for layer in range(info.n_layers + 1)]
 
+    def setup(self, model: Any, info: ModelInfo) -> Any:
+        """The lens to start from is one this model can read and an affine one (before any pass)."""
+        self._start(info)
+        return None
+
     def init(self, info: ModelInfo) -> Stats:
+        return self.start_state(info, self._start(info))
+
+    def _start(self, info: ModelInfo) -> Translator | None:
+        """``start`` read and checked: ``None`` (the identity) or an affine translator."""
         start = None if self.start is None else parse_lens(self.start)
-        if start is not None:
-            start.check(info)
-        assert start is None or isinstance(start, Translator)  # checked by fit_lens' plan
-        return self.start_state(info, start)
+        if start is None:
+            return None
+        start.check(info)
+        if not isinstance(start, Translator):
+            raise OptionError(
+                f"a tuned lens starts from an affine lens, not {start.spec}",
+                hint="start from a fitted lens: tuned:PATH, affine:PATH or jacobian:PATH",
+            )
+        return start
 
     def start_state(self, info: ModelInfo, start: Translator | None = None) -> Stats:
         """The state before the first step: the translators of ``start`` (or zero), frozen
