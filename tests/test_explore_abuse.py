@@ -248,7 +248,12 @@ def test_clients_leaving_mid_body_are_no_error(served: Any) -> None:
         lines.format(r) for r in records]
 
 
-def test_a_grid_during_a_map_is_answered_at_once(served: Any, native_model: Any) -> None:
+def test_a_grid_during_a_map_is_answered_at_once(
+    served: Any, native_model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Pieces of about 20 ms: on the tiny model a whole map then lasts seconds on a quiet machine
+    # (hundreds of pieces), so "the grid did not wait for the map" is measurable, not noise.
+    monkeypatch.setattr("lensdiv.web.session.MAP_SECONDS", 0.02)
     port = port_of(served)
     n_ctx = int(native_model.cfg.n_ctx)
     clean = ("The happy dog runs to the park " * 40)[: n_ctx * 2]
