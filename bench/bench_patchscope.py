@@ -109,7 +109,7 @@ def block_units(model: Any, rows: int, repeats: int) -> list[float]:
 
         handles.append(layer.register_forward_pre_hook(record, with_kwargs=True))
     try:
-        found._continue(0, found.clean[0][-1].expand(rows, -1).clone())  # one call: no pieces
+        found._continue(0, [found.clean[0][-1].expand(rows, -1).clone()])  # one call: no pieces
     finally:
         for handle in handles:
             handle.remove()
@@ -121,7 +121,9 @@ def block_units(model: Any, rows: int, repeats: int) -> list[float]:
 
         def call(layer: Any = layer, args: tuple = args, kwargs: dict = kwargs, cache: Any = cache,
                  k: int = k, keys: Any = keys, values: Any = values) -> None:
-            if cache is not None:
+            if cache is not None and hasattr(cache.layers[k], "past"):
+                cache.layers[k].past = found.position  # the prefix's buffer, written in place
+            elif cache is not None:
                 cache.layers[k].keys = keys.expand(rows, -1, -1, -1)
                 cache.layers[k].values = values.expand(rows, -1, -1, -1)
             with torch.no_grad():

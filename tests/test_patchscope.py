@@ -123,6 +123,28 @@ def test_the_prompts_own_state_patched_back_gives_its_output(models64: dict[str,
             torch.testing.assert_close(got, out, rtol=0, atol=1e-9 * float(out.abs().max()))
 
 
+@pytest.mark.parametrize(("arch", "position"), [("llama", -1), ("gpt2", -3)])
+def test_the_prefix_held_in_place_survives_calls_of_other_sizes(models64: dict[str, Any],
+                                                                arch: str, position: int) -> None:
+    """The prefix's keys and values are copied once into buffers the continuations write their
+    own tokens into: a call with fewer rows, other rows or another start in between changes no
+    later answer, and they equal the cache that copies the prefix per call."""
+    model = models64[arch]
+    found = Inspection(model, DEFAULT_PROMPT, position)
+    assert found.mode == "cache", found.reason
+    kinds = {type(layer).__name__ for layer in found._cache(2).layers}
+    assert kinds == {"Prefixed"}, kinds  # full attention: no copy of the prefix per call
+    generator = torch.Generator().manual_seed(0)
+    scale = float(found.clean[2].std())
+    big = torch.randn(9, found.clean[0].shape[-1], generator=generator) * scale
+    first = found.run(2, big)
+    found.run(1, big[:3] * 2)
+    found.run(2, big[5:] - 1)
+    torch.testing.assert_close(found.run(2, big), first, rtol=0, atol=0)
+    want = naive(model, DEFAULT_PROMPT, found.position, 2, big)
+    torch.testing.assert_close(first, want, rtol=0, atol=1e-5 * float(want.abs().max()))
+
+
 def test_a_tl_native_model_runs_the_whole_prompt(native_model: Any) -> None:
     found = inspection(native_model, DEFAULT_PROMPT, -1)
     assert found.mode == "rerun" and "KV cache" in found.reason

@@ -29,6 +29,7 @@ state instead (``mode == "rerun"``; exact, ``m / (m − j)`` times the cost), re
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Sequence
 from contextlib import suppress
@@ -55,9 +56,21 @@ TARGETS = ("same", "last")
 
 # Residual elements of the stacked last-block inputs run at once (64 MiB in fp32).
 _STACK_ELEMENTS = 1 << 24
-# Elements one continuation call may hold per row budget: its cached keys and values copied per
-# row and its activations (256 MiB in fp32).
-_CALL_ELEMENTS = 1 << 26
+# Elements one continuation call may hold off a GPU: the prefix's keys and values for its rows
+# (kept for the next call) and its activations (512 MiB in fp32; fewer, larger calls spare the
+# bridge's fixed cost of a forward, a few milliseconds each).
+_CALL_ELEMENTS = 1 << 27
+
+
+def _call_elements(device: torch.device, itemsize: int) -> int:
+    """Elements one continuation call may hold: :data:`_CALL_ELEMENTS`, or on a GPU a quarter
+    of its free memory (the prefix's buffers for a few hundred rows of a large model)."""
+    if device.type != "cuda":
+        return _CALL_ELEMENTS
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(_CALL_ELEMENTS, free // 4 // itemsize)
+
+
 # Relative error of the fast path's identity check (float rounding of a different schedule).
 _TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
 _TOLERANCE_LOW = 5e-2
@@ -65,6 +78,42 @@ _TOLERANCE_LOW = 5e-2
 
 class _Stop(Exception):
     """Aborts a continuation once the final residual has been seen."""
+
+
+@functools.cache
+def _prefixed_layer() -> Any:
+    """The class of a full-attention cache layer over a prefix held in place (made on first
+    use: ``transformers`` is imported only for models with a KV cache)."""
+    from transformers.cache_utils import DynamicLayer
+
+    class Prefixed(DynamicLayer):
+        """Keys and values ``[n, heads, m, d_head]`` allocated for the whole prompt, the first
+        ``past`` positions holding the prefix: an update writes its tokens in place and returns
+        the keys and values so far (no copy of the prefix per call, as ``DynamicLayer`` makes
+        by appending)."""
+
+        def __init__(self, keys: Tensor, values: Tensor, past: int) -> None:
+            super().__init__()
+            self.buffers, self.past = (keys, values), past
+            self.keys, self.values = keys[:, :, :past], values[:, :, :past]
+            self.dtype, self.device = keys.dtype, keys.device
+            self.is_initialized = True
+
+        def update(
+            self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any
+        ) -> tuple[Tensor, Tensor]:
+            keys, values = self.buffers
+            end = self.past + key_states.shape[-2]
+            keys[:, :, self.past : end] = key_states
+            values[:, :, self.past : end] = value_states
+            self.past = end
+            self.keys, self.values = keys[:, :, :end], values[:, :, :end]
+            return self.keys, self.values
+
+        def get_seq_length(self) -> int:
+            return self.past
+
+    return Prefixed
 
 
 # -- last-block ------------------------------------------------------------------------------------
@@ -334,6 +383,7 @@ class Inspection:
         self.clean = [clean[name][0] for name in names]
         self.mode, self.reason = "rerun", "fast path disabled"
         self.prefix: list[tuple[Tensor, Tensor]] = []
+        self._buffers: dict[int, tuple[Tensor, Tensor]] = {}
         self._tuple: bool | None = None
         self.calls = 0
         if fast:
@@ -361,17 +411,20 @@ class Inspection:
         if start >= L:  # no block runs: the patch is the output (or does not reach the end)
             last = self.clean[L][-1]
             return h.to(last) if j == m - 1 else last.expand(h.shape[0], -1).clone()
-        width = m if self.mode == "rerun" else m - j
-        per_row = (m * 2 + width) * h.shape[-1] * (L - start + 1)
-        step = max(1, _CALL_ELEMENTS // per_row)
-        parts = [self._run(start, h[lo : lo + step]) for lo in range(0, h.shape[0], step)]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-    def _run(self, start: int, h: Tensor) -> Tensor:
-        self.calls += 1
+        if self.mode == "rerun":
+            per_row = m * 3 * h.shape[-1] * (L - start + 1)
+        else:  # the prefix's buffers, kept, and one call's activations (its MLP's the widest)
+            kv = sum(keys.shape[1] * keys.shape[3] for keys, _ in self.prefix)
+            per_row = 2 * m * kv + (m - j) * h.shape[-1] * 8
+        parts_n = -(-h.shape[0] // max(1, _call_elements(h.device, h.element_size()) // per_row))
+        step = -(-h.shape[0] // parts_n)  # equal parts, not a ragged last one
+        parts = [h[lo : lo + step] for lo in range(0, h.shape[0], step)]
+        self.calls += len(parts)
         if self.mode == "cache":
-            return self._continue(start, h)
-        return self._rerun(start, h)
+            out = self._continue(start, parts)
+        else:
+            out = [self._rerun(start, part) for part in parts]
+        return out[0] if len(out) == 1 else torch.cat(out)
 
     def _rerun(self, start: int, h: Tensor) -> Tensor:
         """The whole prompt per row, resumed at ``start`` from its clean states."""
@@ -395,45 +448,76 @@ class Inspection:
             )
         return kept["h"]
 
-    def _continue(self, start: int, h: Tensor) -> Tensor:
+    def _continue(self, start: int, parts: Sequence[Tensor]) -> list[Tensor]:
         """The tokens from the patch position on, against the prefix's cached keys and values,
-        from block ``start`` (the blocks before it return the patched residual)."""
-        n, j = h.shape[0], self.position
-        at = self.clean[start]
-        resid = torch.cat([h.to(at)[:, None], at[None, j + 1 :].expand(n, -1, -1)], dim=1)
-        final: dict[str, Tensor] = {}
+        from block ``start`` (the blocks before it return the patched residual), per part of
+        the rows (one forward each, under one set of hooks)."""
+        j, at = self.position, self.clean[start]
+        final: list[Tensor] = []
+        fed: dict[str, Tensor] = {}
 
         def halt(tensor: Tensor, *, hook: Any) -> Tensor:
-            final["h"] = tensor[:, -1]
+            final.append(tensor[:, -1])
             raise _Stop
 
         def inject(tensor: Tensor, *, hook: Any) -> Tensor:
-            return resid.to(tensor)
+            return fed["resid"].to(tensor)
 
         stop = stop_hook_name(self.model.hook_dict)
         hooks = [(stop or f"blocks.{self.n_layers - 1}.hook_resid_post", halt)]
         if start == 0:
             hooks.append(("blocks.0.hook_resid_pre", inject))
-        kwargs = {"past_key_values": self._cache(n)} if self.prefix else {}
-        with (
-            torch.no_grad(),
-            stubbed_blocks(self.model, start, resid, tuple_output=self._tuple),
-            self.model.hooks(fwd_hooks=hooks),
-            suppress(_Stop),
-        ):
-            self.model(self.tokens[:, j:].expand(n, -1), **kwargs)
-        return final["h"]
+        with torch.no_grad(), self.model.hooks(fwd_hooks=hooks):
+            for h in parts:
+                n = h.shape[0]
+                resid = fed["resid"] = torch.cat(
+                    [h.to(at)[:, None], at[None, j + 1 :].expand(n, -1, -1)], dim=1
+                )
+                kwargs = {"past_key_values": self._cache(n)} if self.prefix else {}
+                with (
+                    stubbed_blocks(self.model, start, resid, tuple_output=self._tuple),
+                    suppress(_Stop),
+                ):
+                    self.model(self.tokens[:, j:].expand(n, -1), **kwargs)
+        return final
 
     def _cache(self, n: int) -> Any:
-        """A fresh cache of the prefix for ``n`` rows (the keys and values expanded, not
-        copied; the continuation appends to it)."""
+        """A fresh cache of the prefix for ``n`` rows, filled at one row by the cache's own
+        update (so a sliding-window layer keeps its window and count). A full-attention layer
+        then reads and writes :meth:`_buffer` in place (:class:`_Prefixed`): the prefix copied
+        there once, each continuation writing only its own tokens; a sliding layer has its keys
+        and values expanded to ``n`` rows and appends to them (one copy of the prefix per row
+        and call, as Hugging Face's cache does)."""
         from transformers import DynamicCache  # only models with a KV cache get here
+        from transformers.cache_utils import DynamicLayer
 
         config = getattr(getattr(self.model, "original_model", None), "config", None)
         cache = DynamicCache(config=config)
         for layer, (keys, values) in enumerate(self.prefix):
-            cache.update(keys.expand(n, -1, -1, -1), values.expand(n, -1, -1, -1), layer)
+            cache.update(keys, values, layer)
+        for index, entry in enumerate(cache.layers):
+            plain = getattr(type(entry), "update", None) is DynamicLayer.update
+            if getattr(entry, "is_sliding", False) or not plain:
+                entry.keys = entry.keys.expand(n, -1, -1, -1)  # type: ignore[union-attr]
+                entry.values = entry.values.expand(n, -1, -1, -1)  # type: ignore[union-attr]
+            else:
+                cache.layers[index] = _prefixed_layer()(*self._buffer(index, n), self.position)
         return cache
+
+    def _buffer(self, layer: int, n: int) -> tuple[Tensor, Tensor]:
+        """Keys and values of ``layer`` for at least ``n`` rows over the whole prompt, the
+        prefix's copied in once (kept for the next call; grown when a call has more rows)."""
+        held = self._buffers.get(layer)
+        if held is None or held[0].shape[0] < n:
+            m = int(self.tokens.shape[1])
+            keys, values = (
+                torch.empty((n, t.shape[1], m, t.shape[3]), dtype=t.dtype, device=t.device)
+                for t in self.prefix[layer]
+            )
+            keys[:, :, : self.position] = self.prefix[layer][0]
+            values[:, :, : self.position] = self.prefix[layer][1]
+            held = self._buffers[layer] = (keys, values)
+        return held[0][:n], held[1][:n]
 
     # -- deciding the mode ---------------------------------------------------------------------
     def _decide(self) -> None:
@@ -458,12 +542,12 @@ class Inspection:
             scale = float(want.abs().max().clamp_min(1e-6))
             tolerance = _TOLERANCE.get(want.dtype, _TOLERANCE_LOW)
             for start in sorted({0, self.n_layers // 2}):
-                got = self._continue(start, self.clean[start][j][None])[0]
+                got = self._continue(start, [self.clean[start][j][None]])[0][0]
                 error = float((got - want).abs().max()) / scale
                 if error > tolerance:
                     raise ValueError(f"the identity is off by {error:.2g} relative")
         except Exception as err:  # any failure of the fast path: the exact slow one
-            self.mode, self.prefix = "rerun", []
+            self.mode, self.prefix, self._buffers = "rerun", [], {}
             self.reason = f"the cached continuation failed: {type(err).__name__}: {err}"
         self.calls = 0
 
