@@ -318,6 +318,13 @@ LONG = "x" * 200  # the tiny model reads 128 tokens
         ("/api/attention", {"text": TEXT, "block": 0, "position": 99}, 400,
          "position 99 is outside"),
         ("/api/attention", {"text": TEXT}, 400, "give block and position"),
+        ("/api/says", {"text": TEXT}, 400, "give row and position"),
+        ("/api/says", {"text": TEXT, "row": 9, "position": 0}, 400, "row 9 is outside"),
+        ("/api/says", {"text": TEXT, "row": 0, "position": 99}, 400, "position 99 is outside"),
+        ("/api/says", {"text": TEXT, "row": 0, "position": 0, "tokens": 0}, 400,
+         "tokens must be 1-32"),
+        ("/api/says", {"text": TEXT, "row": 0, "position": 0, "lens": "logit"}, 400,
+         "'logit' is not a patchscope"),
     ],
 )
 def test_bad_requests_get_one_clear_line(client: TestClient, path: str, body: Any, status: int,
@@ -619,3 +626,28 @@ def test_attention_of_a_position_is_the_pattern_it_shows(client: TestClient,
     assert out["mean"] == pytest.approx(want.mean(0).tolist(), abs=1e-6)
     assert out["sink_mass"] == pytest.approx(want[:, 0].tolist(), abs=1e-6)
     assert out["sink_heads"] == [h for h in range(want.shape[0]) if want[h, 0] > 0.3]
+
+
+def test_what_the_model_says_is_the_patchscope_continuation(client: TestClient,
+                                                            native_model: Any) -> None:
+    """A pinned cell's state read by the model itself: the inspection prompt's greedy
+    continuation with that state patched in, as :meth:`Inspection.generate` gives it."""
+    from lensdiv.ops.blocklens import DEFAULT_PROMPT, inspection
+
+    grid = client.post("/api/grid", json={"text": TEXT}).json()
+    position = len(grid["tokens"]) - 1
+    got = client.post("/api/says", json={"text": TEXT, "row": 1, "position": position,
+                                         "tokens": 5})
+    assert got.status_code == 200, got.text
+    out = got.json()
+    tokens = native_model.to_tokens(TEXT, prepend_bos=True)
+    info = ModelInfo.from_model(native_model)
+    _, cache = capture(native_model, tokens, [info.resid(1)], need_logits=False)
+    found = inspection(native_model, DEFAULT_PROMPT, -1)
+    said, probs = found.generate(1, cache[info.resid(1)][0, position], 5)
+    decode = native_model.tokenizer.decode
+    assert out["tokens"] == [decode([t]) for t in said] and out["text"] == decode(said)
+    assert out["probs"] == pytest.approx(probs, rel=1e-6)
+    assert (out["lens"], out["row"], out["target"], out["patched"]) == (
+        "patchscope", 1, 1, len(out["prompt"]) - 1)
+    assert "".join(out["prompt"]) == decode(found.tokens_list)

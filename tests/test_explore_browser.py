@@ -146,6 +146,12 @@ def test_explore_in_a_browser(served: Any, shots: Path) -> None:
         assert page.evaluate("document.querySelectorAll('td.pinned').length") == 1
         assert page.evaluate("document.querySelector('#detail h3').textContent").startswith(
             f"{want.rows[-1]} · position 2")
+        # the pinned state read by the model itself: the patchscope's greedy continuation
+        wait(page, "(document.querySelector('#says h3') || {}).textContent !== undefined")
+        says = " ".join(page.evaluate("document.querySelector('#says').innerText").split())
+        assert f"what the model says about {want.rows[-1]} here" in says, says
+        assert page.evaluate("document.querySelectorAll('#says mark').length") == 1
+        assert page.evaluate("document.querySelectorAll('#says .said').length") == 8
         not_blank(page.screenshot(shots / "explore_1_prompt.png"))
         page.evaluate(f"document.querySelector({json.dumps(cell)}).click()")  # unpin
 

@@ -145,6 +145,38 @@ def test_the_prefix_held_in_place_survives_calls_of_other_sizes(models64: dict[s
     torch.testing.assert_close(first, want, rtol=0, atol=1e-5 * float(want.abs().max()))
 
 
+@pytest.mark.parametrize("arch", ["llama", "native"])
+def test_what_the_model_says_about_a_state(models64: dict[str, Any], native_model: Any,
+                                           arch: str) -> None:
+    """The greedy continuation with a state patched in: the prompt's own clean state patched
+    back continues the prompt as the model does; another state's first token is the argmax
+    of its patchscope readout (the naive loop's final residual through the final norm and the
+    unembedding), and each probability is that token's softmax there."""
+    model = native_model if arch == "native" else models64[arch]
+    found = Inspection(model, DEFAULT_PROMPT, -1)
+    L = found.n_layers
+    tokens = found.tokens
+    own = []
+    with torch.no_grad():
+        for _ in range(4):
+            probs = torch.softmax(model(tokens, return_type="logits")[0, -1].float(), -1)
+            own.append(int(probs.argmax()))
+            tokens = torch.cat([tokens, tokens.new_tensor([[own[-1]]])], dim=1)
+    for start in (0, L // 2, L):
+        said, _ = found.generate(start, found.clean[start][-1], 4)
+        assert said == own, (start, said, own)
+    h = states_of(model, TEXT)[1][2]
+    said, probs = found.generate(1, h, 3)
+    final = naive(model, DEFAULT_PROMPT, found.position, 1, h[None])
+    with torch.no_grad():
+        logits = model.unembed(model.ln_final(final[None]))[0, 0].float()
+    assert said[0] == int(logits.argmax())
+    assert probs[0] == pytest.approx(float(torch.softmax(logits, -1).max()), rel=1e-4)
+    assert len(said) == len(probs) == 3 and all(0 < p <= 1 for p in probs)
+    with pytest.raises(LensError, match="at least one token"):
+        found.generate(1, h, 0)
+
+
 def test_a_tl_native_model_runs_the_whole_prompt(native_model: Any) -> None:
     found = inspection(native_model, DEFAULT_PROMPT, -1)
     assert found.mode == "rerun" and "KV cache" in found.reason

@@ -426,6 +426,40 @@ class Inspection:
             out = [self._rerun(start, part) for part in parts]
         return out[0] if len(out) == 1 else torch.cat(out)
 
+    def generate(
+        self, start: int, h: Float[Tensor, " d_model"], n_tokens: int
+    ) -> tuple[list[int], list[float]]:
+        """What the model says about ``h``: the greedy continuation of the inspection prompt
+        with ``h`` as block ``start``'s input at the patch position (``start == L``: the
+        output there), ``n_tokens`` tokens and the probability of each (float32 softmax).
+        Each token is one forward pass of the prompt and the tokens so far with the patch
+        hooked in (exact for every model; a short answer for a person, not a statistic)."""
+        if n_tokens < 1:
+            raise LensError(f"a continuation has at least one token, not {n_tokens}")
+        n_ctx = int(getattr(self.model.cfg, "n_ctx", 0) or 0)
+        if n_ctx and self.tokens.shape[1] + n_tokens > n_ctx:
+            raise LensError(
+                f"the inspection prompt's {self.tokens.shape[1]} tokens and {n_tokens} more "
+                f"exceed the model's context of {n_ctx}"
+            )
+        name = ModelInfo.from_model(self.model).resid(start)
+        j = self.position
+
+        def patch(tensor: Tensor, *, hook: Any) -> Tensor:
+            tensor[:, j] = h.to(tensor)
+            return tensor
+
+        tokens, said, probs = self.tokens, [], []
+        with torch.no_grad(), self.model.hooks(fwd_hooks=[(name, patch)]):
+            for _ in range(n_tokens):
+                logits = self.model(tokens, return_type="logits")[0, -1].float()
+                p = torch.softmax(logits, -1)
+                token = int(p.argmax())
+                said.append(token)
+                probs.append(float(p[token]))
+                tokens = torch.cat([tokens, tokens.new_tensor([[token]])], dim=1)
+        return said, probs
+
     def _rerun(self, start: int, h: Tensor) -> Tensor:
         """The whole prompt per row, resumed at ``start`` from its clean states."""
         n, j, L = h.shape[0], self.position, self.n_layers

@@ -9,6 +9,8 @@ Routes (JSON in, JSON out; every error is a 4xx with ``{"error": "one line"}``):
 ``POST /api/patch``         ``{clean, corrupt, target, layer, position}``, or a piece of the map:
                             ``{clean, corrupt, target, map: true, layer, start}``
 ``POST /api/attention``     ``{text, block, position[, first]}`` → one position's attention
+``POST /api/says``          ``{text, row, position[, lens, tokens]}`` → what the model says about
+                            ``h_row`` there: a patchscope's greedy continuation
 ``GET /api/runs``           the runs and studies under ``--runs``
 ``GET /runs/{path}``        a run's ``report.html`` or a study's ``study.html`` under ``--runs``
 ==========================  ===============================================================
@@ -236,6 +238,10 @@ async def attention(request: Request) -> Response:
     return await model_call(request, request.app.state.session.attention)
 
 
+async def says(request: Request) -> Response:
+    return await model_call(request, request.app.state.session.says)
+
+
 async def info(request: Request) -> Response:
     return JSONResponse(request.app.state.session.describe())
 
@@ -284,6 +290,7 @@ ROUTES = [
             Route("/grid", grid, methods=["POST"]),
             Route("/patch", patch, methods=["POST"]),
             Route("/attention", attention, methods=["POST"]),
+            Route("/says", says, methods=["POST"]),
             Route("/runs", runs, methods=["GET"]),
         ],
     ),

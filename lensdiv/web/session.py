@@ -42,6 +42,7 @@ from lensdiv.core.analyzer import ModelInfo
 from lensdiv.core.errors import DataError, LensdivError, OptionError
 from lensdiv.data.pairs import builtin_pairs, is_byte_tokenizer
 from lensdiv.ops.attention import pattern_hook
+from lensdiv.ops.blocklens import PatchscopeLens, inspection
 from lensdiv.ops.capture import capture
 from lensdiv.ops.cells import products_of
 from lensdiv.ops.patching import last_position, rows_per_pass
@@ -56,6 +57,8 @@ from lensdiv.studies.crossmodel.folder import HTML, STUDY
 TOP_K = 5
 SINK_EPS = 0.3  # a head whose weight on the sink exceeds this is marked (the ``sinks`` eps)
 MAX_TOP_K = 20
+SAYS_TOKENS = 8  # what the model says about a state: tokens of the greedy continuation
+MAX_SAYS_TOKENS = 32
 MAX_CHARS = 20_000  # a prompt's characters, checked before tokenising
 RUN_PAGE = REPORT  # the saved layouts: a run folder, a study folder
 STUDY_PAGE = HTML
@@ -255,6 +258,54 @@ class Session:
                 "first": first,
                 "sink_mass": sink.tolist(),
                 "sink_heads": [h for h, m in enumerate(sink.tolist()) if m > SINK_EPS],
+                "ms": round(1000 * (time.perf_counter() - start), 1),
+            }
+        )
+
+    # -- what the model says about a state ------------------------------------------------------
+    def says(self, request: Mapping[str, Any]) -> dict[str, Any]:
+        """The greedy continuation of a patchscope's inspection prompt with ``h_row`` of
+        ``text`` at ``position`` patched in (docs/science.md P1): ``tokens`` tokens (default
+        :data:`SAYS_TOKENS`) and their probabilities; ``lens`` names the patchscope (its
+        prompt, patch position and target rule; default ``patchscope``)."""
+        text = _text(request, "text")
+        row = _field(request, "row", int, None)
+        position = _field(request, "position", int, None)
+        n_tokens = _field(request, "tokens", int, SAYS_TOKENS)
+        name = _field(request, "lens", str, "patchscope")
+        L = self.info.n_layers
+        if row is None or position is None:
+            raise RequestError("give row and position")
+        if not 0 <= row <= L:
+            raise RequestError(f"row {row} is outside h0-h{L}")
+        if not 1 <= n_tokens <= MAX_SAYS_TOKENS:
+            raise RequestError(f"tokens must be 1-{MAX_SAYS_TOKENS}, got {n_tokens}")
+        lens = self.lenses.get(name)
+        if not isinstance(lens, PatchscopeLens):
+            scopes = [k for k, v in self.lenses.items() if isinstance(v, PatchscopeLens)]
+            raise RequestError(f"{name!r} is not a patchscope", hint=f"use {', '.join(scopes)}")
+        tokens = self._tokens(text)
+        if not 0 <= position < tokens.shape[1]:
+            raise RequestError(f"position {position} is outside 0-{tokens.shape[1] - 1}")
+        start = time.perf_counter()
+        with torch.no_grad():
+            _, cache = capture(self.model, tokens, [self.info.resid(row)], need_logits=False)
+        h = cache[self.info.resid(row)][0, position]
+        found = inspection(self.model, lens.prompt, lens.position)
+        target = lens.target_layer(row, L)
+        said, probs = found.generate(target, h, n_tokens)
+        decode = self.model.tokenizer.decode
+        return finite(
+            {
+                "lens": name,
+                "row": row,
+                "position": position,
+                "target": target,
+                "prompt": [decode([t]) for t in found.tokens_list],
+                "patched": found.position,
+                "tokens": [decode([t]) for t in said],
+                "probs": probs,
+                "text": decode(said),
                 "ms": round(1000 * (time.perf_counter() - start), 1),
             }
         )

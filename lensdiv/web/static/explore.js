@@ -215,7 +215,31 @@
       el("p", {}, `KL to the output: ${view.kl[r][t] === null ? "–" : view.kl[r][t].toFixed(3)} nats`),
       el("p", {}, `entropy: ${view.entropy[r][t].toFixed(3)} nats`),
     );
-    if (state.pinned === key(td)) attention(view, r, t);
+    if (state.pinned === key(td)) { says(view, r, t); attention(view, r, t); }
+  }
+
+  // -- a pinned cell's state read by the model itself: the patchscope's greedy continuation ----
+  async function says(view, r, t) {
+    const row = Number(String(view.rows[r]).replace(/^h/, ""));
+    const lens = String(view.lens || "").startsWith("patchscope") ? view.lens : "patchscope";
+    const box = el("div", { id: "says", class: "says" }, el("p", { class: "muted" }, "what the model says …"));
+    $("#detail").append(box);
+    let out;
+    try {
+      out = await api("api/says", { text: state.text, row, position: t, lens });
+    } catch (err) {
+      box.replaceChildren(el("p", { class: "muted" }, `what the model says: ${err.message}`));
+      return;
+    }
+    if (!out) return;
+    const where = out.target >= state.info.n_layers ? "as the final residual (no block runs after it)" : `as block ${out.target}'s input`;
+    const prompt = out.prompt.map((tok, k) => (k === out.patched ? el("mark", { title: `h${row} patched in here, ${where}` }, shown(tok)) : shown(tok)));
+    const said = out.tokens.map((tok, k) => el("span", { class: "said", title: pct(out.probs[k]) }, shown(tok)));
+    box.replaceChildren(
+      el("h3", {}, `what the model says about h${row} here`),
+      el("p", { class: "prompt-line" }, ...prompt, " → ", ...said),
+      el("p", { class: "muted" }, `${out.lens}: h${row} at position ${t} patched into the inspection prompt (the marked token) ${where}; the model's greedy continuation, ${out.tokens.length} tokens (hover for each one's probability).`),
+    );
   }
 
   // -- a pinned cell's attention: the block that wrote h_r (block 0 for h0), its query at t ----
