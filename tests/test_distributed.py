@@ -43,6 +43,9 @@ OPTIONS = {
     "submod": {"samples": "8", "greedy": "3"},
     "skip": {"splits": "2"},
 }
+# The lens analyzer read through the patchscope lens (its inspection prompt's prefix cached on
+# each rank) and the patchscope sweep.
+SCOPES = "lens,patchscope"
 # The lens fits of lensdiv.lenses: analyzers whose states are summed Jacobians and moments.
 LENS_FITS = [JacobianFit(skip_first=4), AffineFit()]
 # 3 batches of 2 rows of 24 tokens, the last short and padded: an odd count for 2 ranks.
@@ -99,6 +102,8 @@ def _rank_main(rank: int, world: int, store: str, scenario: str, model: str, out
             analyze(model, data=SPEC, plugins=EVERY, options=OPTIONS, out=f"{out}/every",
                     progress=False)
             analyze(model, data=ONE_BATCH, plugins="lens,contrib", out=f"{out}/idle",
+                    progress=False)
+            analyze(model, data=SPEC, plugins=SCOPES, lens="patchscope", out=f"{out}/scope",
                     progress=False)
             analyze(model, data=SPEC, plugins=[FailsOnRankOne(), "contrib"], out=f"{out}/fails",
                     progress=False)
@@ -165,9 +170,10 @@ def test_two_ranks_give_the_results_of_one_process(llama_dir: Path, tmp_path: Pa
     # Meanwhile, the same runs in this process.
     one = analyze(str(llama_dir), data=SPEC, plugins=EVERY, options=OPTIONS, progress=False)
     idle = analyze(str(llama_dir), data=ONE_BATCH, plugins="lens,contrib", progress=False)
+    scope = analyze(str(llama_dir), data=SPEC, plugins=SCOPES, lens="patchscope", progress=False)
     _join(procs, 300)
     assert [p.exitcode for p in procs] == [0, 0], [p.exitcode for p in procs]
-    for name, single in (("every", one), ("idle", idle)):
+    for name, single in (("every", one), ("idle", idle), ("scope", scope)):
         two = load_run(tmp_path / name)
         assert not single.errors and not two.errors, (single.errors, two.errors)
         assert sorted(two.results) == sorted(single.results)
@@ -195,7 +201,7 @@ def test_two_ranks_give_the_results_of_one_process(llama_dir: Path, tmp_path: Pa
     assert fails.errors == {"fails-on-one": "ValueError: only rank 1 fails (batch 1) (on rank 1)"}
     assert_results_close(fails["contrib"], one["contrib"], rtol=1e-6, what="contrib beside")
     # Rank 1 wrote nothing: rank 0 alone writes.
-    assert {p.name for p in tmp_path.iterdir()} - {"store"} == {"every", "idle", "fails"}
+    assert {p.name for p in tmp_path.iterdir()} - {"store"} == {"every", "idle", "scope", "fails"}
 
 
 def test_two_ranks_fit_the_lenses_of_one_process(llama_dir: Path, tmp_path: Path) -> None:
