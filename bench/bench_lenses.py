@@ -40,7 +40,8 @@ from lensdiv.data.sources import token_batches
 from lensdiv.lenses.jacobian import JacobianFit, cosine
 from lensdiv.lenses.tuned import TunedRecipe, train_tuned
 from lensdiv.ops.capture import capture
-from lensdiv.ops.translators import JACOBIAN_FILE, read_jacobian, read_tuned, save_tuned
+from lensdiv.ops.lens_files import JACOBIAN_FILE, save_tuned
+from lensdiv.ops.lens_kinds import read_jacobian, read_tuned
 
 
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:

@@ -28,8 +28,8 @@ from starlette.testclient import TestClient  # noqa: E402
 
 from lensdiv.core.analyzer import ModelInfo  # noqa: E402
 from lensdiv.core.errors import LensdivError  # noqa: E402
+from lensdiv.ops.lens_files import save_tuned  # noqa: E402
 from lensdiv.ops.prompt import prompt_view  # noqa: E402
-from lensdiv.ops.translators import save_tuned  # noqa: E402
 from lensdiv.web.server import make_app  # noqa: E402
 from lensdiv.web.session import TOY_EXAMPLE, Session, patch_example  # noqa: E402
 

@@ -40,9 +40,9 @@ from lensdiv.core.analyzer import Analyzer, ModelInfo, Step
 from lensdiv.core.errors import HookError
 from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
+from lensdiv.ops.lens_kinds import PHRASES
 from lensdiv.ops.readout import cross_entropy, final_readout, lens_of, readout_dtype, workspace
 from lensdiv.ops.resume import resumer_for
-from lensdiv.ops.translators import PHRASES
 
 FinalState = Literal["pre", "post"]
 
