@@ -26,7 +26,7 @@ The floors are timed from their own pieces, at the shapes the analyzer runs them
   ``floor_ratio`` = ``grid_blocks`` over it (target ≤ 1.3);
 - the *readout floor*: the final norm, unembedding and float32 log-softmax of every row read
   (each intervened row, and the clean output's once), timed the same way on rows of the size
-  :func:`~lensdiv.ops.readout.lens_statistics` reads at once; ``analyzer_ratio`` = ``prune``
+  :func:`~lensdiv.ops.rowstats.lens_statistics` reads at once; ``analyzer_ratio`` = ``prune``
   over block floor + the clean pass's ``L · u(batch)`` + readout floor.
 
     python bench/bench_surgery.py [--layers 12 --d-model 512 --vocab 8192 --tokens 256 --max-n 6]

@@ -36,8 +36,9 @@ from lensdiv.data.sources import DataSpec
 from lensdiv.ops.capture import capture
 from lensdiv.ops.members import member_hooks
 from lensdiv.ops.patching import integrated_gradients, run_variants
-from lensdiv.ops.readout import Workspace, final_readout, lens_statistics, readout_dtype
+from lensdiv.ops.readout import Workspace, final_readout, readout_dtype
 from lensdiv.ops.resume import Resumer
+from lensdiv.ops.rowstats import lens_statistics
 from lensdiv.ops.skipping import skip_effects, split_intervals
 from lensdiv.ops.subsets import direct_scores, removal_scores
 from lensdiv.run.runner import analyze

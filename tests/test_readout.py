@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from lensdiv.ops.norms import NoNorm
-from lensdiv.ops.readout import TOPK_CHUNK, FinalReadout, lens_statistics, top_k
+from lensdiv.ops.readout import FinalReadout
+from lensdiv.ops.rowstats import TOPK_CHUNK, lens_statistics, top_k
 
 
 @pytest.mark.parametrize("vocab", [50257, 4 * 5 * TOPK_CHUNK, 3000, 700])

@@ -41,8 +41,9 @@ from lensdiv.core.errors import HookError
 from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
 from lensdiv.ops.lens_kinds import PHRASES
-from lensdiv.ops.readout import cross_entropy, final_readout, lens_of, readout_dtype, workspace
+from lensdiv.ops.readout import final_readout, lens_of, readout_dtype, workspace
 from lensdiv.ops.resume import resumer_for
+from lensdiv.ops.rowstats import cross_entropy
 
 FinalState = Literal["pre", "post"]
 

@@ -24,7 +24,8 @@ from lensdiv.core.errors import OptionError
 from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
 from lensdiv.ops.lens_kinds import LABELS, PHRASES
-from lensdiv.ops.readout import final_readout, lens_of, lens_statistics, workspace
+from lensdiv.ops.readout import final_readout, lens_of, workspace
+from lensdiv.ops.rowstats import lens_statistics
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ Per pair ``(ℓ, ℓ*)``: ``KL(p_{ℓ→ℓ*} ‖ p_out)``, top-1 agreement with
 next-token cross-entropy, means over the read positions (``t mod every = 0``). The Patchscopes
 paper's layer-to-layer figure; its diagonal is the ``lens`` analyzer through ``--lens
 patchscope``, its column ``ℓ* = L − 1`` through ``--lens patchscope:target=last``. The readout is
-:func:`lensdiv.ops.readout.lens_statistics` through a :class:`~lensdiv.ops.blocklens.PatchscopeLens`
+:func:`lensdiv.ops.rowstats.lens_statistics` through a :class:`~lensdiv.ops.blocklens.PatchscopeLens`
 per target block (its prefix cached once, every source layer and position of a batch in one
 continuation per target).
 """
@@ -23,7 +23,8 @@ from lensdiv.core.analyzer import Analyzer, ModelInfo, Step
 from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
 from lensdiv.ops.blocklens import DEFAULT_PROMPT, PatchscopeLens
-from lensdiv.ops.readout import final_readout, lens_statistics, workspace
+from lensdiv.ops.readout import final_readout, workspace
+from lensdiv.ops.rowstats import lens_statistics
 
 _MEASURES = (
     ("kl", "KL(p_ℓ→ℓ* ‖ p_out) (nats)", "KL to the output"),

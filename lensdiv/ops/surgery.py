@@ -14,7 +14,7 @@ A reordered range ``[a, b)`` runs a *program*: a list of blocks applied in turn 
 on ``h_a`` with their mean update added. Each block is applied alone by resuming at it and
 stopping after it; then the pass resumes at ``b`` from the program's result.
 
-Every output is compared with the clean output by :func:`lensdiv.ops.readout.lens_statistics`
+Every output is compared with the clean output by :func:`lensdiv.ops.rowstats.lens_statistics`
 (the ``lens`` analyzer's readout): ``KL(p_intervened ‖ p_out)`` — the same direction as
 ``lens`` —, the next-token cross-entropy and the top-1 agreement with the clean output.
 """
@@ -32,8 +32,9 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from lensdiv.core.analyzer import Step
-from lensdiv.ops.readout import final_readout, lens_statistics, workspace
+from lensdiv.ops.readout import final_readout, workspace
 from lensdiv.ops.resume import Resumer
+from lensdiv.ops.rowstats import lens_statistics
 from lensdiv.ops.subsets import removal_finals
 
 # Residual values :func:`read_together` gathers before one readout (float32: 256 MB).

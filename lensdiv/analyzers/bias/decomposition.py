@@ -19,7 +19,7 @@ from torch import Tensor
 from lensdiv.core.analyzer import ModelInfo
 from lensdiv.core.stats import Stats
 from lensdiv.ops.members import member_layers, member_names
-from lensdiv.ops.readout import log_partition
+from lensdiv.ops.rowstats import log_partition
 
 Weighting = Literal["mean", "sum"]
 Members = Literal["sublayers", "states"]
