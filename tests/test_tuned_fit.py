@@ -78,7 +78,7 @@ def _rank_main(rank: int, store: str, model: str, out: str, affine_passes: int |
     sys.exit(code)
 
 
-@pytest.mark.parametrize("affine_passes", [0, 1, None])
+@pytest.mark.parametrize("affine_passes", [0, 1, 2, None])
 def test_two_ranks_train_the_tuned_lens_of_one_process(llama_dir: Path, tmp_path: Path,
                                                        affine_passes: int | None) -> None:
     """The lens, its training loss and its evaluation of 2 gloo processes (the gradient of a
@@ -259,19 +259,23 @@ def test_a_training_is_not_split_into_shards(llama_dir: Path, tmp_path: Path) ->
         fit_lens(str(llama_dir), "tuned", out=tmp_path / "f", shard="0/2", progress=False)
 
 
+@pytest.mark.parametrize("passes", [1, 2])
 def test_the_fast_path_starts_at_the_affine_lens_of_its_first_pass(llama_dir: Path,
-                                                                   tmp_path: Path) -> None:
+                                                                   tmp_path: Path,
+                                                                   passes: int) -> None:
     """``affine_passes=1``: the first pass's moments solved in closed form are the start; with
-    a vanishing step size the lens after its SGD step is the affine lens of the same tokens."""
+    a vanishing step size the lens after its SGD step is the affine lens of the same tokens.
+    ``affine_passes=2``: the moments of both passes' tokens (each pass's sums its own)."""
     fast = fit_lens(str(llama_dir), "tuned", out=tmp_path / "fast",
                     **{**FIT, "eval_tokens": 0,
-                       "options": {**FIT["options"], "affine_passes": 1, "lr": 1e-12}})
-    affine = fit_lens(str(llama_dir), "affine", out=tmp_path / "affine", max_tokens=STEP_TOKENS,
+                       "options": {**FIT["options"], "affine_passes": passes, "lr": 1e-12}})
+    affine = fit_lens(str(llama_dir), "affine", out=tmp_path / "affine",
+                      max_tokens=passes * STEP_TOKENS,
                       seq_len=FIT["seq_len"], batch_size=FIT["batch_size"], eval_tokens=0,
                       progress=False)
     assert fast.lens is not None and affine.lens is not None
     a, b = read_tuned(fast.lens), read_tuned(affine.lens)
-    assert a.meta["steps_done"] == 2 and a.meta["recipe"]["affine_passes"] == 1
+    assert a.meta["steps_done"] == 3 - passes and a.meta["recipe"]["affine_passes"] == passes
     for layer in b.maps:
         assert float(b.maps[layer].weight.abs().max()) > 1e-3  # a lens, not the identity
         torch.testing.assert_close(a.maps[layer].weight, b.maps[layer].weight, rtol=1e-4,
@@ -279,7 +283,8 @@ def test_the_fast_path_starts_at_the_affine_lens_of_its_first_pass(llama_dir: Pa
         torch.testing.assert_close(a.maps[layer].bias, b.maps[layer].bias, rtol=1e-4, atol=1e-5)
     # tuned-lens's layout, loaded as TunedLens.from_unembed_and_pretrained does (strict)
     config = json.loads((fast.lens / "config.json").read_text())
-    assert config["lens_type"] == "linear_tuned_lens" and config["recipe"]["affine_passes"] == 1
+    assert config["lens_type"] == "linear_tuned_lens"
+    assert config["recipe"]["affine_passes"] == passes
     translators = torch.nn.ModuleList(
         [torch.nn.Linear(config["d_model"], config["d_model"], bias=config["bias"])
          for _ in range(config["num_hidden_layers"])])

@@ -76,6 +76,9 @@ GRAD, MOMENTUM = "grad/", "momentum/"
 #: The closed-form start's moments, and its ridge (the affine lens' default, relative to the
 #: mean eigenvalue of each state's covariance).
 XTX, XTY, SEEN = "moments/xtx", "moments/xty", "moments/batches"
+# The moments of the closed-form passes before this one (fixed: a pass's sums are its own, so a
+# second closed-form pass counts its tokens afresh and adds these).
+SO_FAR = {XTX: "moments/xtx_so_far", XTY: "moments/xty_so_far"}
 START_RIDGE = 1e-4
 
 
@@ -403,13 +406,20 @@ class TunedFit(TunedRecipe, Analyzer):
 
     def _closed_form(self, state: Stats) -> dict[str, Any] | None:
         """The state's fixed entries after a closed-form pass (``None``: none pending): the
-        moments counted and, after the last such pass, the translators set to their solution."""
+        moments so far (this pass's sums added to the earlier passes') and, after the last such
+        pass, the translators set to their solution."""
         if int(state["moment_passes"]) <= 0 or SEEN not in state:
             return None
         left = int(state["moment_passes"]) - 1
-        if left > 0 or XTX not in state:  # the sums carry on into the next pass (or nothing
-            return {"moment_passes": left}  # was counted: the start stays as it is)
-        xtx, xty = state[XTX], state[XTY]
+        totals = {}
+        for name, earlier in SO_FAR.items():
+            parts = [state[n] for n in (name, earlier) if n in state]
+            if parts:
+                totals[name] = parts[0] if len(parts) == 1 else parts[0] + parts[1]
+        if left > 0 or not totals:  # the sums carry on into the next pass (or nothing was
+            kept = {SO_FAR[n]: t for n, t in totals.items()} if left > 0 else {}
+            return {"moment_passes": left, **kept}  # counted: the start stays as it is)
+        xtx, xty = totals[XTX], totals[XTY]
         d = xtx.shape[-1] - 1
         eye = torch.eye(d, dtype=torch.float64, device=xtx.device)
         weights, biases = [], []
@@ -430,9 +440,8 @@ class TunedFit(TunedRecipe, Analyzer):
         pass of moments)."""
         solved = self._closed_form(state)
         if solved is not None:
-            if not solved["moment_passes"]:
-                for name in (XTX, XTY, SEEN):
-                    state.drop(name)
+            for name in (XTX, XTY, SEEN, *SO_FAR.values()):  # this pass's sums, now in solved
+                state.drop(name)
             for name, value in solved.items():
                 state.drop(name)
                 state.fix(name, value)
