@@ -19,9 +19,12 @@ state read: its keys and values at every layer are computed once per model and p
 (:class:`Inspection`), and each patched state runs as a continuation of ``m − j`` tokens (one,
 with the patch at the last position) from block ``ℓ*`` to the output against that cache —
 Hugging Face's own KV cache through the bridge, the blocks before ``ℓ*`` replaced by the patched
-residual as :mod:`lensdiv.ops.resume` does. So a state costs ``L − ℓ*`` one-token block
-evaluations plus its readout, and every state of a batch with the same ``ℓ*`` (all of them for
-a fixed ``ℓ*``) runs in one call. On first use the fast path is checked by the identity
+residual as :mod:`lensdiv.ops.resume` does. A full-attention layer's cache is a buffer sized for
+the whole prompt, the prefix copied in once and each continuation writing only its own tokens
+in place (``_prefixed_layer``; Hugging Face's own layer would copy the prefix once per row and
+call). So a state costs ``L − ℓ*`` one-token block evaluations plus its readout, and every state
+of a batch with the same ``ℓ*`` (all of them for a fixed ``ℓ*``) runs under one set of hooks,
+in equal parts of bounded memory. On first use the fast path is checked by the identity
 (patching the prompt's own ``h_ℓ*`` back reproduces its output); a model without a KV cache (a
 TL-native bridge, such as the toy zoo) or one that fails the check runs the whole prompt per
 state instead (``mode == "rerun"``; exact, ``m / (m − j)`` times the cost), recorded in results.
