@@ -63,15 +63,18 @@ _STACK_ELEMENTS = 1 << 24
 # (kept for the next call) and its activations (512 MiB in fp32; fewer, larger calls spare the
 # bridge's fixed cost of a forward, a few milliseconds each).
 _CALL_ELEMENTS = 1 << 27
+# The same on a GPU, at most (2 GiB in bfloat16: about 150 rows of a 70B model's 80 layers).
+_GPU_CALL_ELEMENTS = 1 << 30
 
 
 def _call_elements(device: torch.device, itemsize: int) -> int:
     """Elements one continuation call may hold: :data:`_CALL_ELEMENTS`, or on a GPU a quarter
-    of its free memory (the prefix's buffers for a few hundred rows of a large model)."""
+    of its free memory up to :data:`_GPU_CALL_ELEMENTS` (the prefix's buffers, which the
+    inspection keeps, for a few hundred rows of a large model)."""
     if device.type != "cuda":
         return _CALL_ELEMENTS
     free, _ = torch.cuda.mem_get_info(device)
-    return max(_CALL_ELEMENTS, free // 4 // itemsize)
+    return max(_CALL_ELEMENTS, min(free // 4 // itemsize, _GPU_CALL_ELEMENTS))
 
 
 # Relative error of the fast path's identity check (float rounding of a different schedule).
