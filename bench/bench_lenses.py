@@ -41,7 +41,7 @@ from lensdiv.lenses.jacobian import JacobianFit, cosine
 from lensdiv.lenses.tuned import TunedRecipe, train_tuned
 from lensdiv.ops.capture import capture
 from lensdiv.ops.lens_files import JACOBIAN_FILE, save_tuned
-from lensdiv.ops.lens_kinds import read_jacobian, read_tuned
+from lensdiv.ops.lens_specs import read_jacobian, read_tuned
 
 
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:

@@ -206,7 +206,7 @@ def test_two_ranks_give_the_results_of_one_process(llama_dir: Path, tmp_path: Pa
 
 def test_two_ranks_fit_the_lenses_of_one_process(llama_dir: Path, tmp_path: Path) -> None:
     """The Jacobian and affine lens files of 2 gloo processes equal one process's."""
-    from lensdiv.ops.lens_kinds import read_jacobian, read_tuned
+    from lensdiv.ops.lens_specs import read_jacobian, read_tuned
 
     procs = _launch(tmp_path, "lenses", llama_dir)
     one = analyze(str(llama_dir), data=SPEC, plugins=LENS_FITS, out=tmp_path / "one",

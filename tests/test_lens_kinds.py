@@ -22,7 +22,8 @@ from lensdiv.core.errors import LensError, LensWarning
 from lensdiv.data.sources import DataSpec
 from lensdiv.lenses.fit import evaluate_lens, fit_lens
 from lensdiv.ops.lens_files import save_jacobian, save_tuned
-from lensdiv.ops.lens_kinds import LENS_FILE, LENS_KINDS, fitted_kinds, parse_lens, write_lens
+from lensdiv.ops.lens_specs import LENS_FILE, parse_lens, write_lens
+from lensdiv.ops.translators import LENS_KINDS, fitted_kinds
 from lensdiv.run.runner import analyze
 
 KINDS_FITTED = ("affine", "jacobian", "tuned")

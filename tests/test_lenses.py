@@ -22,7 +22,7 @@ from lensdiv.lenses.fit import fit_lens, recipe_with
 from lensdiv.lenses.jacobian import JacobianFit
 from lensdiv.lenses.tuned import PRESETS, Translators, save_trained, train_tuned
 from lensdiv.ops.lens_files import JACOBIAN_FILE, Map, save_tuned
-from lensdiv.ops.lens_kinds import parse_lens, read_jacobian, read_tuned
+from lensdiv.ops.lens_specs import parse_lens, read_jacobian, read_tuned
 from lensdiv.ops.readout import final_readout
 from lensdiv.ops.translators import LOGIT, Translator
 from lensdiv.run.merge import merge_runs

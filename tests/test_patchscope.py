@@ -27,10 +27,10 @@ from lensdiv.ops.blocklens import (
     inspection,
 )
 from lensdiv.ops.capture import capture
-from lensdiv.ops.lens_kinds import LENS_KINDS, parse_lens
+from lensdiv.ops.lens_specs import parse_lens
 from lensdiv.ops.prompt import prompt_view
 from lensdiv.ops.resume import Resumer
-from lensdiv.ops.translators import Lens
+from lensdiv.ops.translators import LENS_KINDS, Lens
 from lensdiv.run.merge import merge_runs
 from lensdiv.run.runner import analyze
 from lensdiv.testing.contract import assert_results_close
@@ -301,7 +301,7 @@ def test_fitters_do_not_depend_on_what_was_imported() -> None:
     """The registry names each fitter by import path: asked for first thing in a fresh
     process, before lensdiv.lenses is imported, it is there."""
     code = (
-        "import sys; from lensdiv.ops.lens_kinds import LENS_KINDS, fitted_kinds\n"
+        "import sys; from lensdiv.ops.translators import LENS_KINDS, fitted_kinds\n"
         "assert 'lensdiv.lenses.fit' not in sys.modules\n"
         "assert fitted_kinds() == ['tuned', 'jacobian', 'affine'], fitted_kinds()\n"
         "f = LENS_KINDS['tuned'].fitting(); print(type(f).__name__, f.artifact)\n"

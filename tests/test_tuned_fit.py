@@ -33,7 +33,7 @@ from lensdiv.lenses.tuned import (
     train_tuned,
 )
 from lensdiv.ops.lens_files import save_tuned
-from lensdiv.ops.lens_kinds import read_tuned
+from lensdiv.ops.lens_specs import read_tuned
 from lensdiv.ops.readout import final_readout
 from lensdiv.run.feed import take_step
 from lensdiv.run.runner import load_run

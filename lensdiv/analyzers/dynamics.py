@@ -40,10 +40,10 @@ from lensdiv.core.analyzer import Analyzer, ModelInfo, Step
 from lensdiv.core.errors import HookError
 from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
-from lensdiv.ops.lens_kinds import PHRASES
 from lensdiv.ops.readout import final_readout, lens_of, readout_dtype, workspace
 from lensdiv.ops.resume import resumer_for
 from lensdiv.ops.rowstats import cross_entropy
+from lensdiv.ops.translators import PHRASES
 
 FinalState = Literal["pre", "post"]
 

@@ -23,9 +23,9 @@ from lensdiv.core.analyzer import Analyzer, ModelInfo, Step
 from lensdiv.core.errors import OptionError
 from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
-from lensdiv.ops.lens_kinds import LABELS, PHRASES
 from lensdiv.ops.readout import final_readout, lens_of, workspace
 from lensdiv.ops.rowstats import lens_statistics
+from lensdiv.ops.translators import LABELS, PHRASES
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ sharded, and under ``torchrun`` its gradient is all-reduced by the run's data-pa
 Every kind's ``--out`` folder has one layout: ``manifest.json``, ``lens.json`` (the kind, and
 where the lens is: ``fit-tuned/tuned_lens/``, ``fit-affine/affine_lens/``, ``fit-jacobian/jacobian_lens.pt``),
 ``evaluation.csv``/``.json``; ``--lens KIND:OUT`` and ``--lens OUT`` read it. How each kind is
-fitted is named by its entry in the registry of lens kinds (:data:`~lensdiv.ops.lens_kinds.LENS_KINDS`,
+fitted is named by its entry in the registry of lens kinds (:data:`~lensdiv.ops.translators.LENS_KINDS`,
 ``fitter="lensdiv.lenses.fit:TUNED_FITTER"``, imported when asked): :class:`AnalyzerFitter`,
 :class:`TunedFitter` (each a :class:`~lensdiv.ops.translators.Fitter` of a
 :class:`~lensdiv.ops.translators.FitRequest`).
@@ -44,17 +44,16 @@ from lensdiv.lenses.jacobian import JacobianFit
 from lensdiv.lenses.tuned import DEFAULT_PRESET, PRESETS, TUNED_FOLDER, TunedFit, TunedRecipe
 from lensdiv.models.load import load_model
 from lensdiv.ops.lens_files import JACOBIAN_FILE
-from lensdiv.ops.lens_kinds import (
+from lensdiv.ops.lens_specs import parse_lens, write_pointer
+from lensdiv.ops.translators import (
     LABELS,
     LENS_KINDS,
     PHRASES,
     FitRequest,
     Fitter,
+    Translator,
     fitted_kinds,
-    parse_lens,
-    write_pointer,
 )
-from lensdiv.ops.translators import Translator
 from lensdiv.run.distributed import current_world, gather_objects
 from lensdiv.run.runner import Run, analyze
 

@@ -61,7 +61,7 @@ from lensdiv.core.stats import Stats
 from lensdiv.lenses.affine import add_moments
 from lensdiv.ops.kl_grad import fused_kl, target_probabilities
 from lensdiv.ops.lens_files import TunedLensFolder
-from lensdiv.ops.lens_kinds import parse_lens
+from lensdiv.ops.lens_specs import parse_lens
 from lensdiv.ops.readout import Workspace, final_readout, workspace
 from lensdiv.ops.ridge import fit_affine
 from lensdiv.ops.translators import Translator

@@ -39,9 +39,9 @@ from lensdiv.core.provenance import versions
 from lensdiv.models.load import load_model
 from lensdiv.ops.capture import capture
 from lensdiv.ops.cells import Cells, cells, describe
-from lensdiv.ops.lens_kinds import LENS_KINDS, is_path, parse_lens
+from lensdiv.ops.lens_specs import is_path, parse_lens
 from lensdiv.ops.readout import Workspace, final_readout, readout_dtype
-from lensdiv.ops.translators import Lens
+from lensdiv.ops.translators import LENS_KINDS, Lens
 from lensdiv.view.prompt import PromptView, PromptViews
 
 PARTS = ("block", "attn", "mlp")
@@ -67,7 +67,7 @@ def prompt_view(
         model: A ``TransformerBridge`` or a model spec (``"toy"``, ``"gpt2"``, a folder).
         text: The prompt.
         top_k: Tokens kept per cell (shown on hover).
-        lens: Any lens ``--lens`` takes (:func:`~lensdiv.ops.lens_kinds.parse_lens`:
+        lens: Any lens ``--lens`` takes (:func:`~lensdiv.ops.lens_specs.parse_lens`:
             ``"logit"``, ``"last-block"``, ``"patchscope[:OPTIONS]"``, a fitted lens
             ``"tuned:PATH"``, ``"jacobian:PATH"``, ``"affine:PATH"``, or a
             :class:`~lensdiv.ops.translators.Lens`), or several of them (a comma-separated

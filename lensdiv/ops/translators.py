@@ -26,31 +26,48 @@ reads the output of block ``k`` = ``h_{k+1}`` (``k = 0..L-2``).
 model) on the readout's device, to a state already converted to that dtype: the policy of
 :mod:`lensdiv.ops.readout` holds, and the cost is one ``d_model × d_model`` matmul per state.
 
-**Kinds of lens** are objects in one registry, :mod:`lensdiv.ops.lens_kinds` (``LENS_KINDS``,
-``LensKind``, ``parse_lens``, the files' readers). Every lens is a :class:`Lens`: affine
-translators here, readouts that run model blocks (``last-block``, ``patchscope``) in
-:mod:`lensdiv.ops.blocklens`.
+**Kinds of lens** are objects in one registry (:data:`LENS_KINDS`, :class:`LensKind`): a kind's
+name and how results name it, its file layout (a reader, a writer) or how it is made without
+files, where a fit's output folder holds it, and how it is fitted (its :class:`Fitter`, named by
+import path and imported when asked). Every lens is a :class:`Lens`: affine translators here,
+readouts that run model blocks (``last-block``, ``patchscope``) in :mod:`lensdiv.ops.blocklens`.
+Adding a kind is one :func:`register_lens_kind` call (ARCHITECTURE.md lists the steps); the
+built-in kinds are registered at the end of this module.
+
+**Reading a lens from what ``--lens`` takes** (``parse_lens``, the files, the hub) is
+:mod:`lensdiv.ops.lens_specs`.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from pathlib import Path
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from lensdiv.core.analyzer import ModelInfo
+from lensdiv.core.analyzer import Analyzer, ModelInfo
 from lensdiv.core.errors import LensError
-
-if TYPE_CHECKING:
-    from lensdiv.ops.lens_kinds import LensKind
 from lensdiv.ops.lens_files import (
+    JACOBIAN_FILE,
+    TUNED_CONFIG,
+    TUNED_PARAMS,
+    LensMaps,
     Map,
+    fetch_tuned,
+    is_jacobian_file,
+    is_tuned_folder,
+    read_jacobian_maps,
+    read_tuned_maps,
+    tuned_config,
+    write_jacobian_maps,
+    write_tuned_maps,
 )
 
 #: What a lens' reader does: ``read(states, index, rows)`` → the state the final norm reads for
@@ -80,8 +97,6 @@ class Lens(ABC):
     @property
     def lens_kind(self) -> LensKind:
         """Its kind, from the registry."""
-        from lensdiv.ops.lens_kinds import LENS_KINDS  # the registry imports this module
-
         return LENS_KINDS[self.kind]
 
     @property
@@ -207,14 +222,14 @@ class Translator(Lens):
             return
         if self.d_model != info.d_model:
             raise LensError(
-                f"the {self.lens_kind.phrase} {self.source!r} was fitted for d_model {self.d_model}, "
+                f"the {PHRASES[self.kind]} {self.source!r} was fitted for d_model {self.d_model}, "
                 f"but {info.name} has d_model {info.d_model}",
                 hint="fit a lens for this model: lensdiv lenses fit MODEL --kind ...",
             )
         bad = [i for i in self.maps if not 0 <= i < info.n_layers]
         if bad:
             raise LensError(
-                f"the {self.lens_kind.phrase} {self.source!r} has a translator for residual state "
+                f"the {PHRASES[self.kind]} {self.source!r} has a translator for residual state "
                 f"h{max(bad)}, but {info.name} has {info.n_layers} blocks (h0..h{info.n_layers - 1} "
                 "can be translated)",
                 hint="fit a lens for this model: lensdiv lenses fit MODEL --kind ...",
@@ -249,4 +264,284 @@ class Translator(Lens):
 LOGIT = Translator()
 
 
-__all__ = ["LOGIT", "Lens", "Reader", "Translator"]
+# -- the kinds of lens -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FitRequest:
+    """What a fit was asked for, as every :class:`Fitter` reads it: the tuned lens' ``preset``
+    and ``init`` (a start lens), the kind's ``options`` (``-O``), the run's ``max_tokens``
+    (``None``: the default), ``seq_len`` and ``batch_size``, and the ``shard`` (``None``: all)."""
+
+    preset: str | None
+    options: dict[str, Any]
+    init: Any
+    max_tokens: int | None
+    seq_len: int
+    batch_size: int
+    shard: Any
+
+
+@runtime_checkable
+class Fitter(Protocol):
+    """How a lens kind is fitted (:attr:`LensKind.fitter`): ``plan`` gives the fitting analyzer,
+    the tokens it reads and a start lens (or ``None``); ``artifact`` is where the result leaves
+    the lens, under the analyzer's folder."""
+
+    @property
+    def artifact(self) -> str: ...
+
+    def plan(self, request: FitRequest) -> tuple[Analyzer, int, Translator | None]: ...
+
+
+def _resolve(where: str) -> Any:
+    """The object at ``"package.module:attribute"`` (imported now)."""
+    module, _, attribute = where.partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
+@dataclass(frozen=True)
+class LensKind:
+    """One kind of lens: what reads its files or makes it, what the fit's output folder holds,
+    how results name it, and how it is fitted.
+
+    Args:
+        name: What ``--lens NAME:PATH`` and ``lenses fit --kind NAME`` call it.
+        label: How results name it (``"Tuned lens"``).
+        phrase: The same in the middle of a sentence (``"tuned lens"``).
+        layout: Its file layout in words (``"tuned-lens's layout"``).
+        read: ``read(path, kind, source)``: the translator in a local file or folder of this
+            layout (``None``: nothing to read).
+        write: ``write(path, maps, n_layers, model_name)``: write a lens' maps in this layout
+            (the fits write through the same writers, as their results' artifacts).
+        owns: Whether a file or folder is a lens of this kind (``--lens PATH`` without a kind).
+        hub: ``hub(name, kind)``: a published lens by name (``None``: none is published).
+        fitted: Where ``lensdiv lenses fit --kind NAME --out D`` leaves the lens, relative to
+            ``D`` (found there when ``D`` has no ``lens.json``: merged shards).
+        fitter: How it is fitted: a :class:`Fitter`, or where one is (``"module:attribute"``,
+            imported when first asked, so that the answer never depends on what was imported
+            before); ``None``: it is not fitted.
+        make: ``make(options)``: the lens of a kind with no files (``logit``, ``last-block``,
+            ``patchscope``) from what follows ``NAME:`` in ``--lens`` (``""`` for nothing);
+            a callable or where one is (``"module:attribute"``).
+        note: What a row ``h_l`` of its prompt view shows (``{L}``: the blocks, ``{last}``:
+            ``L − 1``); empty: an affine translator's ``T_l`` then the readout.
+    """
+
+    name: str
+    label: str
+    phrase: str
+    layout: str = ""
+    read: Callable[[Path, str, str], Translator] | None = None
+    write: Callable[[Path, LensMaps, int, str], list[Path]] | None = None
+    owns: Callable[[Path], bool] | None = None
+    hub: Callable[[str, str], Translator] | None = None
+    fitted: str | None = None
+    fitter: Fitter | str | None = None
+    make: Callable[[str], Lens] | str | None = None
+    note: str = ""
+
+    def explain(self, n_layers: int) -> str:
+        """What a row ``h_l`` of its prompt view shows, in a sentence or two."""
+        if self.note:
+            return self.note.format(L=n_layers, last=n_layers - 1)
+        return (
+            f"Row h_l: the residual stream before block l through the {self.phrase}' translator "
+            f"T_l, then the final norm and unembedding; h{n_layers} (top) is the model's output."
+        )
+
+    def fitting(self) -> Fitter | None:
+        """Its :class:`Fitter` (imported from where :attr:`fitter` says, on first use)."""
+        found: Fitter | None = (
+            _resolve(self.fitter) if isinstance(self.fitter, str) else self.fitter
+        )
+        return found
+
+    def build(self, options: str = "") -> Lens:
+        """The lens of a kind without files from ``options`` (what follows ``NAME:``).
+
+        Raises:
+            LensError: The kind is read from files, or the options are not its own.
+        """
+        if self.make is None:
+            raise LensError(f"a {self.phrase} is read from files: --lens {self.name}:PATH")
+        make = _resolve(self.make) if isinstance(self.make, str) else self.make
+        lens: Lens = make(options)
+        return lens
+
+
+#: Every kind of lens by name (:func:`register_lens_kind` adds one).
+LENS_KINDS: dict[str, LensKind] = {}
+
+
+def register_lens_kind(kind: LensKind) -> LensKind:
+    """Add (or replace) a kind of lens, with its reader, maker and fitter in one step; returns
+    it."""
+    LENS_KINDS[kind.name] = kind
+    return kind
+
+
+def fitted_kinds() -> list[str]:
+    """The kinds ``lensdiv lenses fit`` can fit."""
+    return [name for name, kind in LENS_KINDS.items() if kind.fitter is not None]
+
+
+class _Names(Mapping[str, str]):
+    """A kind's label or phrase by its name, read from the registry as it is now."""
+
+    def __init__(self, attribute: str) -> None:
+        self._attribute = attribute
+
+    def __getitem__(self, name: str) -> str:
+        return str(getattr(LENS_KINDS[name], self._attribute))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(LENS_KINDS)
+
+    def __len__(self) -> int:
+        return len(LENS_KINDS)
+
+
+#: How results name each lens ("Tuned lens: KL to the output").
+LABELS: Mapping[str, str] = _Names("label")
+#: The same in the middle of a sentence ("the Jacobian lens' translator").
+PHRASES: Mapping[str, str] = _Names("phrase")
+
+
+# -- the built-in kinds ----------------------------------------------------------------------------
+
+
+def _translator(found: LensMaps, kind: str, source: str) -> Translator:
+    return Translator(kind, found.maps, source=source, d_model=found.d_model, meta=found.meta)
+
+
+def _read_tuned_layout(path: Path, kind: str, source: str) -> Translator:
+    return _translator(read_tuned_maps(path, PHRASES[kind]), kind, source)
+
+
+def _tuned_hub(name: str, kind: str) -> Translator:
+    return _translator(read_tuned_maps(fetch_tuned(name), PHRASES[kind]), kind, name)
+
+
+def _read_jacobian_file(path: Path, kind: str, source: str) -> Translator:
+    return _translator(read_jacobian_maps(path), kind, source)
+
+
+def _jacobian_hub(name: str, kind: str) -> Translator:
+    return _translator(read_jacobian_maps(name, published=True), kind, name)
+
+
+def _fitted_by(kind: str) -> Callable[[Path], bool]:
+    """A folder in tuned-lens's layout whose ``config.json`` says lensdiv fitted it as ``kind``
+    (a tuned lens: any other tool's folder in that layout too)."""
+
+    def owns(path: Path) -> bool:
+        if not is_tuned_folder(path):
+            return False
+        said = tuned_config(path).get("lensdiv_lens", "tuned")
+        return said == kind or (kind == "tuned" and said not in LENS_KINDS)
+
+    return owns
+
+
+TUNED_LAYOUT = f"tuned-lens's layout ({TUNED_CONFIG} + {TUNED_PARAMS})"
+
+
+def _logit(options: str) -> Translator:
+    if options:
+        raise LensError(
+            f"the logit lens takes no options, not {options!r}", hint="use --lens logit"
+        )
+    return LOGIT
+
+
+register_lens_kind(
+    LensKind(
+        "logit",
+        "Logit lens",
+        "logit lens",
+        make=_logit,
+        note="Row h_l: the residual stream before block l through the final norm and "
+        "unembedding; h{L} (top) is the model's output.",
+    )
+)
+register_lens_kind(
+    LensKind(
+        "last-block",
+        "Last-block lens",
+        "last-block lens",
+        make="lensdiv.ops.blocklens:last_block",
+        note="Row h_l: the residual stream before block l pushed through the final block "
+        "({last}), the final norm and the unembedding; the top row is the output.",
+    )
+)
+register_lens_kind(
+    LensKind(
+        "patchscope",
+        "Patchscope lens",
+        "patchscope lens",
+        make="lensdiv.ops.blocklens:patchscope",
+        note="Row h_l: the residual stream before block l patched into the inspection prompt "
+        "(its last position, as the input of block l), the model run on, and read at the "
+        "prompt's last position; h{L} (top) is the model's output.",
+    )
+)
+register_lens_kind(
+    LensKind(
+        "tuned",
+        "Tuned lens",
+        "tuned lens",
+        layout=TUNED_LAYOUT,
+        read=_read_tuned_layout,
+        write=write_tuned_maps,
+        owns=_fitted_by("tuned"),
+        hub=_tuned_hub,
+        fitted="fit-tuned/tuned_lens",
+        fitter="lensdiv.lenses.fit:TUNED_FITTER",
+    )
+)
+register_lens_kind(
+    LensKind(
+        "jacobian",
+        "Jacobian lens",
+        "Jacobian lens",
+        layout=f"TransformerLens' JacobianLens file ({JACOBIAN_FILE})",
+        read=_read_jacobian_file,
+        write=write_jacobian_maps,
+        owns=is_jacobian_file,
+        hub=_jacobian_hub,
+        fitted=f"fit-jacobian/{JACOBIAN_FILE}",
+        fitter="lensdiv.lenses.fit:JACOBIAN_FITTER",
+    )
+)
+register_lens_kind(
+    LensKind(
+        "affine",
+        "Affine lens",
+        "affine lens",
+        layout=TUNED_LAYOUT,
+        read=_read_tuned_layout,
+        write=write_tuned_maps,
+        owns=_fitted_by("affine"),
+        hub=_tuned_hub,
+        fitted="fit-affine/affine_lens",
+        fitter="lensdiv.lenses.fit:AFFINE_FITTER",
+    )
+)
+
+
+__all__ = [
+    "LABELS",
+    "LENS_KINDS",
+    "LOGIT",
+    "PHRASES",
+    "TUNED_LAYOUT",
+    "FitRequest",
+    "Fitter",
+    "Lens",
+    "LensKind",
+    "Reader",
+    "Translator",
+    "fitted_kinds",
+    "register_lens_kind",
+]

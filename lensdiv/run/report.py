@@ -19,7 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 from lensdiv.core.errors import ResultError
 from lensdiv.core.results import Result, write_json_atomic
 from lensdiv.data.sources import DataSpec, documents
-from lensdiv.ops.lens_kinds import parse_lens
+from lensdiv.ops.lens_specs import parse_lens
 from lensdiv.ops.prompt import prompt_view
 from lensdiv.view.prompt import PromptView
 from lensdiv.view.report import report_html

@@ -30,7 +30,7 @@ from lensdiv.core.settings import RunSettings, settings_keywords
 from lensdiv.data.prefetch import ready_batches
 from lensdiv.data.sources import DataSpec, check_source, most_tokens
 from lensdiv.models.load import load_model
-from lensdiv.ops.lens_kinds import parse_lens
+from lensdiv.ops.lens_specs import parse_lens
 from lensdiv.ops.readout import readout_dtype
 from lensdiv.ops.translators import LOGIT, Lens
 from lensdiv.run.distributed import DataParallelFeed, World, current_world, gather_objects

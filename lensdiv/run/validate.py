@@ -39,7 +39,7 @@ from lensdiv.core.errors import (
 from lensdiv.core.files import folder_problem
 from lensdiv.data.sources import DataSpec, token_batches
 from lensdiv.ops.capture import capture
-from lensdiv.ops.lens_kinds import PHRASES
+from lensdiv.ops.translators import PHRASES
 from lensdiv.run.engine import check_hooks, describe, shown
 from lensdiv.run.outcome import MANIFEST
 from lensdiv.run.report import REPORT, VIEWS

@@ -45,12 +45,12 @@ from lensdiv.ops.attention import pattern_hook
 from lensdiv.ops.blocklens import PatchscopeLens, inspection
 from lensdiv.ops.capture import capture
 from lensdiv.ops.cells import products_of
-from lensdiv.ops.lens_kinds import LENS_KINDS, parse_lens
+from lensdiv.ops.lens_specs import parse_lens
 from lensdiv.ops.patching import last_position, rows_per_pass
 from lensdiv.ops.prompt import PARTS, float32_readout, prompt_view
 from lensdiv.ops.readout import Workspace, final_readout
 from lensdiv.ops.resume import Resumer
-from lensdiv.ops.translators import Lens
+from lensdiv.ops.translators import LENS_KINDS, Lens
 from lensdiv.run.outcome import MANIFEST
 from lensdiv.run.report import REPORT
 from lensdiv.studies.crossmodel.folder import HTML, STUDY

@@ -10,7 +10,7 @@ import torch
 
 from lensdiv.analyzers.bias.decomposition import Decomposition, Form
 from lensdiv.core.results import Plot, Result, Table
-from lensdiv.ops.lens_kinds import PHRASES
+from lensdiv.ops.translators import PHRASES
 
 if TYPE_CHECKING:  # the analyzer imports this module; its type is only an annotation here
     from lensdiv.analyzers.bias import BiasDiversity

@@ -37,7 +37,7 @@ from lensdiv.core.registry import get_analyzer, make_analyzers
 from lensdiv.core.results import Rendered, Result, write_json_atomic
 from lensdiv.core.settings import RunSettings, settings_keywords
 from lensdiv.data.sources import DataSpec, check_source
-from lensdiv.ops.lens_kinds import parse_lens
+from lensdiv.ops.lens_specs import parse_lens
 from lensdiv.run.distributed import current_world
 from lensdiv.run.engine import describe
 from lensdiv.run.interrupts import handle_signals, interruption, signal_name, signum_of
