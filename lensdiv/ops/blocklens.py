@@ -391,7 +391,6 @@ class Inspection:
         self.prefix: list[tuple[Tensor, Tensor]] = []
         self._buffers: dict[int, tuple[Tensor, Tensor]] = {}
         self._tuple: bool | None = None
-        self.calls = 0
         if fast:
             self._decide()
 
@@ -425,7 +424,6 @@ class Inspection:
         parts_n = -(-h.shape[0] // max(1, _call_elements(h.device, h.element_size()) // per_row))
         step = -(-h.shape[0] // parts_n)  # equal parts, not a ragged last one
         parts = [h[lo : lo + step] for lo in range(0, h.shape[0], step)]
-        self.calls += len(parts)
         if self.mode == "cache":
             out = self._continue(start, parts)
         else:
@@ -524,7 +522,7 @@ class Inspection:
     def _cache(self, n: int) -> Any:
         """A fresh cache of the prefix for ``n`` rows, filled at one row by the cache's own
         update (so a sliding-window layer keeps its window and count). A full-attention layer
-        then reads and writes :meth:`_buffer` in place (:class:`_Prefixed`): the prefix copied
+        then reads and writes :meth:`_buffer` in place (:func:`_prefixed_layer`): the prefix copied
         there once, each continuation writing only its own tokens; a sliding layer has its keys
         and values expanded to ``n`` rows and appends to them (one copy of the prefix per row
         and call, as Hugging Face's cache does)."""
@@ -589,7 +587,6 @@ class Inspection:
         except Exception as err:  # any failure of the fast path: the exact slow one
             self.mode, self.prefix, self._buffers = "rerun", [], {}
             self.reason = f"the cached continuation failed: {type(err).__name__}: {err}"
-        self.calls = 0
 
     def _probe_tuple(self) -> bool:
         """Whether the wrapped layers return a tuple (what a stub must return)."""
