@@ -21,6 +21,7 @@ from lensdiv.core.devices import (
 from lensdiv.core.errors import ModelLoadError
 from lensdiv.core.files import folder_problem
 from lensdiv.core.progress import progress_shown
+from lensdiv.models import catalog, gguf
 from lensdiv.models.toy import load_toy
 
 DEFAULT_MODEL = "toy"
@@ -42,13 +43,24 @@ class ModelSpec:
 
     Args:
         spec: What the user typed.
-        kind: ``"toy"``, ``"local"``, ``"hub"`` or ``"bridge"``.
-        resolved: The toy name, absolute folder or hub id actually loaded.
+        kind: ``"toy"``, ``"local"``, ``"hub"``, ``"gguf"`` (a GGUF file), ``"real"`` (a real
+            model of the catalog, ``smollm2-135m``) or ``"bridge"``.
+        resolved: The toy name, absolute folder or file, hub id or catalog name.
+        origin: Where the weights came from when they were converted (a GGUF file: its name,
+            sha256 and quantization, ``gguf.GGUFFacts.describe``), for the manifest.
     """
 
     spec: str
     kind: str
     resolved: str
+    origin: dict[str, Any] | None = None
+
+    @property
+    def label(self) -> str:
+        """The model's name as reports show it (``smollm2-135m, dequantized from Q4_1``)."""
+        if self.origin and self.origin.get("format") == "gguf":
+            return f"{self.spec} (dequantized from {self.origin['quant_label']})"
+        return self.spec
 
 
 def resolve_spec(spec: str) -> ModelSpec:
@@ -58,7 +70,12 @@ def resolve_spec(spec: str) -> ModelSpec:
         raise ModelLoadError("empty model spec", hint="pass a hub name, a local folder or 'toy'")
     if text == "toy" or text.startswith("toy:"):
         return ModelSpec(text, "toy", text)
+    named = catalog.real_model(text)
+    if named is not None:
+        return ModelSpec(text, "real", named.name)
     path = Path(os.path.expanduser(text))
+    if path.exists() and gguf.is_gguf_path(path):
+        return ModelSpec(text, "gguf", str(gguf.gguf_file(path).resolve()))
     if path.exists():
         if not path.is_dir() or not (path / "config.json").is_file():
             raise ModelLoadError(
@@ -152,6 +169,16 @@ def load_model(
         device = parse_device(device)
         if parsed.kind == "toy":
             model = load_toy(parsed.resolved, device=device, dtype=torch_dtype, progress=progress)
+        elif parsed.kind in ("gguf", "real"):
+            parsed, folder = _converted(parsed, progress)
+            model = _boot_hf(
+                ModelSpec(parsed.spec, "local", str(folder)),
+                device=device,
+                dtype=torch_dtype,
+                trust_remote_code=trust_remote_code,
+                progress=progress,
+                **placement,
+            )
         else:
             model = _boot_hf(
                 parsed,
@@ -181,7 +208,7 @@ def _placement(
             )
         return {}
     kind = resolve_spec(spec).kind if isinstance(spec, str) else "bridge"
-    if kind not in ("hub", "local"):
+    if kind not in ("hub", "local", "gguf", "real"):
         raise ModelLoadError(
             f"--device-map needs a Hugging Face model (hub id or local folder), not a {kind} model",
             hint="drop --device-map, or pass a hub id or a save_pretrained folder",
@@ -199,6 +226,23 @@ def _placement(
         Path(offload_folder).mkdir(parents=True, exist_ok=True)
         out["offload_folder"] = str(offload_folder)
     return out
+
+
+def _converted(parsed: ModelSpec, progress: bool) -> tuple[ModelSpec, Path]:
+    """A GGUF file's or a catalog model's dequantized Hugging Face folder (cached: the file is
+    read, or the model fetched, only the first time), and the spec with its origin."""
+    if parsed.kind == "real":
+        named = catalog.CATALOG[parsed.resolved]
+        facts = gguf.cached_facts(named.sha256)
+        if facts is None:
+            path = catalog.fetch(named, progress=progress)
+            facts = gguf.read_facts(path, sha256=named.sha256)
+        origin = facts.describe() | {"catalog": named.name, "licence": named.licence}
+    else:
+        facts = gguf.read_facts(Path(parsed.resolved))
+        origin = facts.describe()
+    folder = gguf.dequantized(facts, progress=progress)
+    return ModelSpec(parsed.spec, parsed.kind, parsed.resolved, origin), folder
 
 
 def _boot_hf(

@@ -19,20 +19,20 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from lensdiv.models.entries import COMPLETE as _COMPLETE
+from lensdiv.models.entries import sha256_file as _sha256
+from lensdiv.models.entries import verify_entry
 from lensdiv.models.toy import (
-    _COMPLETE,
     _PREFIX,
     PREFIX_STEPS,
     SHIPPED,
     WEIGHTS,
     TrainRecipe,
-    _sha256,
     build,
     entry_name,
     load_weights,
     parse_toy,
     train_toy,
-    verify_entry,
 )
 
 _FILES = ("recipe.json", "train_log.json", "loss.png")

@@ -43,6 +43,8 @@ from lensdiv.data.corpus import CORPUS_VERSION, QUERY_HOPS, KnowledgeBase, mixed
 from lensdiv.data.packing import pack
 from lensdiv.data.sources import DataSpec, token_batches
 from lensdiv.data.tokenizer import VOCAB_SIZE, byte_tokenizer
+from lensdiv.models.entries import COMPLETE as _COMPLETE
+from lensdiv.models.entries import build_entry, verify_entry
 
 TOY_VERSION = 1
 DEFAULT_DEPTH = 4
@@ -52,7 +54,6 @@ WIDTHS = (32, 64, 128)
 _SPEC = re.compile(r"^toy(?::d(?P<depth>\d+)(?:-w(?P<width>\d+))?)?$")
 #: The multi-hop toy's spec name.
 KB_TOY = "toy:kb"
-_COMPLETE = "COMPLETE.json"
 #: The weights of a cache entry: safetensors (no pickle); entries cached before hold weights.pt.
 WEIGHTS = "weights.safetensors"
 _OLD_WEIGHTS = "weights.pt"
@@ -260,32 +261,6 @@ def shipped_entry(spec: ToySpec, recipe: TrainRecipe | None = None) -> Path | No
     not yet verified: :func:`verify_entry`)."""
     folder = SHIPPED / entry_name(spec, recipe)
     return folder if (folder / _COMPLETE).is_file() else None
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def verify_entry(folder: Path) -> str | None:
-    """``None`` if the cache entry is complete and intact, else what is wrong with it."""
-    marker = folder / _COMPLETE
-    if not marker.is_file():
-        return "no completion marker (partial write)"
-    try:
-        expected = json.loads(marker.read_text())["sha256"]
-    except (ValueError, KeyError, OSError):
-        return "unreadable completion marker"
-    for name, digest in expected.items():
-        path = folder / name
-        if not path.is_file():
-            return f"{name} is missing"
-        if _sha256(path) != digest:
-            return f"{name} does not match its checksum"
-    return None
 
 
 def cached_log(spec: ToySpec, recipe: TrainRecipe | None = None) -> dict[str, Any] | None:
@@ -626,15 +601,10 @@ def _lens_kl(model: Any) -> list[float]:
 
 
 def _save_entry(spec: ToySpec, recipe: TrainRecipe, model: Any, log: dict[str, Any]) -> Path:
-    """Write weights, recipe, log and loss plot to a temporary folder, then rename it into place."""
+    """Write weights, recipe, log and loss plot as one cache entry (``entries.build_entry``)."""
     from safetensors.torch import save_model
 
-    final = entry_dir(spec, recipe)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    def fill(tmp: Path) -> list[str]:
         save_model(model.original_model, str(tmp / WEIGHTS))
         (tmp / WEIGHTS).chmod(0o644)  # as torch.save wrote it: a shared cache reads it
         (tmp / "recipe.json").write_text(
@@ -644,24 +614,10 @@ def _save_entry(spec: ToySpec, recipe: TrainRecipe, model: Any, log: dict[str, A
         )
         (tmp / "train_log.json").write_text(json.dumps(log, indent=1))
         _plot_log(log, tmp / "loss.png")
-        files = [WEIGHTS, "recipe.json", "train_log.json"]
-        (tmp / _COMPLETE).write_text(json.dumps({"sha256": {f: _sha256(tmp / f) for f in files}}))
-    except BaseException:  # disk full, Ctrl-C: leave no half-written entry behind
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    # Another process (a torchrun rank, a test worker) may have trained the same toy meanwhile:
-    # training is seeded, so its complete entry is this one; it stays (it may be being read).
-    if (final / _COMPLETE).is_file():
-        shutil.rmtree(tmp, ignore_errors=True)
-        return final
-    shutil.rmtree(final, ignore_errors=True)  # a broken entry is replaced
-    try:
-        os.replace(tmp, final)
-    except OSError:  # another process renamed its entry into place in between
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (final / _COMPLETE).is_file():
-            raise
-    return final
+        return [WEIGHTS, "recipe.json", "train_log.json"]
+
+    # training is seeded: an entry another process finished meanwhile is this one
+    return build_entry(entry_dir(spec, recipe), fill)
 
 
 def _plot_log(log: dict[str, Any], path: Path) -> None:

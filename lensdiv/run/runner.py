@@ -319,6 +319,7 @@ def _run(
             "spec": parsed.spec,
             "kind": parsed.kind,
             "resolved": parsed.resolved,
+            "source": getattr(parsed, "origin", None),  # a GGUF file's name, digest, quantization
             "n_layers": info.n_layers,
             "d_model": info.d_model,
             "d_vocab": info.d_vocab,
