@@ -218,6 +218,14 @@ def show_run(run: Any) -> None:
     """Print a run's results, then one unbroken line per skipped or failed analyzer (so a log
     keeps each on one line): a failed analyzer and an ``error:`` line on standard error."""
     term = console()
+    model = run.manifest.get("model", {}) if run.manifest else {}
+    if model.get("source"):  # weights converted from a GGUF file: say what was measured
+        source = model["source"]
+        term.print(
+            f"{model.get('spec')}: {source.get('file')}, {source.get('dequantized')}",
+            highlight=False,
+            soft_wrap=True,
+        )
     for result in run.results.values():
         term.print(result)
     show_notes(run.notes())

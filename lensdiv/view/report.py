@@ -83,7 +83,7 @@ def report_html(
         run_notes.insert(0, f"The run stopped on bad data: {manifest['error']}")
     return render(
         "report.html.j2",
-        title=f"lensdiv report: {manifest.get('model', {}).get('spec', 'run')}",
+        title=f"lensdiv report: {_model_label(manifest.get('model', {}))}",
         manifest=manifest,
         status=status,
         status_class=_STATUS_CLASS.get(status, "warn"),
@@ -98,6 +98,14 @@ def report_html(
         views=[view.html(style=False) for view in views],
         written=time.strftime("%Y-%m-%d %H:%M:%S"),
     )
+
+
+def _model_label(model: dict[str, Any]) -> str:
+    """The model's name, with the quantization its weights were dequantized from (a GGUF file)."""
+    source = model.get("source") or {}
+    quant = source.get("quant_label")
+    spec = str(model.get("spec", "run"))
+    return f"{spec} (dequantized from {quant})" if quant else spec
 
 
 def _section(result: Result) -> dict[str, Any]:
