@@ -6,7 +6,14 @@ OUT ?= lensdiv-out/demo
 # Test processes (pytest-xdist; each test file runs whole in one of them, one torch thread each).
 TEST_WORKERS ?= 2
 
-.PHONY: setup demo test check bench bench-gpu bench-gpu-smoke findings lint clean ship-toy toy-reproduce
+# The test files that exercise transformers' and TransformerLens' internals (models, caches,
+# hooks, GGUF): what `make test-latest` runs against their newest releases (TESTS= for all).
+LATEST_TESTS ?= tests/test_architectures.py tests/test_patchscope.py tests/test_sinks.py \
+	tests/test_massive.py tests/test_surgery.py tests/test_gguf.py tests/test_device_map.py \
+	tests/test_lenses.py tests/test_errors.py
+LATEST := .venv-latest
+
+.PHONY: setup demo test test-latest check bench bench-gpu bench-gpu-smoke findings lint clean ship-toy toy-reproduce
 
 setup: $(VENV)/.installed
 
@@ -23,6 +30,26 @@ demo: setup
 
 test: setup check
 	HF_HUB_OFFLINE=1 MPLBACKEND=Agg $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
+# The same tests against the newest transformers and TransformerLens on the index (everything else
+# pinned, torch first): a change upstream is caught the day it ships. CI runs it after `make test`.
+test-latest: $(LATEST)/.installed
+	@$(LATEST)/bin/python -c "import transformers, transformer_lens, importlib.metadata as m; \
+		print('newest releases: transformers', transformers.__version__, \
+		'transformer-lens', m.version('transformer-lens'))"
+	HF_HUB_OFFLINE=1 MPLBACKEND=Agg $(LATEST)/bin/python -m pytest -q -n $(TEST_WORKERS) \
+		--dist loadfile $(if $(TESTS),$(TESTS),$(LATEST_TESTS))
+
+$(LATEST)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(LATEST)
+	$(LATEST)/bin/python -m pip install -q --upgrade pip
+	grep -v -E '^(transformers|transformer-lens|tokenizers|huggingface_hub|safetensors)==' \
+		constraints.txt > $(LATEST)/constraints.txt
+	$(LATEST)/bin/python -m pip install -q -c $(LATEST)/constraints.txt torch
+	$(LATEST)/bin/python -m pip install -q -c $(LATEST)/constraints.txt -e '.[dev]'
+	$(LATEST)/bin/python -m pip install -q -c $(LATEST)/constraints.txt --upgrade \
+		transformers transformer-lens
+	touch $@
 
 # The checks `make test` (so CI) runs first: the linter, the architecture (ARCHITECTURE.md:
 # layers import one way) and the types (strict on lensdiv.core).
@@ -77,4 +104,4 @@ lint: setup
 	$(BIN)/ruff format --check lensdiv
 
 clean:
-	rm -rf $(VENV) lensdiv-out .pytest_cache
+	rm -rf $(VENV) $(LATEST) lensdiv-out .pytest_cache

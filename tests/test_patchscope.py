@@ -340,3 +340,40 @@ def test_the_sweep_diagonal_is_the_lens_through_patchscope(tiny_dirs: dict[str, 
     top1 = sweep["patchscope"].arrays["top1"]
     assert ((top1 >= 0) & (top1 <= 1)).all()
     assert len(sweep["patchscope"].plots) == 3
+
+
+def test_a_fast_path_that_fails_warns_once(models64: dict[str, Any], monkeypatch: Any) -> None:
+    """A Hugging Face model whose cached continuation fails runs the exact slow path and says so,
+    once per process and reason (not silently: it costs about the prompt's length in work)."""
+    from lensdiv.ops import kvcache
+
+    def broken(self: Any) -> bool:
+        raise RuntimeError("a cache this transformers does not fill")
+
+    monkeypatch.setattr(Inspection, "_probe_tuple", broken)
+    monkeypatch.setattr(kvcache, "_WARNED", set())
+    model = models64["llama"]
+    with pytest.warns(kvcache.FallbackWarning, match="slow path.*does not fill"):
+        found = Inspection(model, DEFAULT_PROMPT, -1)
+    assert found.mode == "rerun" and "does not fill" in found.reason
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", kvcache.FallbackWarning)
+        assert Inspection(model, DEFAULT_PROMPT, -2).mode == "rerun"  # said already: quiet
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_the_cache_reaches_every_attention_bridge(models64: dict[str, Any], arch: str) -> None:
+    """Whatever the installed transformers calls its cache argument (``cache`` from 5.24,
+    ``past_key_values`` before), the prefix's keys and values are written: the fast path holds."""
+    from lensdiv.ops.kvcache import cache_kwargs, passing_cache
+
+    model = models64[arch]
+    tokens = model.to_tokens("The happy dog")
+    with torch.no_grad(), passing_cache(model):
+        _, cache = model(tokens, return_type="logits_and_cache")
+    assert all(layer.keys is not None and layer.keys.shape[-2] == tokens.shape[1]
+               for layer in cache.layers)
+    (name,) = cache_kwargs(model, cache)
+    assert name in ("cache", "past_key_values")

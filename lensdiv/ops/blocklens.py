@@ -21,7 +21,7 @@ with the patch at the last position) from block ``ℓ*`` to the output against t
 Hugging Face's own KV cache through the bridge, the blocks before ``ℓ*`` replaced by the patched
 residual as :mod:`lensdiv.ops.resume` does. A full-attention layer's cache is a buffer sized for
 the whole prompt, the prefix copied in once and each continuation writing only its own tokens
-in place (``_prefixed_layer``; Hugging Face's own layer would copy the prefix once per row and
+in place (``kvcache.prefixed_layer``; Hugging Face's own layer would copy the prefix once per row and
 call). So a state costs ``L − ℓ*`` one-token block evaluations plus its readout, and every state
 of a batch with the same ``ℓ*`` (all of them for a fixed ``ℓ*``) runs under one set of hooks,
 in equal parts of bounded memory. On first use the fast path is checked by the identity
@@ -32,7 +32,6 @@ state instead (``mode == "rerun"``; exact, ``m / (m − j)`` times the cost), re
 
 from __future__ import annotations
 
-import functools
 import weakref
 from collections.abc import Sequence
 from contextlib import suppress
@@ -48,6 +47,7 @@ from lensdiv.core.analyzer import ModelInfo
 from lensdiv.core.devices import input_device
 from lensdiv.core.errors import LensError
 from lensdiv.ops.capture import capture, stop_hook_name
+from lensdiv.ops.kvcache import cache_kwargs, passing_cache, prefixed_layer, warn_fallback
 from lensdiv.ops.readout import final_readout
 from lensdiv.ops.resume import Resumer, stubbed_blocks
 from lensdiv.ops.translators import Lens, Reader
@@ -84,42 +84,6 @@ _TOLERANCE_LOW = 5e-2
 
 class _Stop(Exception):
     """Aborts a continuation once the final residual has been seen."""
-
-
-@functools.cache
-def _prefixed_layer() -> Any:
-    """The class of a full-attention cache layer over a prefix held in place (made on first
-    use: ``transformers`` is imported only for models with a KV cache)."""
-    from transformers.cache_utils import DynamicLayer
-
-    class Prefixed(DynamicLayer):
-        """Keys and values ``[n, heads, m, d_head]`` allocated for the whole prompt, the first
-        ``past`` positions holding the prefix: an update writes its tokens in place and returns
-        the keys and values so far (no copy of the prefix per call, as ``DynamicLayer`` makes
-        by appending)."""
-
-        def __init__(self, keys: Tensor, values: Tensor, past: int) -> None:
-            super().__init__()
-            self.buffers, self.past = (keys, values), past
-            self.keys, self.values = keys[:, :, :past], values[:, :, :past]
-            self.dtype, self.device = keys.dtype, keys.device
-            self.is_initialized = True
-
-        def update(
-            self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any
-        ) -> tuple[Tensor, Tensor]:
-            keys, values = self.buffers
-            end = self.past + key_states.shape[-2]
-            keys[:, :, self.past : end] = key_states
-            values[:, :, self.past : end] = value_states
-            self.past = end
-            self.keys, self.values = keys[:, :, :end], values[:, :, :end]
-            return self.keys, self.values
-
-        def get_seq_length(self) -> int:
-            return self.past
-
-    return Prefixed
 
 
 # -- last-block ------------------------------------------------------------------------------------
@@ -511,9 +475,10 @@ class Inspection:
                 resid = fed["resid"] = torch.cat(
                     [h.to(at)[:, None], at[None, j + 1 :].expand(n, -1, -1)], dim=1
                 )
-                kwargs = {"past_key_values": self._cache(n)} if self.prefix else {}
+                kwargs = cache_kwargs(self.model, self._cache(n)) if self.prefix else {}
                 with (
                     stubbed_blocks(self.model, start, resid, tuple_output=self._tuple),
+                    passing_cache(self.model),
                     suppress(_Stop),
                 ):
                     self.model(self.tokens[:, j:].expand(n, -1), **kwargs)
@@ -522,7 +487,7 @@ class Inspection:
     def _cache(self, n: int) -> Any:
         """A fresh cache of the prefix for ``n`` rows, filled at one row by the cache's own
         update (so a sliding-window layer keeps its window and count). A full-attention layer
-        then reads and writes :meth:`_buffer` in place (:func:`_prefixed_layer`): the prefix copied
+        then reads and writes :meth:`_buffer` in place (:func:`~lensdiv.ops.kvcache.prefixed_layer`): the prefix copied
         there once, each continuation writing only its own tokens; a sliding layer has its keys
         and values expanded to ``n`` rows and appends to them (one copy of the prefix per row
         and call, as Hugging Face's cache does)."""
@@ -539,7 +504,7 @@ class Inspection:
                 entry.keys = entry.keys.expand(n, -1, -1, -1)  # type: ignore[union-attr]
                 entry.values = entry.values.expand(n, -1, -1, -1)  # type: ignore[union-attr]
             else:
-                cache.layers[index] = _prefixed_layer()(*self._buffer(index, n), self.position)
+                cache.layers[index] = prefixed_layer()(*self._buffer(index, n), self.position)
         return cache
 
     def _buffer(self, layer: int, n: int) -> tuple[Tensor, Tensor]:
@@ -568,7 +533,7 @@ class Inspection:
         try:
             self._tuple = self._probe_tuple()
             if j > 0:
-                with torch.no_grad():
+                with torch.no_grad(), passing_cache(model):
                     _, cache = model(self.tokens[:, :j], return_type="logits_and_cache")
                 if cache is None:
                     raise ValueError("the model returns no KV cache (a TL-native bridge)")
@@ -587,6 +552,12 @@ class Inspection:
         except Exception as err:  # any failure of the fast path: the exact slow one
             self.mode, self.prefix, self._buffers = "rerun", [], {}
             self.reason = f"the cached continuation failed: {type(err).__name__}: {err}"
+            warn_fallback(
+                "the patchscope's cached prefix",
+                self.reason,
+                "each state re-runs the whole inspection prompt (about its length in tokens "
+                "times the work); please report it with your transformers version",
+            )
 
     def _probe_tuple(self) -> bool:
         """Whether the wrapped layers return a tuple (what a stub must return)."""
