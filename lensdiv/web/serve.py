@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from lensdiv.core.errors import LensdivError, OptionError
+from lensdiv.web.hosts import LOOPBACK
 
 EXTRA = "explore"  # pip install 'lensdiv[explore]'
-LOOPBACK = ("127.0.0.1", "localhost", "::1")  # the host names a loopback server answers
 ANY = ("0.0.0.0", "::", "")  # every interface: the URL names this machine instead
 NO_TOKEN_WARNING = (
     "lensdiv explore: --no-token: any user or program on this machine can use this server"

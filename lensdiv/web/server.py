@@ -48,7 +48,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from lensdiv.core.errors import LensdivError
-from lensdiv.web.serve import LOOPBACK
+from lensdiv.web.hosts import LOOPBACK
 from lensdiv.web.session import Session
 
 MAX_BODY = 256 * 1024  # bytes of one request

@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from course_build import SETUP, code, exercise, head, hints, md
+from course_cells import SETUP, code, exercise, head, hints, md
 
 SCIENCE = "../../docs/science.md"
 
