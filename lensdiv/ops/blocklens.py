@@ -535,8 +535,12 @@ class Inspection:
             if j > 0:
                 with torch.no_grad(), passing_cache(model):
                     _, cache = model(self.tokens[:, :j], return_type="logits_and_cache")
-                if cache is None:
-                    raise ValueError("the model returns no KV cache (a TL-native bridge)")
+                if cache is None:  # expected of a TL-native bridge: nothing to warn of
+                    self.mode, self.reason = (
+                        "rerun",
+                        "the model returns no KV cache (a TL-native bridge)",
+                    )
+                    return
                 self.prefix = [(layer.keys, layer.values) for layer in cache.layers]
                 if len(self.prefix) != self.n_layers:
                     raise ValueError(f"a cache of {len(self.prefix)} layers")
