@@ -69,6 +69,7 @@ def run_settings(
             return func(*args, settings=chosen, **kwargs)
 
         # typer reads the options from the signature and the annotations
+        # (a function's __signature__ is read by inspect but not declared on its type)
         command.__signature__ = signature.replace(  # type: ignore[attr-defined]
             parameters=params, return_annotation=None
         )

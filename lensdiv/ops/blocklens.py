@@ -501,8 +501,8 @@ class Inspection:
         for index, entry in enumerate(cache.layers):
             plain = getattr(type(entry), "update", None) is DynamicLayer.update
             if getattr(entry, "is_sliding", False) or not plain:
-                entry.keys = entry.keys.expand(n, -1, -1, -1)  # type: ignore[union-attr]
-                entry.values = entry.values.expand(n, -1, -1, -1)  # type: ignore[union-attr]
+                held: Any = entry  # a layer of keys and values (filled by the update above)
+                held.keys, held.values = (t.expand(n, -1, -1, -1) for t in (held.keys, held.values))
             else:
                 cache.layers[index] = prefixed_layer()(*self._buffer(index, n), self.position)
         return cache

@@ -26,11 +26,12 @@ _NAMES = ("cache", "past_key_values")
 
 def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
     """``{name: cache}`` with the name the model's Hugging Face forward takes."""
-    return {_cache_name(type(model.original_model)): cache}
+    hf_class: Any = type(model.original_model)
+    return {_cache_name(hf_class): cache}
 
 
 @functools.cache
-def _cache_name(hf_class: type) -> str:
+def _cache_name(hf_class: Any) -> str:  # a model class: hashable, cached by identity
     params = inspect.signature(hf_class.forward).parameters
     return next((name for name in _NAMES if name in params), "past_key_values")
 
