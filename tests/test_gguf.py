@@ -372,3 +372,40 @@ def test_fetch_assembles_the_parts_and_checks_the_digest(
         catalog.fetch(wrong, progress=False)
     assert "sha256" in _one_line(err)
     assert catalog.fetched(wrong) is None and not wrong.gguf_path().exists()
+
+
+# -- real models read pydoc by default; lensdiv models list|fetch ---------------------------------
+
+
+def test_a_real_model_reads_pydoc_by_default(gguf_f32: Path, tmp_path: Path) -> None:
+    import lensdiv
+
+    settings = {"max_tokens": 64, "seq_len": 32, "progress": False}
+    lensdiv.analyze(str(gguf_f32), plugins="lens", out=tmp_path / "real", **settings)
+    data = json.loads((tmp_path / "real" / "manifest.json").read_text())["data"]
+    assert data["source"] == "pydoc" and data["part"] == "train" and data["python"]
+    lensdiv.analyze(str(gguf_f32), data="builtin", plugins="lens", out=tmp_path / "b", **settings)
+    data = json.loads((tmp_path / "b" / "manifest.json").read_text())["data"]
+    assert data["source"] == "builtin"  # said explicitly, the built-in corpus still
+
+
+def test_models_list_and_fetch(gguf_f32: Path) -> None:
+    from typer.testing import CliRunner
+
+    from lensdiv.cli import app
+
+    cli = CliRunner()
+    listed = cli.invoke(app, ["models", "list"], env={"COLUMNS": "200"}, catch_exceptions=False)
+    assert listed.exit_code == 0, listed.output
+    for text in ("smollm2-135m", "gemma3-270m", "Apache-2.0", "toy:d4-w64", "MIT"):
+        assert text in listed.output
+    assert "not fetched" in listed.output or "cached (dequantized)" in listed.output
+    fetched = cli.invoke(app, ["models", "fetch", str(gguf_f32), "--no-progress"])
+    assert fetched.exit_code == 0, fetched.output
+    sha = hashlib.sha256(gguf_f32.read_bytes()).hexdigest()
+    assert "cached in" in fetched.output and sha[:32] in fetched.output.replace("\n", "")
+    refused = cli.invoke(app, ["models", "fetch", "toy"])
+    assert refused.exit_code == 2 and "not a model lensdiv fetches" in refused.output
+    assert len(refused.output.strip().splitlines()) == 1
+    helped = cli.invoke(app, ["models", "fetch", "--help"], env={"COLUMNS": "200"})
+    assert "Example: lensdiv models fetch smollm2-135m" in helped.output
