@@ -47,7 +47,7 @@ def models_list() -> None:
     for m in CATALOG.values():
         size = f"{m.size / 2**20:.0f} MiB GGUF"
         status = _REAL_STATUS[real_status(m)]
-        table.add_row(m.name, f"{m.title}: {m.summary}", size, m.licence, status)
+        table.add_row(m.name, f"{m.title}; {m.summary.split(', ')[0]}", size, m.licence, status)
     for spec in zoo():
         found = trained_log(spec)
         what = f"toy, {spec.depth} layer{'s' * (spec.depth > 1)}, width {spec.width}" + (

@@ -96,7 +96,7 @@ CATALOG: dict[str, RealModel] = {
             licence="Apache-2.0",
             licence_url="https://www.apache.org/licenses/LICENSE-2.0",
             must_accept=False,
-            summary="Llama, 30 layers, d 576, 9 heads / 3 KV heads, vocab 49152, tied embeddings",
+            summary="Llama 30 layers, d 576, 9 heads / 3 KV heads, vocab 49152, tied embeddings",
         ),
         RealModel(
             name="gemma3-270m",
@@ -115,7 +115,7 @@ CATALOG: dict[str, RealModel] = {
             licence="Gemma Terms of Use",
             licence_url="https://ai.google.dev/gemma/terms",
             must_accept=True,
-            summary="Gemma 3, 18 layers, d 640, sliding-window + global attention, QK-norm, "
+            summary="Gemma 3 18 layers, d 640, sliding-window + global attention, QK-norm, "
             "vocab 262144, tied embeddings",
         ),
     )

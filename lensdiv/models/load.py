@@ -55,6 +55,13 @@ class ModelSpec:
     resolved: str
     origin: dict[str, Any] | None = None
 
+    @property
+    def label(self) -> str:
+        """The model's name as people read it (``smollm2-135m (dequantized from Q4_1)``)."""
+        if self.origin and self.origin.get("quant_label"):
+            return f"{self.spec} (dequantized from {self.origin['quant_label']})"
+        return self.spec
+
 
 def resolve_spec(spec: str) -> ModelSpec:
     """Classify a spec string without loading anything (no network, no TransformerLens)."""
