@@ -377,3 +377,23 @@ def test_the_cache_reaches_every_attention_bridge(models64: dict[str, Any], arch
                for layer in cache.layers)
     (name,) = cache_kwargs(model, cache)
     assert name in ("cache", "past_key_values")
+
+
+def test_the_inspection_prompt_starts_with_bos_as_data_rows_do(models64: dict[str, Any],
+                                                               monkeypatch: Any) -> None:
+    """A bridge whose default is not to prepend BOS (NeoX's) still reads the inspection prompt
+    with it, as the data rows and the prompt view have it: the same text as a source and as the
+    inspection prompt is one sequence, so the same-prompt identity holds exactly."""
+    model = models64["neox"]
+    monkeypatch.setattr(model.cfg, "default_prepend_bos", False)
+    found = Inspection(model, TEXT, -1)
+    want = model.to_tokens(TEXT, prepend_bos=True)
+    assert found.tokens_list == [int(t) for t in want[0]]
+    assert found.tokens_list[0] == model.tokenizer.bos_token_id
+    info = ModelInfo.from_model(model)
+    names = [info.resid(layer) for layer in range(info.n_layers + 1)]
+    _, cache = capture(model, want, names, need_logits=False)
+    out = cache[names[-1]][0, -1]
+    for start in range(info.n_layers + 1):
+        got = found.run(start, cache[names[start]][0, -1][None])[0]
+        torch.testing.assert_close(got, out, rtol=0, atol=1e-9 * float(out.abs().max()))

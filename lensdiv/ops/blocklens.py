@@ -327,7 +327,8 @@ class Inspection:
 
     Args:
         model: A ``TransformerBridge`` in eval mode.
-        prompt: The inspection prompt (tokenised as the model does: with its BOS if it adds one).
+        prompt: The inspection prompt (tokenised as lensdiv's data rows are: the tokenizer's BOS
+            first, whatever the bridge's ``default_prepend_bos``).
         position: The patched position (negative from the end).
         fast: ``False``: always run the whole prompt per state (the exact reference).
     """
@@ -336,7 +337,9 @@ class Inspection:
         self.model = model
         self.n_layers = L = int(model.cfg.n_layers)
         # where the embedding computes (a split model's weights may sit on the meta device)
-        tokens = model.to_tokens(prompt, truncate=False, move_to_device=False)
+        # BOS first whatever the bridge's default (NeoX's is off): as lensdiv's data rows and the
+        # prompt view have it, so a source prompt and the same inspection prompt are one sequence
+        tokens = model.to_tokens(prompt, prepend_bos=True, truncate=False, move_to_device=False)
         tokens = tokens.to(input_device(model))
         m = int(tokens.shape[1])
         if not -m <= position < m:
