@@ -397,3 +397,22 @@ def test_the_inspection_prompt_starts_with_bos_as_data_rows_do(models64: dict[st
     for start in range(info.n_layers + 1):
         got = found.run(start, cache[names[start]][0, -1][None])[0]
         torch.testing.assert_close(got, out, rtol=0, atol=1e-9 * float(out.abs().max()))
+
+
+def test_a_quoted_prompt_keeps_its_commas_and_ampersands(models64: dict[str, Any]) -> None:
+    """``prompt="a, b & c"`` is one prompt, in a patchscope spec and in a list of lenses; an
+    unquoted one says how to quote it."""
+    lens = parse_lens('patchscope:prompt="x -> x, y & z -> ?"&position=-1')
+    assert lens.prompt == "x -> x, y & z -> ?"
+    view = prompt_view(models64["gpt2"], TEXT, lens="logit,patchscope:prompt='a -> a, b -> ?'")
+    assert len(view) == 2 and "a -> a, b -> ?" in json.dumps(view[1].to_dict())
+    with pytest.raises(OptionError, match="quote"):
+        prompt_view(models64["gpt2"], TEXT, lens="logit,patchscope:prompt=a -> a, b -> ?")
+
+
+def test_a_position_outside_the_prompt_is_refused_before_the_run(models64: dict[str, Any],
+                                                                  tmp_path: Path) -> None:
+    with pytest.raises(LensError, match="position 99 is outside.*use a position from"):
+        analyze(models64["gpt2"], data="text:" + TEXT * 4, plugins="lens",
+                lens="patchscope:position=99", out=tmp_path / "run", progress=False)
+    assert not (tmp_path / "run" / "manifest.json").exists()  # refused before anything ran

@@ -50,7 +50,7 @@ from lensdiv.ops.capture import capture, stop_hook_name
 from lensdiv.ops.kvcache import cache_kwargs, passing_cache, prefixed_layer, warn_fallback
 from lensdiv.ops.readout import final_readout
 from lensdiv.ops.resume import Resumer, stubbed_blocks
-from lensdiv.ops.translators import Lens, Reader
+from lensdiv.ops.translators import Lens, Reader, split_unquoted, unquoted
 
 #: The token identity inspection prompt of the Patchscopes paper (patched at its last position).
 DEFAULT_PROMPT = "cat -> cat; 1135 -> 1135; hello -> hello; ?"
@@ -216,12 +216,20 @@ class PatchscopeLens(Lens):
             return n_layers - 1
         return int(self.target)
 
-    def check(self, info: ModelInfo) -> None:
+    def check(self, info: ModelInfo, model: Any = None) -> None:
         if isinstance(self.target, int) and self.target >= info.n_layers:
             raise LensError(
                 f"the patchscope's target block {self.target} is not one of {info.name}'s "
                 f"{info.n_layers} blocks (0-{info.n_layers - 1})"
             )
+        if model is not None:  # the position against the prompt's tokens, before any pass
+            m = len(prompt_tokens(model, self.prompt)[0])
+            if not -m <= self.position < m:
+                raise LensError(
+                    f"the patchscope's position {self.position} is outside its inspection "
+                    f"prompt's {m} tokens",
+                    hint=f"use a position from {-m} to {m - 1} (-1: the last token)",
+                )
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -274,16 +282,17 @@ def patchscope(options: str) -> PatchscopeLens:
     """``--lens patchscope[:KEY=VALUE&...]`` with ``prompt=TEXT``, ``prompt_file=PATH``,
     ``position=J`` and ``target=same|last|BLOCK``."""
     given: dict[str, Any] = {}
-    for part in filter(None, (p.strip() for p in options.split("&"))):
+    for part in split_unquoted(options, "&"):
         key, sep, value = part.partition("=")
         key = key.strip()
         if not sep or key not in ("prompt", "prompt_file", "position", "target"):
             raise LensError(
                 f"unknown patchscope option {part!r}",
                 hint="use patchscope:prompt=TEXT, prompt_file=PATH, position=J, "
-                "target=same|last|BLOCK (joined by &)",
+                "target=same|last|BLOCK (joined by &; quote a prompt with & or a comma: "
+                'prompt="a, b & c", or put it in a file: prompt_file=PATH)',
             )
-        given[key] = value
+        given[key] = unquoted(value)
     if "prompt_file" in given:
         path = Path(given.pop("prompt_file")).expanduser()
         try:
@@ -321,6 +330,14 @@ def inspection(model: Any, prompt: str, position: int) -> Inspection:
     return cached[1]
 
 
+def prompt_tokens(model: Any, prompt: str) -> Tensor:
+    """The inspection prompt's tokens ``[1, m]``, BOS first whatever the bridge's default
+    (NeoX's is off): as lensdiv's data rows and the prompt view have it, so a source prompt and
+    the same inspection prompt are one sequence."""
+    tokens: Tensor = model.to_tokens(prompt, prepend_bos=True, truncate=False, move_to_device=False)
+    return tokens
+
+
 class Inspection:
     """An inspection prompt on a model: its clean states from the patch position on, and its
     prefix's keys and values at every layer (Hugging Face's cache), computed once.
@@ -337,10 +354,7 @@ class Inspection:
         self.model = model
         self.n_layers = L = int(model.cfg.n_layers)
         # where the embedding computes (a split model's weights may sit on the meta device)
-        # BOS first whatever the bridge's default (NeoX's is off): as lensdiv's data rows and the
-        # prompt view have it, so a source prompt and the same inspection prompt are one sequence
-        tokens = model.to_tokens(prompt, prepend_bos=True, truncate=False, move_to_device=False)
-        tokens = tokens.to(input_device(model))
+        tokens = prompt_tokens(model, prompt).to(input_device(model))
         m = int(tokens.shape[1])
         if not -m <= position < m:
             raise LensError(

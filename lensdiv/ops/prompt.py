@@ -41,7 +41,7 @@ from lensdiv.ops.capture import capture
 from lensdiv.ops.cells import Cells, cells, describe
 from lensdiv.ops.lens_specs import is_path, parse_lens
 from lensdiv.ops.readout import Workspace, final_readout, readout_dtype
-from lensdiv.ops.translators import LENS_KINDS, Lens
+from lensdiv.ops.translators import LENS_KINDS, Lens, split_unquoted
 from lensdiv.view.prompt import PromptView, PromptViews
 
 PARTS = ("block", "attn", "mlp")
@@ -116,7 +116,7 @@ def prompt_view(
     lens = lenses[0]
     info = ModelInfo.from_model(model)
     L = info.n_layers
-    lens.check(info)
+    lens.check(info, model)
     if skip is not None and not lens.identity:
         raise OptionError("--skip works with the logit lens only", hint="drop --lens")
     _check_options(top_k, skip, part, L)
@@ -253,7 +253,7 @@ def _describe(lens: Lens, skip: int | None, part: str, n_layers: int) -> tuple[s
 def _lenses(lens: Any) -> list[Lens]:
     """``lens`` as a list of lenses (a comma-separated string, a list, or one)."""
     given = (
-        lens.split(",")
+        split_unquoted(lens, ",")
         if isinstance(lens, str)
         else list(lens)
         if isinstance(lens, (list, tuple))
@@ -269,7 +269,8 @@ def _lenses(lens: Any) -> list[Lens]:
                 raise OptionError(
                     f"unknown lens {name!r}",
                     hint=f"use {', '.join(made)}, or a fitted lens: tuned:PATH, jacobian:PATH, "
-                    "affine:PATH, or a lens folder",
+                    "affine:PATH, or a lens folder (lenses are separated by commas: quote a "
+                    'patchscope prompt that has one, prompt="a, b", or use prompt_file=PATH)',
                 )
         out.append(parse_lens(name))
     if not out:

@@ -127,8 +127,9 @@ class Lens(ABC):
         """The residual indices the prompt view shows (``h_0..h_L``; fewer where two coincide)."""
         return range(n_layers + 1)
 
-    def check(self, info: ModelInfo) -> None:  # noqa: B027 - most lenses fit every model
-        """Refuse a model this lens cannot read (raises :class:`LensError`)."""
+    def check(self, info: ModelInfo, model: Any = None) -> None:  # noqa: B027 - most fit any
+        """Refuse a model this lens cannot read (raises :class:`LensError`), before any work:
+        ``model``, where given, for what needs its tokenizer."""
 
     @abstractmethod
     def describe(self) -> dict[str, Any]:
@@ -212,7 +213,7 @@ class Translator(Lens):
         out = torch.addmm(x, x, weight_t) if found.residual else x @ weight_t
         return out if bias is None else out.add_(bias)
 
-    def check(self, info: ModelInfo) -> None:
+    def check(self, info: ModelInfo, model: Any = None) -> None:
         """Refuse a lens fitted for another shape of model.
 
         Raises:
@@ -528,6 +529,32 @@ register_lens_kind(
         fitter="lensdiv.lenses.fit:AFFINE_FITTER",
     )
 )
+
+
+def split_unquoted(text: str, sep: str) -> list[str]:
+    """``text`` split at each ``sep`` outside single or double quotes (``prompt="a, b & c"``
+    keeps its comma and ampersand); the parts stripped, empty ones dropped."""
+    parts, current, quote = [], [], ""
+    for char in text:
+        if quote:
+            quote = "" if char == quote else quote
+        elif char in "\"'":
+            quote = char
+        elif char == sep:
+            parts.append("".join(current))
+            current = []
+            continue
+        current.append(char)
+    parts.append("".join(current))
+    return [part.strip() for part in parts if part.strip()]
+
+
+def unquoted(value: str) -> str:
+    """``value`` without one pair of surrounding quotes (``"a, b"`` -> ``a, b``)."""
+    text = value.strip()
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "\"'":
+        return text[1:-1]
+    return text
 
 
 __all__ = [

@@ -291,7 +291,7 @@ def _run(
     info = ModelInfo.from_model(bridge, name=parsed.spec)
     check_model(bridge, info, spec)
     check_runs(bridge, info)
-    translator.check(info)
+    translator.check(info, bridge)
     # Task analyzers bring their own examples, and setup() loads what else a run needs (a
     # reference model): all of it is read and checked before any forward pass, so a bad task
     # file fails at once and nothing is written. An analyzer that cannot support the model is
