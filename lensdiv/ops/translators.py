@@ -534,7 +534,9 @@ register_lens_kind(
 def split_unquoted(text: str, sep: str) -> list[str]:
     """``text`` split at each ``sep`` outside single or double quotes (``prompt="a, b & c"``
     keeps its comma and ampersand); the parts stripped, empty ones dropped."""
-    parts, current, quote = [], [], ""
+    parts: list[str] = []
+    current: list[str] = []
+    quote = ""
     for char in text:
         if quote:
             quote = "" if char == quote else quote
