@@ -40,6 +40,7 @@ from lensdiv.core.analyzer import Analyzer, ModelInfo, Step
 from lensdiv.core.errors import HookError
 from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
+from lensdiv.ops.blocklens import last_block_passes
 from lensdiv.ops.readout import final_readout, lens_of, readout_dtype, workspace
 from lensdiv.ops.resume import resumer_for
 from lensdiv.ops.rowstats import cross_entropy
@@ -48,8 +49,6 @@ from lensdiv.ops.translators import PHRASES
 FinalState = Literal["pre", "post"]
 
 EPS = 1e-12
-# Residual elements of the stacked last-block inputs run at once (64 MiB in fp32).
-_STACK_ELEMENTS = 1 << 24
 
 
 def angle(a: Float[Tensor, "*batch d"], b: Float[Tensor, "*batch d"]) -> Float[Tensor, "*batch"]:
@@ -227,27 +226,11 @@ class Dynamics(Analyzer):
         n_seq, n_pos = tokens.shape
         wanted = targets.flatten()[rows]
         ce = torch.zeros(L, dtype=torch.float64, device=tokens.device)
-        per_copy = n_seq * n_pos * info.d_model
-        chunk = max(1, _STACK_ELEMENTS // per_copy)
-        inputs = list(range(L - 1))  # h_{L-1} needs no block: f_{L-1}(h_{L-1}) = h_L
-        out: dict[str, Tensor] = {}
-
-        def keep_final(tensor: Tensor, *, hook: Any) -> Tensor:
-            out["h"] = tensor
-            return tensor
-
-        for lo in range(0, len(inputs), chunk):
-            layers = inputs[lo : lo + chunk]
-            stacked = torch.cat([step.resid(layer) for layer in layers])
-            resumer.run(
-                tokens.repeat(len(layers), 1),
-                L - 1,
-                stacked,
-                [(f"blocks.{L - 1}.hook_resid_post", keep_final)],
-                logits=False,
-            )
+        passes = last_block_passes(resumer, tokens, step.resid, L)
+        for layers, out in passes:
+            lo = layers[0]
             # Every state's scored rows in one readout: large unembedding blocks.
-            final = out["h"].reshape(len(layers), n_seq * n_pos, -1)[:, rows]
+            final = out.reshape(len(layers), n_seq * n_pos, -1)[:, rows]
             losses = cross_entropy(
                 readout, final.flatten(0, 1), wanted.repeat(len(layers)), workspace=ws
             )
@@ -266,7 +249,7 @@ class Dynamics(Analyzer):
             state.add("fitted_lens_ce", fitted)
             state.fix("lens", lens.describe())
         state.add("lens_n", rows.numel())
-        state.add("lens_blocks", len(inputs) * n_seq)
+        state.add("lens_blocks", max(L - 1, 0) * n_seq)
         state.fix("resume_mode", resumer.mode)
         state.fix("readout", readout.precision)
 

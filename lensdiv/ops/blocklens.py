@@ -33,8 +33,7 @@ state instead (``mode == "rerun"``; exact, ``m / (m − j)`` times the cost), re
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
-from contextlib import suppress
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, ClassVar
@@ -46,7 +45,7 @@ from torch import Tensor
 from lensdiv.core.analyzer import ModelInfo
 from lensdiv.core.devices import input_device
 from lensdiv.core.errors import LensError
-from lensdiv.ops.capture import capture, stop_hook_name
+from lensdiv.ops.capture import StopPass, capture, stop_hook_name, stopping
 from lensdiv.ops.kvcache import cache_kwargs, passing_cache, prefixed_layer, warn_fallback
 from lensdiv.ops.readout import final_readout
 from lensdiv.ops.resume import Resumer, stubbed_blocks
@@ -80,10 +79,6 @@ def _call_elements(device: torch.device, itemsize: int) -> int:
 # Relative error of the fast path's identity check (float rounding of a different schedule).
 _TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
 _TOLERANCE_LOW = 5e-2
-
-
-class _Stop(Exception):
-    """Aborts a continuation once the final residual has been seen."""
 
 
 # -- last-block ------------------------------------------------------------------------------------
@@ -134,22 +129,39 @@ def through_last_block(
 ) -> dict[int, Float[Tensor, "rows d_model"]]:
     """``f_{L-1}(h_l)`` for ``l = 0..L-2`` over the batch's sequences (``states[l]``: ``h_l``
     flattened to ``[batch·pos, d_model]``), the layers stacked into few resumed passes."""
-    L, (n_seq, n_pos) = n_layers, tokens.shape
+    n_seq, n_pos = tokens.shape
     out: dict[int, Tensor] = {}
+    passes = last_block_passes(
+        Resumer(model), tokens, lambda i: states[i].reshape(n_seq, n_pos, -1), n_layers
+    )
+    for layers, final in passes:
+        for k, layer in enumerate(layers):
+            out[layer] = final[k].reshape(n_seq * n_pos, -1)
+    return out
+
+
+def last_block_passes(
+    resumer: Resumer, tokens: Tensor, state: Callable[[int], Tensor], n_layers: int
+) -> Iterator[tuple[list[int], Float[Tensor, "k batch pos d_model"]]]:
+    """``f_{L-1}(h_l)`` for ``l = 0..L-2`` (``state(l)``: ``h_l`` as ``[batch, pos, d_model]``),
+    the states stacked into as few passes resumed at the last block as :data:`_STACK_ELEMENTS`
+    allows: yields each pass's layers and their outputs. The one loop the last-block lens and
+    ``dynamics`` share."""
+    L, (n_seq, n_pos) = n_layers, tokens.shape
+    inputs = list(range(L - 1))  # h_{L-1} needs no block: f_{L-1}(h_{L-1}) = h_L
+    if not inputs:
+        return
     kept: dict[str, Tensor] = {}
 
     def keep(tensor: Tensor, *, hook: Any) -> Tensor:
         kept["h"] = tensor.detach()
         return tensor
 
-    inputs = list(range(L - 1))
-    if not inputs:
-        return out
-    resumer = Resumer(model)
-    chunk = max(1, _STACK_ELEMENTS // (n_seq * n_pos * states[0].shape[-1]))
+    first = state(inputs[0])
+    chunk = max(1, _STACK_ELEMENTS // (n_seq * n_pos * first.shape[-1]))
     for lo in range(0, len(inputs), chunk):
         layers = inputs[lo : lo + chunk]
-        stacked = torch.cat([states[i].reshape(n_seq, n_pos, -1) for i in layers])
+        stacked = torch.cat([first if i == inputs[0] else state(i) for i in layers])
         resumer.run(
             tokens.repeat(len(layers), 1),
             L - 1,
@@ -157,9 +169,7 @@ def through_last_block(
             [(f"blocks.{L - 1}.hook_resid_post", keep)],
             logits=False,
         )
-        for k, layer in enumerate(layers):
-            out[layer] = kept["h"][k * n_seq : (k + 1) * n_seq].reshape(n_seq * n_pos, -1)
-    return out
+        yield layers, kept["h"].view(len(layers), n_seq, n_pos, -1)
 
 
 def last_block(options: str) -> LastBlockLens:
@@ -477,7 +487,7 @@ class Inspection:
 
         def halt(tensor: Tensor, *, hook: Any) -> Tensor:
             final.append(tensor[:, -1])
-            raise _Stop
+            raise StopPass
 
         def inject(tensor: Tensor, *, hook: Any) -> Tensor:
             return fed["resid"].to(tensor)
@@ -496,7 +506,7 @@ class Inspection:
                 with (
                     stubbed_blocks(self.model, start, resid, tuple_output=self._tuple),
                     passing_cache(self.model),
-                    suppress(_Stop),
+                    stopping(),
                 ):
                     self.model(self.tokens[:, j:].expand(n, -1), **kwargs)
         return final

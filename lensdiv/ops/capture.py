@@ -8,8 +8,8 @@ fire twice) and aborts the pass at the final norm.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
-from contextlib import suppress
 from typing import Any
 
 import torch
@@ -17,8 +17,25 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 
-class _Stop(Exception):
-    """Raised inside the forward pass once every needed activation is cached."""
+class StopPass(Exception):
+    """Raised by a hook to end a forward pass once what it needs has been seen: the one way
+    lensdiv stops a pass early (capture, resumed passes, surgery, the block lenses), caught by
+    :func:`stopping`."""
+
+
+def stopping() -> contextlib.suppress:
+    """The context a pass that a hook may stop runs in."""
+    return contextlib.suppress(StopPass)
+
+
+def halt_keeping(kept: dict[str, Tensor], key: str = "h") -> Any:
+    """A hook that keeps the tensor it sees in ``kept[key]`` and stops the pass."""
+
+    def hook(tensor: Tensor, *, hook: Any) -> Tensor:
+        kept[key] = tensor
+        raise StopPass
+
+    return hook
 
 
 def stop_hook_name(hook_names: Iterable[str]) -> str | None:
@@ -62,10 +79,10 @@ def capture(
     if stop is not None and id(hook_dict[stop]) not in groups:
 
         def halt(tensor: Tensor, *, hook: Any) -> Tensor:
-            raise _Stop
+            raise StopPass
 
         fwd_hooks.append((stop, halt))
     logits = None
-    with torch.set_grad_enabled(grad), model.hooks(fwd_hooks=fwd_hooks), suppress(_Stop):
+    with torch.set_grad_enabled(grad), model.hooks(fwd_hooks=fwd_hooks), stopping():
         logits = model(tokens)
     return logits, store

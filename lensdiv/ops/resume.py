@@ -30,7 +30,7 @@ from torch import Tensor
 
 from lensdiv.core.analyzer import Step
 from lensdiv.core.errors import HookError
-from lensdiv.ops.capture import stop_hook_name
+from lensdiv.ops.capture import halt_keeping, stop_hook_name, stopping
 from lensdiv.ops.readout import final_readout
 
 # The plugin API of this module (see :mod:`lensdiv`): analyzers with extra forward passes use it.
@@ -43,10 +43,6 @@ Hook = tuple[str, Callable[..., Any]]
 _DECISIONS: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], tuple[Any, tuple[Any, ...]]]] = (
     weakref.WeakKeyDictionary()
 )
-
-
-class _Stop(Exception):
-    """Aborts a resumed pass once the final residual has been seen."""
 
 
 class Resumer:
@@ -147,14 +143,9 @@ class Resumer:
         hooks = [(name, fn) for name, fn in hooks if not (select and name == "unembed.hook_in")]
         final: dict[str, Tensor] = {}
         if stop is not None:
-
-            def halt(tensor: Tensor, *, hook: Any) -> Tensor:
-                final["h"] = tensor
-                raise _Stop
-
-            hooks.append((stop, halt))
+            hooks.append((stop, halt_keeping(final)))
         out = None
-        with torch.set_grad_enabled(grad), self.model.hooks(fwd_hooks=hooks), suppress(_Stop):
+        with torch.set_grad_enabled(grad), self.model.hooks(fwd_hooks=hooks), stopping():
             out = self.model(tokens)
         if not logits:
             return None

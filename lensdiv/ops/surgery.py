@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +31,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from lensdiv.core.analyzer import Step
+from lensdiv.ops.capture import halt_keeping, stopping
 from lensdiv.ops.readout import final_readout, workspace
 from lensdiv.ops.resume import Resumer
 from lensdiv.ops.rowstats import lens_statistics
@@ -117,22 +117,14 @@ class Program:
     mode: str = "sequence"
 
 
-class _Done(Exception):
-    """Stops a pass once the applied block has written its output."""
-
-
 def apply_block(
     resumer: Resumer, tokens: Int[Tensor, "batch pos"], block: int, x: Tensor
 ) -> Float[Tensor, "batch pos d_model"]:
     """``B_block(x)``: block ``block`` run alone on the residual ``x`` (the model's own code:
     masks, positions and rotary tables as in a normal pass)."""
     seen: dict[str, Tensor] = {}
-
-    def stop(tensor: Tensor, *, hook: Any) -> Tensor:
-        seen["h"] = tensor
-        raise _Done
-
-    with suppress(_Done):
+    stop = halt_keeping(seen)  # the pass ends once the block has written its output
+    with stopping():
         resumer.run(tokens, block, x, [(f"blocks.{block}.hook_resid_post", stop)], logits=False)
     return seen["h"].to(x.device)
 
