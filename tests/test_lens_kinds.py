@@ -231,3 +231,33 @@ def test_a_hub_name_without_the_network_fails_in_one_quick_line(
         with pytest.raises(LensError, match="hub cannot be reached") as err:
             parse_lens(spec)
         assert "\n" not in str(err.value) and "retries" not in str(err.value)
+
+
+def test_every_import_path_resolves() -> None:
+    """Every ``"module:attribute"`` a registry holds names something that exists: the lens
+    kinds' makers and fitters (imported when first asked) and the analyzers' entry points in
+    pyproject.toml, so a renamed module fails here, not in a user's run."""
+    import importlib
+    from pathlib import Path
+
+    from lensdiv.ops.translators import LENS_KINDS
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    paths = [
+        value
+        for kind in LENS_KINDS.values()
+        for value in (kind.make, kind.fitter)
+        if isinstance(value, str)
+    ]
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    for group in pyproject["project"]["entry-points"].values():
+        paths += list(group.values())
+    paths.append(pyproject["project"]["scripts"]["lensdiv"])
+    assert len(paths) > 20
+    for where in paths:
+        module, _, attribute = where.partition(":")
+        found = importlib.import_module(module)
+        for part in attribute.split("."):
+            found = getattr(found, part)
+        assert found is not None, where
