@@ -691,7 +691,7 @@ when `exclude_bos`), as a table `resid_norms` with columns `layer` and `mean_nor
   never a mean: two shards' states must add up to the whole's;
 - `finalize(state, info)`: divide, then build the `Result`.
 
-{hints("`keep = step.batch.positions(exclude_bos=self.exclude_bos)` is True at real tokens.", "`state.add(f'sum{{layer}}', step.resid(layer)[keep].norm(dim=-1).sum())` per layer and `state.add('n', keep.sum())`.", "`Result(self.name, tables={{'resid_norms': Table('resid_norms', {{'layer': layers, 'mean_norm': mean}})}})`.")}
+{hints("`keep = step.batch.positions(exclude_bos=self.exclude_bos)` is True at real tokens.", "`state.add(f'sum{layer}', step.resid(layer)[keep].norm(dim=-1).sum())` per layer and `state.add('n', keep.sum())`.", "In `finalize`: `layers = list(range(info.n_layers + 1))`, `mean = [float(state[f'sum{layer}'] / state['n']) for layer in layers]`, then `Result(self.name, tables={'resid_norms': Table('resid_norms', {'layer': layers, 'mean_norm': mean})})`.")}
 """),
     exercise(
         '''
@@ -728,6 +728,10 @@ class ResidNorms(Analyzer):
         mean = [float(state[f"sum{layer}"] / state["n"]) for layer in layers]
         table = Table("resid_norms", {"layer": layers, "mean_norm": mean})
         return Result(self.name, tables={"resid_norms": table}, summary=f"‖h_L‖ = {mean[-1]:.2f}")
+""",
+        stub="""
+    def finalize(self, state, info):
+        raise NotImplementedError  # and here: divide the sums by the count, build the Result
 """,
     ),
     code(
