@@ -756,6 +756,28 @@ def test_an_error_in_a_plugin_is_shown_at_its_line() -> None:
     assert "StopIteration" not in verdict.text
 
 
+def test_a_value_of_another_kind_is_named() -> None:
+    """A list of the right numbers: "a list …, not a tensor …" and that the numbers are right;
+    integers for floats: the dtypes."""
+    listed = logit_lens.MEAN_PER_LAYER.verdict(
+        lambda v, m, x: logit_lens.mean_per_layer(v, m, x).tolist()
+    )
+    assert listed.mistake == checker.STRUCTURE, listed.text
+    assert "a list of 3 floats, not a tensor of shape [3]" in listed.text, listed.text
+    assert "The numbers are right" in listed.text
+    rounded = patching.LOGIT_DIFF.verdict(lambda z, t, f: patching.logit_diff(z, t, f).long())
+    assert "expected dtype torch.float32, got torch.int64" in rounded.text, rounded.text
+
+
+def test_a_plugin_result_lensdiv_cannot_read_is_said() -> None:
+    """A result without the exercise's column: what it has instead, not a KeyError."""
+    lesson, source = SOLVED["ResidNorms"]
+    renamed = source.replace('"mean_norm": mean', '"norm": mean')
+    verdict = plugin.PLUGIN.verdict(_define("ResidNorms", renamed))
+    assert verdict.mistake == checker.UNUSABLE, verdict.text
+    assert "no column 'mean_norm' (it has ['layer', 'norm'])" in verdict.text, verdict.text
+
+
 def _spin(h: Any, w: Any, b: Any, eps: float) -> Any:
     while True:
         pass
