@@ -49,6 +49,9 @@ _LIBRARIES = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}"
 
 PASSED, NOT_DONE, WRONG, ERROR = "passed", "not done", "wrong", "error"
 
+# A slow reference (a sweep of runs) gives its student SLOW_FACTOR times its time past a minute.
+SLOW_LIMIT_S, SLOW_FACTOR = 60.0, 10.0
+
 # The diagnoses every exercise can give (keys of :attr:`Verdict.mistake`), beside its own mistakes.
 IN_PLACE, TIMEOUT, STRUCTURE, UNUSABLE = "in_place", "timeout", "structure", "unusable"
 GENERIC = {
@@ -190,7 +193,7 @@ class Exercise:
         requirements: What the returned value must be beyond its numbers, checked once the
             numbers match.
         time_limit: ``(at least, times the reference)``: the student's function gets the larger
-            of the two, in seconds, for all the inputs together.
+            of the two, in seconds, for all the inputs together (see :meth:`limit`).
     """
 
     name: str
@@ -231,9 +234,12 @@ class Exercise:
         return self._cache[key]
 
     def limit(self) -> float:
-        """Seconds the student's function gets for all the inputs (after a first check)."""
+        """Seconds the student's function gets for all the inputs (once the reference ran):
+        ``time_limit``'s floor or factor times the reference, whichever is longer — but past a
+        minute only :data:`SLOW_FACTOR` times a slow reference (a hung cell waits no longer)."""
         floor, factor = self.time_limit
-        return max(floor, factor * self._cache.get("reference_s", 0.0))
+        ref = self._cache.get("reference_s", 0.0)
+        return max(floor, min(factor * ref, max(SLOW_LIMIT_S, SLOW_FACTOR * ref)))
 
     # -- the verdict ------------------------------------------------------------------------
     def verdict(self, student: Callable[..., Output]) -> Verdict:
