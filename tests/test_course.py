@@ -799,6 +799,12 @@ def test_the_time_limit_stops_a_check_off_the_main_thread() -> None:
             break
         time.sleep(0.1)
     assert not any(t.name == "lensdiv-course-check" for t in threading.enumerate())
+    lesson, source = SOLVED["remove_hooks"]  # and a right answer passes there, hooks and all
+    solved = _define("remove_hooks", source, _earlier(lesson))
+    caller = threading.Thread(target=lambda: box.update(v=removal.REMOVE_HOOKS.verdict(solved)))
+    caller.start()
+    caller.join(120)
+    assert box["v"].passed, box["v"].text
 
 
 @pytest.mark.usefixtures("kernel_env")
