@@ -12,6 +12,7 @@ from __future__ import annotations
 import linecache
 import re
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ COURSE = Path(__file__).resolve().parents[1] / "tutorials" / "course"
 SOLUTIONS = COURSE / "solutions"
 sys.path.insert(0, str(SOLUTIONS))
 import course_build as build  # noqa: E402  (tutorials/course/solutions/course_build.py)
+from course_cells import blank, blank_body  # noqa: E402
 from course_lessons import LESSONS  # noqa: E402
 
 from lensdiv import Analyzer  # noqa: E402
@@ -112,8 +114,8 @@ def test_solution_passes_and_blank_is_not_done(name: str) -> None:
         for c in cells
         if c.kind == "exercise" and c.text + c.solution == source
     )
-    blank = _define(name, cell.text + build.blank(cell.text), _earlier(lesson))
-    verdict = ex.verdict(blank)
+    stub = _define(name, cell.text + blank_body(cell), _earlier(lesson))
+    verdict = ex.verdict(stub)
     assert verdict.status == checker.NOT_DONE, verdict.text
     assert "not done yet" in verdict.text
 
@@ -133,6 +135,18 @@ MUTANTS = [
     ("final_norm", "no_weight", " * w + b", " + b"),
     ("lens_logits", "norm_forgotten", "final_norm(h, ln_w, ln_b, eps) @ W_U", "h @ W_U"),
     ("lens_logits", "bias_forgotten", "@ W_U + b_U", "@ W_U"),
+    (
+        "lens_logits",
+        "softmax",
+        "return final_norm(h, ln_w, ln_b, eps) @ W_U + b_U",
+        "return (final_norm(h, ln_w, ln_b, eps) @ W_U + b_U).softmax(-1)",
+    ),
+    (
+        "lens_logits",
+        "log_softmax",
+        "return final_norm(h, ln_w, ln_b, eps) @ W_U + b_U",
+        "return torch.log_softmax(final_norm(h, ln_w, ln_b, eps) @ W_U + b_U, dim=-1)",
+    ),
     ("kl_to_output", "reversed", "(lp.exp() * (lp - lq))", "(lq.exp() * (lq - lp))"),
     ("kl_to_output", "log2", ".sum(-1)", ".sum(-1) / torch.log(torch.tensor(2.0))"),
     ("kl_to_output", "mean_vocab", ".sum(-1)", ".mean(-1)"),
@@ -326,6 +340,47 @@ MUTANTS = [
     ("tuned_loss", "lens_direction", "(lp.exp() * (lp - lq))", "(lq.exp() * (lq - lp))"),
     ("tuned_loss", "no_residual", "lens_logits(h + h @ A + b", "lens_logits(h @ A + b"),
     ("tuned_loss", "sum", ".sum(-1).mean()", ".sum()"),
+    ("tuned_loss", "no_grad", ".sum(-1).mean()", ".sum(-1).mean().item()"),
+    (
+        "tuned_loss",
+        "no_grad",
+        "    logits = lens_logits(",
+        "    with torch.no_grad():\n        logits = lens_logits(",
+    ),
+    ("tuned_loss", "no_grad", "h + h @ A + b", "h + h @ A.detach() + b"),
+    # The diagnoses of every exercise (checker.GENERIC), each on one exercise.
+    (
+        "final_norm",
+        checker.IN_PLACE,
+        "x = h - h.mean(-1, keepdim=True)",
+        "h -= h.mean(-1, keepdim=True)\n    x = h",
+    ),
+    (
+        "tuned_loss",
+        checker.IN_PLACE,
+        "    logits = lens_logits(",
+        "    params['ln_w'].mul_(1)\n    h.add_(0.5)\n    logits = lens_logits(",
+    ),
+    (
+        "mean_per_layer",
+        checker.TIMEOUT,
+        "keep = mask.clone()",
+        "keep = mask.clone()\n    while True:\n        pass",
+    ),
+    (
+        "mean_per_layer",
+        checker.STRUCTURE,
+        "return values[:, keep].mean(-1)",
+        "return values[:, keep].mean(-1).tolist()",
+    ),
+    (
+        "squared_terms",
+        checker.STRUCTURE,
+        "return ens, bias, div",
+        "return torch.stack([ens, bias, div])",
+    ),
+    ("fit_translator", checker.UNUSABLE, "return sol[:-1], sol[-1]", "return sol"),
+    ("remove_hooks", checker.UNUSABLE, "replace)]", "replace)][1]"),
     (
         "ResidNorms",
         "pads_counted",
@@ -357,20 +412,422 @@ def test_mutant_gets_its_diagnosis(name: str, mistake: str, old: Any, new: Any) 
     verdict = _exercise(name).verdict(mutant)
     assert verdict.status == checker.WRONG, verdict.text
     assert verdict.mistake == mistake, verdict.text
-    diagnosis = next(m.diagnosis for m in _exercise(name).mistakes if m.key == mistake)
-    assert diagnosis in verdict.text and "expected" in verdict.text and "got" in verdict.text
+    assert _diagnosis(_exercise(name), mistake) in verdict.text, verdict.text
+    assert "expected" in verdict.text and "got" in verdict.text
+
+
+def _diagnosis(ex: checker.Exercise, key: str) -> str:
+    """The text a diagnosis always shows: a mistake's or requirement's own, or a generic one's
+    up to its first blank ({…})."""
+    if key in checker.GENERIC:
+        return checker.GENERIC[key].split("{")[0]
+    return next(m.diagnosis for m in [*ex.mistakes, *ex.requirements] if m.key == key)
 
 
 def test_every_mistake_has_a_mutant() -> None:
     have = {(n, m) for n, m, _, _ in MUTANTS}
     for module in MODULES.values():
         for ex in module.EXERCISES:
-            for mistake in ex.mistakes:
+            for mistake in [*ex.mistakes, *ex.requirements]:
                 if (ex.name, mistake.key) == ("angular_distance", "all_tokens"):
                     continue  # below: tested by the checker's own mistake function
                 if ex.name == "lens_logits" and mistake.key.startswith("norm_"):
                     continue  # a mutant of final_norm under a correct lens_logits: below
                 assert (ex.name, mistake.key) in have, f"no mutant for {ex.name}: {mistake.key}"
+    for key in checker.GENERIC:  # the diagnoses every exercise can give: a mutant somewhere
+        assert any(m == key for _, m, _, _ in MUTANTS), f"no mutant for {key}"
+
+
+# -- correct answers written differently: every one must pass ------------------------------------------
+
+# (function, what is different, the whole cell's source)
+ALTERNATIVES = [
+    (
+        "final_norm",
+        "torch's own layer_norm",
+        """
+def final_norm(h, w, b, eps):
+    return torch.nn.functional.layer_norm(h, h.shape[-1:], w, b, eps)
+""",
+    ),
+    (
+        "lens_logits",
+        "an einsum and the bias through F.linear",
+        """
+def lens_logits(h, ln_w, ln_b, eps, W_U, b_U):
+    x = torch.einsum("...d,dv->...v", final_norm(h, ln_w, ln_b, eps), W_U)
+    return x + torch.nn.functional.linear(torch.zeros(1), torch.zeros(len(b_U), 1), b_U)
+""",
+    ),
+    (
+        "kl_to_output",
+        "F.kl_div, target first",
+        """
+def kl_to_output(logits, out_logits):
+    lp, lq = logits.log_softmax(-1), out_logits.log_softmax(-1)
+    return torch.nn.functional.kl_div(lq, lp, reduction="none", log_target=True).sum(-1)
+""",
+    ),
+    (
+        "mean_per_layer",
+        "a masked sum over a count",
+        """
+def mean_per_layer(values, mask, exclude_bos):
+    keep = mask.clone()
+    keep[:, 0] &= not exclude_bos
+    return (values * keep).sum((1, 2)) / keep.sum()
+""",
+    ),
+    (
+        "skip_hooks",
+        "the block's two writes zeroed after BOS",
+        """
+def skip_hooks(s):
+    def zero(out, hook):
+        out = out.clone()
+        out[:, 1:] = 0
+        return out
+
+    return [(f"blocks.{s}.hook_attn_out", zero), (f"blocks.{s}.hook_mlp_out", zero)]
+""",
+    ),
+    (
+        "update_effect",
+        "torch.diff, vector_norm and max",
+        """
+def update_effect(clean, skipped):
+    d, e = torch.diff(clean, dim=0).double(), torch.diff(skipped, dim=0).double()
+    top = torch.linalg.vector_norm(d - e, dim=-1)
+    return (top / torch.linalg.vector_norm(d, dim=-1).clamp(min=1e-6)).max(-1).values
+""",
+    ),
+    (
+        "output_effect",
+        "the square root of a sum of squares",
+        """
+def output_effect(clean_logits, skipped_logits):
+    p, q = torch.softmax(clean_logits.double(), dim=-1), torch.softmax(skipped_logits.double(), dim=-1)
+    return ((p - q) ** 2).sum(-1).sqrt().max()
+""",
+    ),
+    (
+        "logit_diff",
+        "the last position selected first",
+        """
+def logit_diff(logits, target, foil):
+    last = logits.select(1, logits.shape[1] - 1)
+    return last[:, target] - last[:, foil]
+""",
+    ),
+    (
+        "patch_run",
+        "a names_filter, and a hook that writes into the activation",
+        """
+def patch_run(model, clean, corrupt, layer, pos):
+    name = f"blocks.{layer}.hook_resid_pre"
+    _, cache = model.run_with_cache(clean, names_filter=lambda n: n == name)
+    saved = cache[name]
+
+    def patch(resid, hook):
+        resid[:, pos] = saved[:, pos]
+        return resid
+
+    with torch.no_grad():
+        return model.run_with_hooks(corrupt, fwd_hooks=[(name, patch)])
+""",
+    ),
+    (
+        "patching_map",
+        "a list of rows, made a tensor at the end",
+        """
+def patching_map(model, clean, corrupt, target, foil):
+    with torch.no_grad():
+        hi = logit_diff(model(clean), target, foil).item()
+        lo = logit_diff(model(corrupt), target, foil).item()
+        rows = []
+        for layer in range(model.cfg.n_layers):
+            row = [logit_diff(patch_run(model, clean, corrupt, layer, t), target, foil).item() for t in range(clean.shape[1])]
+            rows.append([(m - lo) / (hi - lo) for m in row])
+    return torch.tensor(rows)
+""",
+    ),
+    (
+        "squared_terms",
+        "a loop over the members, in float64",
+        """
+def squared_terms(f, y):
+    f = f.double()
+    onehot = torch.zeros_like(f[0])
+    onehot[torch.arange(len(y)), y] = 1
+    z = f.mean(0)
+    bias = sum(((fi - onehot) ** 2).sum(-1) for fi in f) / len(f)
+    div = sum(((fi - z) ** 2).sum(-1) for fi in f) / len(f)
+    return ((z - onehot) ** 2).sum(-1).mean(), bias.mean(), div.mean()
+""",
+    ),
+    (
+        "ce_terms",
+        "F.cross_entropy and F.kl_div",
+        """
+def ce_terms(f, y):
+    F = torch.nn.functional
+    z = f.mean(0)
+    ce = torch.stack([F.cross_entropy(fi, y) for fi in f]).mean()
+    logp = z.log_softmax(-1).expand_as(f)
+    kl = F.kl_div(f.log_softmax(-1), logp, reduction="none", log_target=True).sum(-1).mean()
+    return F.cross_entropy(z, y), ce, kl
+""",
+    ),
+    (
+        "remove_hooks",
+        "every removed block made the identity",
+        """
+def remove_hooks(start, n):
+    hooks = []
+    for block in range(start, start + n):
+        saved = {}
+
+        def save(resid, hook, saved=saved):
+            saved["h"] = resid.clone()
+            return resid
+
+        def replace(resid, hook, saved=saved):
+            return saved["h"]
+
+        hooks += [(f"blocks.{block}.hook_resid_pre", save), (f"blocks.{block}.hook_resid_post", replace)]
+    return hooks
+""",
+    ),
+    (
+        "remove_hooks",
+        "the removed blocks' attention and MLP writes zeroed",
+        """
+def remove_hooks(start, n):
+    def zero(out, hook):
+        return torch.zeros_like(out)
+
+    return [(f"blocks.{b}.hook_{w}_out", zero) for b in range(start, start + n) for w in ("attn", "mlp")]
+""",
+    ),
+    (
+        "block_influence",
+        "unit vectors by hand, a masked sum over a count",
+        """
+def block_influence(states, mask):
+    u = states.double() / states.double().norm(dim=-1, keepdim=True)
+    c = (u[:-1] * u[1:]).sum(-1)
+    return ((1 - c) * mask).sum((1, 2)) / mask.sum()
+""",
+    ),
+    (
+        "angular_distance",
+        "the last real token found by argmax of a cumulative sum",
+        """
+def angular_distance(states, mask, start, n):
+    last = mask.long().cumsum(1).argmax(1)
+    rows = torch.arange(len(last))
+    a, b = states[start, rows, last].double(), states[start + n, rows, last].double()
+    c = (a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1))
+    return torch.arccos(c.clamp(-1, 1)).mean() / torch.pi
+""",
+    ),
+    (
+        "fit_translator",
+        "both sides centred, then the offset from the means",
+        """
+def fit_translator(h, target):
+    h, target = h.double(), target.double()
+    mh, mt = h.mean(0), target.mean(0)
+    W = torch.linalg.lstsq(h - mh, target - mt).solution
+    return W, mt - mh @ W
+""",
+    ),
+    (
+        "tuned_loss",
+        "F.kl_div with batchmean",
+        """
+def tuned_loss(A, b, h, out_logits, params):
+    lq = lens_logits(h + (h @ A + b), **params).log_softmax(-1)
+    lp = out_logits.log_softmax(-1)
+    return torch.nn.functional.kl_div(lq, lp, reduction="batchmean", log_target=True)
+""",
+    ),
+    (
+        "ResidNorms",
+        "vector_norm, the mask by hand, one tensor of sums",
+        '''
+from dataclasses import dataclass
+
+from lensdiv import Analyzer, Result, Table
+
+
+@dataclass(frozen=True)
+class ResidNorms(Analyzer):
+    """Mean norms.
+
+    Args:
+        exclude_bos: Leave the BOS position out.
+    """
+
+    name = "resid-norms"
+    description = "Mean norm of every residual state"
+    exclude_bos: bool = True
+
+    def hooks(self, info):
+        return [info.resid(layer) for layer in range(info.n_layers + 1)]
+
+    def update(self, state, step):
+        keep = step.batch.mask.clone()
+        if self.exclude_bos:
+            keep[:, 0] = False
+        norms = [torch.linalg.vector_norm(step.resid(l)[keep].double(), dim=-1).sum() for l in range(step.info.n_layers + 1)]
+        state.add("sums", torch.stack(norms))
+        state.add("count", keep.sum().double())
+
+    def finalize(self, state, info):
+        mean = (state["sums"] / state["count"]).tolist()
+        table = Table("resid_norms", {"layer": list(range(len(mean))), "mean_norm": mean})
+        return Result(self.name, tables={"resid_norms": table})
+''',
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "how", "source"),
+    ALTERNATIVES,
+    ids=[f"{a[0]}-{i}" for i, a in enumerate(ALTERNATIVES)],
+)
+def test_correct_alternative_passes(name: str, how: str, source: str) -> None:
+    lesson = SOLVED[name][0]
+    student = _define(name, source.strip("\n") + "\n", _earlier(lesson))
+    verdict = _exercise(name).verdict(student)
+    assert verdict.passed, f"{how}:\n{verdict.text}"
+
+
+def test_every_exercise_has_a_correct_alternative() -> None:
+    assert set(SOLVED) <= {name for name, _, _ in ALTERNATIVES}
+
+
+def test_fallback_final_norm_keeps_the_dtype() -> None:
+    """The reference (what the notebook uses until the student's passes) keeps float64 float64."""
+    h = checker.randn(2, 3, 8, seed=1).double()
+    w, b = checker.randn(8, seed=2), checker.randn(8, seed=3)
+    out = logit_lens.final_norm(h, w, b, 1e-5)
+    assert out.dtype == torch.float64
+    want = torch.nn.functional.layer_norm(h, (8,), w.double(), b.double(), 1e-5)
+    torch.testing.assert_close(out, want)
+    assert logit_lens.final_norm(h.float(), w, b, 1e-5).dtype == torch.float32
+
+
+def test_a_changed_argument_is_named() -> None:
+    """An input changed in place is named, a tensor in a dict by its key."""
+    lesson, source = SOLVED["tuned_loss"]
+    source = source.replace(
+        "    logits = lens_logits(", "    params['ln_w'].mul_(2)\n    logits = lens_logits("
+    )
+    verdict = translator.TUNED_LOSS.verdict(_define("tuned_loss", source, _earlier(lesson)))
+    assert verdict.mistake == checker.IN_PLACE and "`params`['ln_w']" in verdict.text, verdict.text
+
+
+def test_a_wrong_number_shows_where_it_differs() -> None:
+    """Expected and got: the first entries that differ, by index, not the first 8 values."""
+
+    def late(h: Any, w: Any, b: Any, eps: float) -> Any:
+        out = logit_lens.final_norm(h, w, b, eps).clone()
+        out.view(-1)[-1] += 1.0  # the last entry only
+        return out
+
+    verdict = logit_lens.FINAL_NORM.verdict(late)
+    assert verdict.mistake is None
+    assert "first entries that differ:" in verdict.text and "at [0, 15]:" in verdict.text, (
+        verdict.text
+    )
+
+
+def test_an_error_in_a_plugin_is_shown_at_its_line() -> None:
+    """A plugin that raises inside a run: the real error and the student's line, not a bare
+    StopIteration (a run reports a failing analyzer in one line)."""
+    lesson, source = SOLVED["ResidNorms"]
+    broken = source.replace('state.add("n", keep.sum())', 'state.add("n", keep.sum() / undefined)')
+    verdict = plugin.PLUGIN.verdict(_define("ResidNorms", broken))
+    assert verdict.status == checker.ERROR, verdict.text
+    assert "NameError" in verdict.text and "keep.sum() / undefined" in verdict.text, verdict.text
+    assert "StopIteration" not in verdict.text
+
+
+def test_a_value_of_another_kind_is_named() -> None:
+    """A list of the right numbers: "a list …, not a tensor …" and that the numbers are right;
+    integers for floats: the dtypes."""
+    listed = logit_lens.MEAN_PER_LAYER.verdict(
+        lambda v, m, x: logit_lens.mean_per_layer(v, m, x).tolist()
+    )
+    assert listed.mistake == checker.STRUCTURE, listed.text
+    assert "a list of 3 floats, not a tensor of shape [3]" in listed.text, listed.text
+    assert "The numbers are right" in listed.text
+    rounded = patching.LOGIT_DIFF.verdict(lambda z, t, f: patching.logit_diff(z, t, f).long())
+    assert "expected dtype torch.float32, got torch.int64" in rounded.text, rounded.text
+
+
+def test_a_plugin_result_lensdiv_cannot_read_is_said() -> None:
+    """A result without the exercise's column: what it has instead, not a KeyError."""
+    lesson, source = SOLVED["ResidNorms"]
+    renamed = source.replace('"mean_norm": mean', '"norm": mean')
+    verdict = plugin.PLUGIN.verdict(_define("ResidNorms", renamed))
+    assert verdict.mistake == checker.UNUSABLE, verdict.text
+    assert "no column 'mean_norm' (it has ['layer', 'norm'])" in verdict.text, verdict.text
+
+
+def _spin(h: Any, w: Any, b: Any, eps: float) -> Any:
+    while True:
+        pass
+
+
+def test_the_time_limit_stops_a_check_off_the_main_thread() -> None:
+    """Off the main thread (no SIGALRM there) the work runs in a daemon thread that is stopped
+    by an exception; no thread is left running."""
+    ex = checker.Exercise(
+        "final_norm", logit_lens.final_norm, logit_lens.FINAL_NORM.cases, time_limit=(0.5, 1.0)
+    )
+    box: dict[str, Any] = {}
+    caller = threading.Thread(target=lambda: box.setdefault("v", ex.verdict(_spin)))
+    caller.start()
+    caller.join(60)
+    assert box["v"].mistake == checker.TIMEOUT, box["v"].text
+    for _ in range(50):  # the worker gets the exception at its next line
+        if not any(t.name == "lensdiv-course-check" for t in threading.enumerate()):
+            break
+        time.sleep(0.1)
+    assert not any(t.name == "lensdiv-course-check" for t in threading.enumerate())
+    lesson, source = SOLVED["remove_hooks"]  # and a right answer passes there, hooks and all
+    solved = _define("remove_hooks", source, _earlier(lesson))
+    caller = threading.Thread(target=lambda: box.update(v=removal.REMOVE_HOOKS.verdict(solved)))
+    caller.start()
+    caller.join(120)
+    assert box["v"].passed, box["v"].text
+
+
+@pytest.mark.usefixtures("kernel_env")
+def test_the_time_limit_stops_a_check_in_a_kernel(tmp_path: Path) -> None:
+    """In a Jupyter kernel (cells run in its main thread: SIGALRM) a hanging answer is stopped,
+    the kernel lives on and runs the next cell."""
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell(
+            "from lensdiv.course import checker\n"
+            "ex = checker.Exercise('double', lambda x: x * 2, lambda: [checker.Case('one', (1.0,))], time_limit=(1.0, 1.0))\n"
+            "def double(x):\n    while True:\n        pass\n"
+            "double = ex.check(double)"
+        ),
+        nbformat.v4.new_code_cell("print('next cell', double(2.0))"),
+    ]
+    nbclient.NotebookClient(
+        nb, kernel_name="python3", timeout=120, resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
+    first = "".join(o.get("text", "") for o in nb.cells[0].outputs)
+    second = "".join(o.get("text", "") for o in nb.cells[1].outputs)
+    assert "✘ double: stopped after 1 s" in first, first
+    assert "next cell 4.0" in second, second
 
 
 def test_mistakes_the_mutants_cannot_reach_are_still_diagnosed() -> None:
@@ -414,8 +871,8 @@ def test_check_returns_the_reference_until_the_exercise_passes(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     header = "def final_norm(h, w, b, eps):\n"
-    blank = _define("final_norm", header + build.blank(header))
-    assert logit_lens.check_final_norm(blank) is logit_lens.final_norm
+    stub = _define("final_norm", header + blank(header))
+    assert logit_lens.check_final_norm(stub) is logit_lens.final_norm
     assert "not done yet" in capsys.readouterr().out
 
 

@@ -23,9 +23,10 @@ from lensdiv.ops.readout import FinalReadout
 
 
 def final_norm(h: Tensor, w: Tensor, b: Tensor, eps: float) -> Tensor:
-    norm = LayerNorm(w.float(), b.float(), eps)
+    dtype = h.dtype if h.is_floating_point() else torch.float32  # float64 in, float64 out
+    norm = LayerNorm(w.to(dtype), b.to(dtype), eps)
     flat = h.reshape(-1, h.shape[-1])
-    return norm.apply(flat, dtype=torch.float32, device=flat.device).reshape(h.shape)
+    return norm.apply(flat, dtype=dtype, device=flat.device).reshape(h.shape)
 
 
 def lens_logits(
@@ -256,6 +257,16 @@ LENS_LOGITS = Exercise(
             "bias_forgotten",
             "the unembedding bias b_U is missing: logits = final_norm(h) @ W_U + b_U.",
             lambda h, w, b, eps, W, c: final_norm(h, w, b, eps) @ W,
+        ),
+        Mistake(
+            "softmax",
+            "these are probabilities (a softmax of the logits): lens_logits returns the logits themselves, final_norm(h) @ W_U + b_U; the KL takes their softmax later.",
+            lambda h, w, b, eps, W, c: lens_logits(h, w, b, eps, W, c).softmax(-1),
+        ),
+        Mistake(
+            "log_softmax",
+            "these are log-probabilities (a log_softmax of the logits): lens_logits returns the logits themselves, final_norm(h) @ W_U + b_U; the KL normalises them later.",
+            lambda h, w, b, eps, W, c: lens_logits(h, w, b, eps, W, c).log_softmax(-1),
         ),
         *[
             Mistake(f"norm_{k}", f"your final norm is wrong: {NORM_DIAG[k]}", _logits_with(f))

@@ -99,7 +99,12 @@ def _ang_cos(states: Tensor, mask: Tensor, start: int, n: int) -> Tensor:
 
 
 def _run_hooks(hooks: Any, case: Case) -> Tensor:
-    return toy.residual_states(toy.toy(), case.context, list(hooks))[1]
+    """The states the exercise defines: ``h_0 .. h_ℓ`` and ``h_{ℓ+n} .. h_L`` (those inside the
+    removed range are whatever the hooks leave there: identity blocks, the blocks' own
+    outputs)."""
+    start, n = case.args
+    states = toy.residual_states(toy.toy(), case.context, list(hooks))[1]
+    return torch.cat([states[: start + 1], states[start + n :]])
 
 
 def _hook_cases() -> list[Case]:
@@ -163,9 +168,9 @@ REMOVE_HOOKS = Exercise(
             lambda s, n: _hooks(s, s + n - 1),
         ),
     ],
-    describe=lambda out: f"states of shape {list(out.shape)}",
+    describe=lambda out: f"h_0 .. h_ℓ and h_(ℓ+n) .. h_L of shape {list(out.shape)}",
     measure=_run_hooks,
-    shape_hint="[L + 1, batch, pos, d_model] states of the run with your hooks",
+    shape_hint="hooks [(name, fn), ...], checked by the states h_0 .. h_ℓ, h_{ℓ+n} .. h_L of a run with them",
 )
 
 BLOCK_INFLUENCE = Exercise(

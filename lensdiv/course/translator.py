@@ -13,7 +13,15 @@ import torch
 from torch import Tensor
 
 from lensdiv.course import toy
-from lensdiv.course.checker import Case, Exercise, Mistake, randn
+from lensdiv.course.checker import (
+    Case,
+    Exercise,
+    Mistake,
+    Requirement,
+    Unusable,
+    describe_value,
+    randn,
+)
 from lensdiv.course.logit_lens import lens_logits
 from lensdiv.ops.ridge import augment, fit_affine
 
@@ -73,6 +81,20 @@ def _loss_sum(
     return tuned_loss(A, b, h, out_logits, params) * h.shape[0]
 
 
+def _no_gradient(out: Any, args: tuple[Any, ...]) -> str | None:
+    """What keeps ``loss.backward()`` from training ``A`` and ``b`` (``None``: nothing)."""
+    A, b = args[0], args[1]
+    if not isinstance(out, Tensor):
+        return f"{describe_value(out)}: .item(), float() or .tolist() leave no gradient"
+    if not out.requires_grad:
+        return "a tensor that does not require grad (computed under torch.no_grad(), or detached)"
+    grads = torch.autograd.grad(out.sum(), [A, b], allow_unused=True, retain_graph=True)
+    cut = [name for name, g in zip(("A", "b"), grads, strict=True) if g is None]
+    if cut:
+        return f"a tensor with no gradient path to {' and '.join(cut)} (detached on the way)"
+    return None
+
+
 # -- the inputs ----------------------------------------------------------------------------------------
 
 TEXTS = (
@@ -94,6 +116,8 @@ def _states(layer: int) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def _predict(out: tuple[Tensor, Tensor], case: Case) -> Tensor:
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise Unusable("return two things, the map W and the offset c: return W, c")
     W, c = out
     return case.args[0].double() @ torch.as_tensor(W).double() + torch.as_tensor(c).double()
 
@@ -113,8 +137,12 @@ def _loss_cases() -> list[Case]:
     params = toy.readout_params(model)
     d = model.cfg.d_model
     h1, _, out = _states(1)
-    zero = (torch.zeros(d, d), torch.zeros(d))
-    small = (randn(d, d, seed=64, scale=0.02), randn(d, seed=65, scale=0.1))
+    # The translator's parameters, as the notebook trains them: a loss must reach them.
+    zero = (torch.zeros(d, d, requires_grad=True), torch.zeros(d, requires_grad=True))
+    small = (
+        randn(d, d, seed=64, scale=0.02).requires_grad_(),
+        randn(d, seed=65, scale=0.1).requires_grad_(),
+    )
     return [
         Case("toy h_1, A = 0, b = 0 (the logit lens)", (*zero, h1[:4], out[:4], params), 4),
         Case("toy h_1, a small random A and b", (*small, h1, out, params), 10**4, True),
@@ -168,8 +196,16 @@ TUNED_LOSS = Exercise(
         ),
         Mistake("sum", "summed over positions: the loss is the mean KL per position.", _loss_sum),
     ],
-    describe=lambda out: f"loss {float(out):.3f} nats",
+    describe=lambda out: f"loss {float(torch.as_tensor(out).detach()):.3f} nats",
     grad=True,
+    requirements=[
+        Requirement(
+            "no_grad",
+            "the loss has no gradient, so the next cell's loss.backward() cannot train A and b: return the tensor itself (no .item() or float(), no torch.no_grad(), no .detach()).",
+            "a 0-dim tensor with a gradient path to A and b",
+            _no_gradient,
+        )
+    ],
     shape_hint="one number (a scalar to call .backward() on)",
 )
 

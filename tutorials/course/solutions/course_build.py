@@ -19,7 +19,7 @@ HERE = Path(__file__).resolve().parent
 COURSE = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from course_cells import Cell, blank  # noqa: E402  (beside this file)
+from course_cells import Cell, blank_body  # noqa: E402  (beside this file)
 from course_lessons import LESSONS  # noqa: E402
 
 
@@ -37,7 +37,7 @@ def notebook(cells: list[Cell], solved: bool) -> nbformat.NotebookNode:
         elif cell.kind == "code":
             out.append(nbformat.v4.new_code_cell(cell.text))
         else:
-            body = cell.solution if solved else blank(cell.text)
+            body = cell.solution if solved else blank_body(cell)
             out.append(nbformat.v4.new_code_cell((cell.text + body).rstrip("\n")))
     for i, c in enumerate(out):
         c["id"] = f"c{i:02d}"

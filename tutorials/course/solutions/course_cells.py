@@ -21,6 +21,12 @@ class Cell:
     kind: str  # "md", "code" or "exercise"
     text: str
     solution: str = ""
+    stub: str = ""  # an exercise's blank body when it is more than blank(text): a method to come
+
+
+def blank_body(cell: Cell) -> str:
+    """What an exercise notebook shows under the cell's header."""
+    return cell.stub or blank(cell.text)
 
 
 def md(text: str) -> Cell:
@@ -31,8 +37,11 @@ def code(text: str) -> Cell:
     return Cell("code", text.strip("\n"))
 
 
-def exercise(header: str, solution: str) -> Cell:
-    return Cell("exercise", header.strip("\n") + "\n", solution.strip("\n") + "\n")
+def exercise(header: str, solution: str, stub: str = "") -> Cell:
+    """A function's header and its solution; ``stub``: the blank body when it holds more than
+    ``# your code here`` (the methods still to write, each raising ``NotImplementedError``)."""
+    body = blank(header) + "\n" + stub.strip("\n") + "\n" if stub else ""
+    return Cell("exercise", header.strip("\n") + "\n", solution.strip("\n") + "\n", body)
 
 
 def hints(*texts: str) -> str:

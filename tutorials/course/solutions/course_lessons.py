@@ -462,7 +462,9 @@ LESSON_5 = [
 ## Exercise 5.1 — hooks that remove blocks
 
 Return hooks that set `h_{{ℓ+n}} := h_ℓ` at **every** position, BOS included (the blocks are gone;
-compare lesson 2's skip, which spares BOS).
+compare lesson 2's skip, which spares BOS). The check runs the model with your hooks and compares
+`h_0 .. h_ℓ`, `h_{{ℓ+n}} .. h_L` and so the output; what the states inside the removed range hold
+is up to you.
 
 {hints("Save at `blocks.{start}.hook_resid_pre`, replace at `blocks.{start + n - 1}.hook_resid_post`.")}
 """),
@@ -614,7 +616,8 @@ def fit_translator(h, target):
 The tuned lens' translator is `T(h) = h + h A + b` (`A = 0, b = 0` is the logit lens) and it is
 trained to minimise the mean over positions of `KL(p_out ‖ p_T)` — the output first, the
 opposite of the direction the logit lens reports. Use `lens_logits` from lesson 1 (imported
-above).
+above). Return the loss as a tensor with its gradient: the cell after trains `A` and `b` with
+`loss.backward()`.
 
 {hints("`logits = lens_logits(h + h @ A + b, **params)`.", "`lp, lq = out_logits.log_softmax(-1), logits.log_softmax(-1)`; `(lp.exp() * (lp - lq)).sum(-1).mean()`.")}
 """),
@@ -691,7 +694,7 @@ when `exclude_bos`), as a table `resid_norms` with columns `layer` and `mean_nor
   never a mean: two shards' states must add up to the whole's;
 - `finalize(state, info)`: divide, then build the `Result`.
 
-{hints("`keep = step.batch.positions(exclude_bos=self.exclude_bos)` is True at real tokens.", "`state.add(f'sum{{layer}}', step.resid(layer)[keep].norm(dim=-1).sum())` per layer and `state.add('n', keep.sum())`.", "`Result(self.name, tables={{'resid_norms': Table('resid_norms', {{'layer': layers, 'mean_norm': mean}})}})`.")}
+{hints("`keep = step.batch.positions(exclude_bos=self.exclude_bos)` is True at real tokens.", "`state.add(f'sum{layer}', step.resid(layer)[keep].norm(dim=-1).sum())` per layer and `state.add('n', keep.sum())`.", "In `finalize`: `layers = list(range(info.n_layers + 1))`, `mean = [float(state[f'sum{layer}'] / state['n']) for layer in layers]`, then `Result(self.name, tables={'resid_norms': Table('resid_norms', {'layer': layers, 'mean_norm': mean})})`.")}
 """),
     exercise(
         '''
@@ -728,6 +731,10 @@ class ResidNorms(Analyzer):
         mean = [float(state[f"sum{layer}"] / state["n"]) for layer in layers]
         table = Table("resid_norms", {"layer": layers, "mean_norm": mean})
         return Result(self.name, tables={"resid_norms": table}, summary=f"‖h_L‖ = {mean[-1]:.2f}")
+""",
+        stub="""
+    def finalize(self, state, info):
+        raise NotImplementedError  # and here: divide the sums by the count, build the Result
 """,
     ),
     code(
