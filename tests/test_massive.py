@@ -92,7 +92,12 @@ def _result(model: Any, analyzer: Massive, batch: Batch) -> Any:
     info = ModelInfo.from_model(model)
     logits, cache = capture(model, batch.tokens, analyzer.hooks(info), need_logits=False)
     state = analyzer.init(info)
-    analyzer.update(state, Step(batch, cache, logits, model, info))
+    for index in range(analyzer.n_passes(info)):  # as the engine runs them
+        if index:
+            state.freeze()
+            analyzer.start_pass(state, info, index)
+            state.freeze()
+        analyzer.update(state, Step(batch, cache, logits, model, info, pass_index=index))
     return analyzer.finalize(state, info), cache
 
 
@@ -137,6 +142,36 @@ def test_removal_matches_a_full_pass(planted: Any) -> None:
         assert truth["kl"][row] == pytest.approx(float(kl), rel=1e-6, abs=1e-12)
         assert truth["dce"][row] == pytest.approx(float(dce), rel=1e-6, abs=1e-12)
     assert truth["kl"][0] > 10 * truth["kl"][1]  # zero breaks the model, the mean does not
+
+
+def test_the_mean_edit_uses_the_data_mean_not_the_batch(planted: Any) -> None:
+    """With one row per batch a batch's own mean is that row's (and with one carrier, a shared
+    BOS, the entry itself: an edit to it would change nothing). The mean edit uses the data's
+    mean over every batch, per state and dimension, summed in the first pass."""
+    info = ModelInfo.from_model(planted)
+    rows = _batch().tokens[:2]
+    analyzer = Massive()
+    state = analyzer.init(info)
+    steps = []
+    for i in range(2):
+        batch = Batch(rows[i : i + 1], torch.ones_like(rows[i : i + 1], dtype=torch.bool))
+        _, cache = capture(planted, batch.tokens, analyzer.hooks(info), need_logits=False)
+        steps.append(Step(batch, cache, None, planted, info))
+    for index in range(analyzer.n_passes(info)):
+        if index:
+            state.freeze()
+            analyzer.start_pass(state, info, index)
+            state.freeze()
+        for step in steps:
+            analyzer.update(state, Step(step.batch, step.cache, None, planted, info,
+                                        pass_index=index))
+    at = 1  # the planted entry appears at h_1
+    h = torch.cat([s.cache[info.resid(at)] for s in steps])  # both rows: the data
+    massive = torch.cat([analyzer._found(s)[at] for s in steps])
+    want = (h * massive).sum((0, 1)) / massive.sum((0, 1)).clamp_min(1)
+    torch.testing.assert_close(state["mass_mean"][at], want, rtol=1e-12, atol=0)
+    one_row = (h[:1] * massive[:1]).sum((0, 1)) / massive[:1].sum((0, 1)).clamp_min(1)
+    assert not torch.allclose(state["mass_mean"][at][DIM], one_row[DIM])  # not a batch's mean
 
 
 def test_model_without_outliers_says_so(native_model: Any) -> None:

@@ -237,3 +237,18 @@ def test_per_head_removal_sums_over_heads(saved: dict[str, Path]) -> None:
     assert kl.shape == (info.n_layers, info.n_heads) and (kl >= -1e-12).all()
     assert len(result.tables["sinks_heads"]["kl"]) == info.n_layers * info.n_heads
     assert result.plots[-1].source == "removed_kl"
+
+
+def test_options_the_rows_cannot_serve_are_refused_before_any_pass(tmp_path: Path) -> None:
+    """``first`` (or ``min_query``) at or past the rows' length leaves no query: refused with
+    the option the user set, before a forward pass; ``per_head`` without ``truth`` too."""
+    from lensdiv.core.errors import OptionError
+    from lensdiv.run.runner import analyze
+
+    for options, named in (({"first": 40}, "sinks.first=40"), ({"min_query": 32}, "min_query=32")):
+        with pytest.raises(OptionError, match=f"{named} leaves no query.*seq-len 32"):
+            analyze("toy", plugins="sinks", options={"sinks": options}, seq_len=32,
+                    max_tokens=256, out=tmp_path / "run", progress=False)
+        assert not (tmp_path / "run" / "manifest.json").exists()
+    with pytest.raises(ValueError, match="per_head .* needs truth=true"):
+        Sinks(per_head=True, truth=False)

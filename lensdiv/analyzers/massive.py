@@ -11,10 +11,13 @@ residual state that holds any and *vanish* at the first later one that holds non
 before the appearance says which sublayer wrote them (the larger ``|x|`` in those dimensions).
 
 The truth (``truth``), Sun et al.'s test that they act as biases: in each batch, at the first
-residual state holding massive entries, set them to zero, and separately to their mean (per
-dimension, over the batch's massive entries of that dimension), resume the pass from there and
-compare the output with the clean one (``KL(p_edited ‖ p_out)``, the change of the next-token
-cross-entropy, top-1 agreement) at every real position.
+residual state holding massive entries, set them to zero, and separately to their mean, resume
+the pass from there and compare the output with the clean one (``KL(p_edited ‖ p_out)``, the
+change of the next-token cross-entropy, top-1 agreement) at every real position. The mean is
+taken over the whole data, per residual state and dimension (Sun et al. average over many
+inputs): a first pass sums the massive entries, the truth runs in a second pass. A mean over
+one batch would be each entry itself where a batch holds one row or one carrier (a shared BOS),
+making the edit a no-op by construction.
 """
 
 from __future__ import annotations
@@ -86,9 +89,22 @@ class Massive(Analyzer):
     def hooks(self, info: ModelInfo) -> list[str]:
         return [name for names in self.sites(info).values() for name in names]
 
+    def n_passes(self, info: ModelInfo) -> int:
+        """Statistics and the data's means of the massive entries, then the truth."""
+        return 2 if self.truth else 1
+
+    def start_pass(self, state: Stats, info: ModelInfo, index: int) -> None:
+        """The mean of the massive entries per residual state and dimension, over the data."""
+        sums, counts = state.get("mass_sum"), state.get("mass_count")
+        if sums is not None and counts is not None:
+            state.fix("mass_mean", sums / counts.clamp_min(1))
+
     def update(self, state: Stats, step: Step) -> None:
         keep = step.batch.mask
         if not keep.any():
+            return
+        if step.pass_index == 1:
+            self._truth(state, step, self._found(step))
             return
         device = keep.device
         state.add("n", float(keep.sum()))
@@ -112,8 +128,29 @@ class Massive(Analyzer):
                 state.add(f"{key}_{kind}", torch.stack(per[key]))
             state.max(f"max_{kind}", torch.stack(per["max"]))
         self._tokens(state, step, carrier)
-        if self.truth:
-            self._truth(state, step, found)
+        if self.truth:  # the data's sums of the massive entries, for pass 1's mean edit
+            d = step.info.d_model
+            sums = state.zeros("mass_sum", (len(found), d), device)
+            counts = state.zeros("mass_count", (len(found), d), device)
+            for layer, massive in enumerate(found):
+                if massive.any():
+                    h = step.cache[self.sites(step.info)["resid"][layer]].to(device).double()
+                    sums[layer] += (h * massive).sum((0, 1))
+                    counts[layer] += massive.sum((0, 1)).double()
+
+    def _found(self, step: Step) -> list[Tensor]:
+        """The massive entries of each residual state of this batch (as pass 0 found them)."""
+        keep = step.batch.mask
+        return [
+            massive_entries(
+                step.cache[name].to(keep.device),
+                keep,
+                self.absolute,
+                self.ratio,
+                self.bins_per_decade,
+            )[0]
+            for name in self.sites(step.info)["resid"]
+        ]
 
     def _tokens(self, state: Stats, step: Step, carrier: Tensor) -> None:
         """Tokens at positions that carry a massive entry in some residual state."""
@@ -127,7 +164,7 @@ class Massive(Analyzer):
 
     def _truth(self, state: Stats, step: Step, found: list[Tensor]) -> None:
         """At the first residual state of this batch with massive entries: set them to zero, and
-        to their per-dimension mean; resume; compare the outputs."""
+        to the data's mean of that state and dimension (pass 0); resume; compare the outputs."""
         at = next((layer for layer, m in enumerate(found) if m.any()), None)
         L = step.info.n_layers
         if at is None:
@@ -136,8 +173,7 @@ class Massive(Analyzer):
         tokens = step.batch.tokens
         h = step.resid(at).to(tokens.device)
         massive = found[at]
-        count = massive.sum((0, 1)).clamp_min(1)
-        mean = (h.double() * massive).sum((0, 1)) / count
+        mean = state["mass_mean"][at].to(h.device)
         edited = {
             "zero": torch.where(massive, torch.zeros_like(h), h),
             "mean": torch.where(massive, mean.to(h.dtype)[None, None], h),
@@ -330,7 +366,8 @@ def present(numbers: MassiveNumbers, options: Massive, info: ModelInfo) -> Resul
                 "edit": list(EDITS),
                 **{k: [numbers.truth[e][k] for e in EDITS] for k in ("kl", "dce", "agree")},
             },
-            "Massive entries set to zero or to their mean where they appear: the output",
+            "Massive entries set to zero or to their mean over the data (per state and dimension) "
+            "where they appear: the output",
         )
     arrays = {"dim_max": resid.dim_max[:, dims] if dims else np.zeros((len(resid.max_abs), 0))}
     return Result(

@@ -32,7 +32,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lensdiv.core.analyzer import Analyzer, ModelInfo, Step
+from lensdiv.core.analyzer import Analyzer, DataFacts, ModelInfo, Step
+from lensdiv.core.errors import OptionError
 from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
 from lensdiv.ops.attention import (
@@ -87,6 +88,24 @@ class Sinks(Analyzer):
             raise ValueError(f"eps must be between 0 and 1, got {self.eps}")
         if self.top_tokens < 1:
             raise ValueError(f"top_tokens must be at least 1, got {self.top_tokens}")
+        if self.per_head and not self.truth:
+            raise ValueError(
+                "per_head removes each head's sink as part of the truth: it needs truth=true "
+                "(-O sinks.truth=true), or drop per_head"
+            )
+
+    def check_data(self, data: DataFacts, info: ModelInfo) -> None:
+        """Some query must sit at a position ``≥ start``: rows longer than the sink (``first``)
+        and ``min_query``, checked before any forward pass."""
+        if data.longest <= self.start:
+            option = "min_query" if self.min_query is not None else "first"
+            value = self.min_query if self.min_query is not None else self.first
+            raise OptionError(
+                f"sinks.{option}={value} leaves no query: the queries start at position "
+                f"{self.start}, but {data.limit}",
+                hint=f"use -O sinks.{option}={max(data.longest - 1, 1 if option == 'first' else 0)}"
+                " or less, or longer rows (--seq-len)",
+            )
 
     @property
     def start(self) -> int:
