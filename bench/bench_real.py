@@ -20,8 +20,9 @@ Floors (``L`` blocks; a block costs ``stack / L``, so a pass resumed at block ``
 - ``contrib``: ``stack``;
 - ``sinks`` (truth on, the default): ``stack_attn + Σ_{ℓ<L} (L − ℓ) · stack / L + L · readout_kl``
   (the sink of each layer removed and the pass resumed from that layer);
-- ``massive`` (truth on): ``stack + 2 · (L − a) · stack / L + 2 · readout_kl`` with ``a`` the
-  residual state where the massive entries appear (zero and mean edits);
+- ``massive`` (truth on): ``2 · stack + 2 · (L − a) · stack / L + 2 · readout_kl`` with ``a`` the
+  residual state where the massive entries appear (a pass for the statistics and the data's
+  means, a second for the zero and mean edits);
 - ``skip`` and ``prune`` are reported as seconds with their planned work, not as ratios.
 
     python bench/bench_real.py smollm2-135m [--tokens 1024 --seq-len 256 --threads 2
@@ -159,7 +160,7 @@ def main() -> None:
         "lens": stack + (L + 1) * readout,
         "contrib": stack,
         "sinks": best["stack_attn"] + resumed + L * readout_kl,
-        "massive": stack + 2 * (L - at) * per_block + 2 * readout_kl,
+        "massive": 2 * stack + 2 * (L - at) * per_block + 2 * readout_kl,
     }
     extra = {}
     for plugin in [p for p in args.extra.split(",") if p]:
