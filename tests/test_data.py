@@ -29,6 +29,7 @@ from lensdiv.data.sources import (
     read_task_jsonl,
     register_source,
     registered_sources,
+    source_of,
     token_batches,
     unregister_source,
 )
@@ -422,11 +423,14 @@ def test_sources_register_once_and_unregister(lines_source: type[Source]) -> Non
 
 def test_builtin_sources_and_the_data_help() -> None:
     kinds = [s.kind for s in registered_sources()]
-    assert kinds == ["text", "jsonl", "folder", "hub", "literal", "builtin", "memory", "tokens"]
+    assert kinds[:8] == ["text", "jsonl", "folder", "hub", "literal", "builtin", "memory", "tokens"]
+    assert kinds[8:] == ["pydoc"]  # after the path sources, which claim any string
     help_text = Data.__metadata__[0].help
     for source in registered_sources():
-        assert (source.syntax in help_text) == (source.command_line and source.kind != "builtin")
-    assert help_text.endswith("Default: the built-in corpus.")
+        assert (source.syntax in help_text) == source.command_line
+    assert help_text.endswith(
+        "Default: pydoc for a real model (a catalog name, a .gguf file), else the built-in corpus."
+    )
 
 
 # -- packing in chunks is packing one document at a time -------------------------------------------
@@ -539,3 +543,56 @@ def test_one_tokenizer_call_per_chunk_equals_one_per_document(tokenizer: Any) ->
     texts = [*DOCS, *islice(builtin_documents(seed=2), 50), "<|endoftext|> inside", " lead"]
     for tok in (tokenizer, bpe):
         assert _encode(tok, texts) == [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+# -- pydoc: Python's documentation, a real corpus in every Python --------------------------------
+
+
+def test_pydoc_parts_are_fixed_and_disjoint() -> None:
+    from pydoc_data.topics import topics
+
+    from lensdiv.data.pydocs import HELDOUT_EVERY, pydoc_topics
+
+    train, held = pydoc_topics("train"), pydoc_topics("heldout")
+    keys = sorted(topics)
+    assert [k for k, _ in held] == keys[::HELDOUT_EVERY]
+    assert [k for k, _ in train] == [k for i, k in enumerate(keys) if i % HELDOUT_EVERY]
+    assert {k for k, _ in train}.isdisjoint(k for k, _ in held)
+    assert list(documents(DataSpec(source="pydoc"))) == [t for _, t in train]
+    assert list(documents(DataSpec(source="pydoc:train"))) == [t for _, t in train]
+    assert list(documents(DataSpec(source="pydoc:heldout"))) == [t for _, t in held]
+    assert check_source(DataSpec(source="pydoc:heldout")) == "pydoc"
+    with pytest.raises(DataError, match="does not exist"):  # other names are still paths
+        check_source(DataSpec(source="pydoc:test"))
+
+
+def test_pydoc_describes_itself_and_is_cached(tokenizer: Any) -> None:
+    import platform
+
+    spec = DataSpec(source="pydoc:heldout", seq_len=32, max_tokens=2000, batch_size=4)
+    source = source_of(spec)
+    facts = source.describe()
+    assert facts["python"] == platform.python_version() and facts["part"] == "heldout"
+    assert "Python Software Foundation" in facts["corpus"] and len(facts["sha256"]) == 64
+    assert source.text_bytes() == sum(len(d.encode()) for d in documents(spec))
+    identity = source.cache_identity()
+    assert identity is not None and identity["part"] == "heldout"
+    assert identity != source_of(DataSpec(source="pydoc")).cache_identity()
+    first = [b.tokens for b in token_batches(spec, tokenizer)]
+    again = [b.tokens for b in token_batches(spec, tokenizer)]  # from the token cache
+    assert sum(int((t != PAD_ID).sum()) for t in first) == 2000
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+
+
+def test_the_default_data_depends_on_the_model(tmp_path: Path) -> None:
+    from lensdiv.run.defaults import default_data
+
+    gguf_file = tmp_path / "m.gguf"
+    gguf_file.write_bytes(b"GGUF")
+    assert default_data("toy") == default_data("toy:d2") == "builtin"
+    assert default_data("smollm2-135m") == default_data(gguf_file) == "pydoc"
+    assert default_data(str(gguf_file), "gemma3-270m") == "pydoc"
+    assert default_data("gemma3-270m", "toy") == "builtin"  # a study reads one corpus
+    assert default_data(str(tmp_path / "missing")) == "builtin"  # its load says why
+    assert DataSpec.from_data(None, default="pydoc").source == "pydoc"
+    assert DataSpec.from_data("builtin", default="pydoc").source == "builtin"

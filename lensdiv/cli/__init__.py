@@ -17,6 +17,7 @@ from lensdiv.cli import explore as _explore
 from lensdiv.cli import lens as _lens
 from lensdiv.cli import lenses as _lenses
 from lensdiv.cli import merge as _merge
+from lensdiv.cli import models as _models
 from lensdiv.cli import plugins as _plugins
 from lensdiv.cli import scaling as _scaling
 from lensdiv.cli import study as _study
@@ -43,6 +44,7 @@ app.command()(_merge.merge)
 app.add_typer(_plugins.app, name="plugins")
 app.add_typer(_lenses.app, name="lenses")
 app.add_typer(_toy.app, name="toy")
+app.add_typer(_models.app, name="models")
 # Whole studies rather than analyzers of one model: fits over many runs, toy experiments.
 app.add_typer(_scaling.app, name="scaling")
 app.add_typer(_study.app, name="study")

@@ -20,19 +20,15 @@ from typer.core import TyperGroup
 from lensdiv.core.errors import LensdivError, OptionError, PluginWarning, SaveError
 from lensdiv.core.files import folder_problem
 from lensdiv.core.settings import RunSettings
-from lensdiv.data.sources import DataSpec, registered_sources, source_of
+from lensdiv.data.sources import registered_sources
+from lensdiv.run.defaults import HELP as DEFAULT_DATA
 
 
 def _data_help() -> str:
     """``--data``'s help: ``SYNTAX (summary)`` of every source the command line can name, in
     registration order, then the default (the sources live in ``lensdiv/data/sources.py``)."""
-    default = type(source_of(DataSpec()))
-    forms = [
-        f"{s.syntax} ({s.summary})"
-        for s in registered_sources()
-        if s.command_line and s is not default
-    ]
-    return f"{', '.join(forms[:-1])} or {forms[-1]}. Default: {default.summary}."
+    forms = [f"{s.syntax} ({s.summary})" for s in registered_sources() if s.command_line]
+    return f"{', '.join(forms[:-1])} or {forms[-1]}. Default: {DEFAULT_DATA}."
 
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -5,3 +5,7 @@ its source whichever module of this package was imported first (none of them imp
 """
 
 from lensdiv.data import sources as sources  # noqa: F401  # registers the built-in sources
+
+# isort: split
+# after the path sources, which claim any string: `pydoc` names Python's documentation
+from lensdiv.data import pydocs as pydocs  # noqa: F401

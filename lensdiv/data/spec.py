@@ -123,9 +123,11 @@ class DataSpec:
             raise DataError("--field is empty", hint="name the JSONL / data-set field of the text")
 
     @classmethod
-    def from_data(cls, data: Any, **settings: Any) -> DataSpec:
-        """A spec for anything the API accepts as ``data``: ``None`` (the built-in corpus), a
-        source string or path, ``"text:..."``, a list of strings, a token tensor, or a spec.
+    def from_data(cls, data: Any, *, default: str = BUILTIN, **settings: Any) -> DataSpec:
+        """A spec for anything the API accepts as ``data``: ``None`` (the source ``default``
+        names: the built-in corpus, or what the run's model reads by default, see
+        :mod:`lensdiv.run.defaults`), a source string or path, ``"text:..."``, a list of
+        strings, a token tensor, or a spec.
 
         Raises:
             DataError: Anything else, naming what was given and what is accepted.
@@ -133,7 +135,7 @@ class DataSpec:
         if isinstance(data, DataSpec):
             return data
         if data is None:
-            return cls(source=BUILTIN, **settings)
+            return cls(source=default, **settings)
         if isinstance(data, os.PathLike):
             return cls(source=os.fspath(data), **settings)
         if isinstance(data, str):
@@ -166,7 +168,7 @@ class DataSpec:
 LITERAL = "text:"
 
 FLAG_HINTS = {
-    "source": "pass a file, folder, hf:NAME or 'text:...', or leave it out (built-in corpus)",
+    "source": "pass a file, folder, hf:NAME, pydoc or 'text:...', or leave it out (the default)",
     "field": "name the JSONL / data-set field of the text, e.g. --field text",
     "split": "name the split of an hf: data set, e.g. --split train",
     "bos": "use --bos prepend (default) or --bos none",

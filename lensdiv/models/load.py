@@ -228,6 +228,32 @@ def _placement(
     return out
 
 
+def fetch_model(spec: str, *, progress: bool = True) -> tuple[ModelSpec, Path]:
+    """Fetch a catalog model (or read a GGUF file) and dequantize it into the cache, without
+    loading it (``lensdiv models fetch``): its spec, with where it came from, and its cached
+    Hugging Face folder.
+
+    Raises:
+        ModelLoadError: ``spec`` names neither a catalog model nor a GGUF file, or the fetch or
+            the conversion fails.
+    """
+    parsed = resolve_spec(spec)
+    if parsed.kind not in ("real", "gguf"):
+        raise ModelLoadError(
+            f"{spec!r} is not a model lensdiv fetches (real models: {', '.join(catalog.CATALOG)})",
+            hint="a toy trains on first use (lensdiv toy train NAME); a hub id loads from the hub",
+        )
+    return _converted(parsed, progress)
+
+
+def real_status(named: catalog.RealModel) -> str:
+    """Where a catalog model is: ``cached`` (dequantized, loads offline), ``fetched`` (its GGUF
+    file is here) or ``absent``."""
+    if gguf.cached_facts(named.sha256) is not None:
+        return "cached"
+    return "fetched" if catalog.fetched(named) is not None else "absent"
+
+
 def _converted(parsed: ModelSpec, progress: bool) -> tuple[ModelSpec, Path]:
     """A GGUF file's or a catalog model's dequantized Hugging Face folder (cached: the file is
     read, or the model fetched, only the first time), and the spec with its origin."""

@@ -33,6 +33,7 @@ from lensdiv.models.load import load_model
 from lensdiv.ops.lens_specs import parse_lens
 from lensdiv.ops.readout import readout_dtype
 from lensdiv.ops.translators import LOGIT, Lens
+from lensdiv.run.defaults import default_data
 from lensdiv.run.distributed import DataParallelFeed, World, current_world, gather_objects
 from lensdiv.run.engine import Engine, describe, input_device
 from lensdiv.run.feed import Feed, LocalFeed
@@ -143,8 +144,10 @@ def analyze(
 
     Args:
         model: Model spec (hub name, local folder, ``toy``) or a ``TransformerBridge``.
-        data: ``None`` for the built-in corpus; a source string or path (file, folder,
-            ``hf:NAME``); ``"text:..."`` (the text after ``text:`` is one document — a plain
+        data: ``None`` for the model's default (``pydoc``, Python's documentation, for a
+            real model — a catalog name, a ``.gguf`` file —, else the built-in corpus:
+            :mod:`lensdiv.run.defaults`); a source string or path (file, folder,
+            ``hf:NAME``, ``pydoc``, ``pydoc:heldout``); ``"text:..."`` (the text after ``text:`` is one document — a plain
             string always names a source); a list of strings (one document each); a token
             tensor ``[batch, pos]`` (rows used as they are); or a :class:`DataSpec`.
         plugins: Analyzer names/aliases (``"lens,contrib"``), classes or instances.
@@ -221,7 +224,7 @@ def analyze(
         )
     if device is None and world.parallel:
         device = world.default_device()
-    spec = DataSpec.from_data(data, **settings.data())
+    spec = DataSpec.from_data(data, default=default_data(model), **settings.data())
     check_source(spec)
     _check_output_once(world, out_dir, analyzers, overwrite=overwrite)
     with handle_signals(), progress_allowed(progress):

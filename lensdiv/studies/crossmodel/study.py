@@ -38,6 +38,7 @@ from lensdiv.core.results import Rendered, Result, write_json_atomic
 from lensdiv.core.settings import RunSettings, settings_keywords
 from lensdiv.data.sources import DataSpec, check_source
 from lensdiv.ops.lens_specs import parse_lens
+from lensdiv.run.defaults import default_data
 from lensdiv.run.distributed import current_world
 from lensdiv.run.engine import describe
 from lensdiv.run.interrupts import handle_signals, interruption, signal_name, signum_of
@@ -189,7 +190,8 @@ def run_study(
     Args:
         models: What MODELS names (:func:`~.models.resolve_models`): ``"zoo:depth"``,
             ``"toy:d2,toy:d4"``, ``"EleutherAI/pythia-{70m,160m}"``, a file of specs, folders.
-        data, plugins, options: As for :func:`lensdiv.analyze`; the same for every model.
+        data, plugins, options: As for :func:`lensdiv.analyze`; the same for every model
+            (no data: ``pydoc`` when every model is a real one, else the built-in corpus).
         settings: The run settings (:class:`~lensdiv.core.settings.RunSettings`), or their
             names as keywords, as for ``analyze``; the same for every model. In ``lens``,
             ``{model}`` and ``{run}`` are replaced by each model's spec and run folder name
@@ -230,9 +232,9 @@ def run_study(
     }
     run_options = {**placement, **run_options}
     analyzers = make_analyzers(plugins, options)
-    spec = DataSpec.from_data(data, **settings.data())
-    check_source(spec)
     specs = resolve_models(models)
+    spec = DataSpec.from_data(data, default=default_data(*specs), **settings.data())
+    check_source(spec)
     _check_lens(lens)
     part = parse_task(task)
     world = current_world()
