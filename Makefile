@@ -13,7 +13,7 @@ LATEST_TESTS ?= tests/test_architectures.py tests/test_patchscope.py tests/test_
 	tests/test_lenses.py tests/test_errors.py
 LATEST := .venv-latest
 
-.PHONY: setup demo test test-latest check bench bench-gpu bench-gpu-smoke findings lint clean ship-toy toy-reproduce
+.PHONY: setup demo test test-latest check bench bench-gpu bench-gpu-smoke findings findings-real lint clean ship-toy toy-reproduce
 
 setup: $(VENV)/.installed
 
@@ -86,6 +86,12 @@ bench: setup
 # bench/teacher_student_cpu.json, `python docs/findings.py --rerun-teacher-student` trains it again).
 findings: setup
 	HF_HUB_OFFLINE=1 MPLBACKEND=Agg $(BIN)/python docs/findings.py
+
+# docs/findings_real.md: the same findings on the real models smollm2-135m and gemma3-270m (4-bit
+# GGUF, dequantized) and on SmolLM2 re-quantized to Q4_0 (bench/requantize_gguf.py); about 25
+# minutes on 2 shared cores (budgets of 128-256 tokens). `--only RUN --reuse` measures one run again.
+findings-real: setup
+	MPLBACKEND=Agg $(BIN)/python docs/findings_real.py
 
 # The default toy ships trained (lensdiv/models/shipped/): retrain it with its recipe and ship the
 # result (says whether the weights are those it replaces); after a change to its recipe, corpus

@@ -1899,6 +1899,10 @@ def render(findings: list[Finding], run: dict[str, Any]) -> str:
         "(2023), Gurnee et al., *Verbalizable Representations Form a Global Workspace in "
         "Language Models* (2026).",
         "",
+        "The same findings on two real models, SmolLM2-135M and Gemma-3-270M (4-bit GGUF "
+        "weights, dequantized), and what a second quantization changes: "
+        "[findings_real.md](findings_real.md) (`make findings-real`).",
+        "",
         f"**This run:** {run['date']}, `make findings` took {duration(run['wall_seconds'])} "
         f"of wall time and {duration(run['cpu_seconds'])} of CPU time on "
         f"{run['machine']} (load average {run['load_before']:.1f} at the start, "
