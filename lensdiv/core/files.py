@@ -46,3 +46,13 @@ def cache_root() -> Path:
         return Path(os.environ["LENSDIV_CACHE"]).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "lensdiv"
+
+
+def model_cache_root() -> Path:
+    """Where GGUF files and the models dequantized from them are kept (the real models of the
+    catalog among them): ``$LENSDIV_MODEL_CACHE`` when set, else :func:`cache_root`. A separate
+    variable lets a test session keep these large entries in one persistent folder while its
+    toy models and tokens go to a temporary ``$LENSDIV_CACHE``."""
+    if os.environ.get("LENSDIV_MODEL_CACHE"):
+        return Path(os.environ["LENSDIV_MODEL_CACHE"]).expanduser()
+    return cache_root()

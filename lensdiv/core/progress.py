@@ -209,3 +209,13 @@ def progress_allowed(enabled: bool) -> Iterator[None]:
         yield
     finally:
         _SHOWN.reset(token)
+
+
+def note(message: str) -> None:
+    """One line about slow work to come (a cost estimate) on standard error, where progress
+    shows (:func:`progress_shown`); nothing under ``--no-progress``."""
+    if not progress_shown():
+        return
+    from rich.console import Console
+
+    Console(stderr=True).print(message, highlight=False, soft_wrap=True, markup=False)

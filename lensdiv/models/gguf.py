@@ -5,7 +5,7 @@ with the ``gguf`` package (the architecture, the quantization of each tensor; a 
 GGUF, is truncated or holds an architecture transformers cannot read is refused in one line),
 then has transformers dequantize it (``from_pretrained(folder, gguf_file=...)``) to float32 and
 saves the model, its config and tokenizer as an ordinary Hugging Face folder, a cache entry
-under ``$LENSDIV_CACHE/gguf`` keyed by the file's sha256 (``entries``: written whole, verified
+under ``$LENSDIV_MODEL_CACHE/gguf`` (else ``$LENSDIV_CACHE/gguf``) keyed by the file's sha256 (``entries``: written whole, verified
 by checksum before it is read, rebuilt when partial or corrupt). Later loads read that folder,
 in seconds. What lensdiv measures is the dequantized model: the manifest and the reports say
 so (:func:`describe`).
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from lensdiv.core.errors import ModelLoadError
-from lensdiv.core.files import cache_root, folder_problem
+from lensdiv.core.files import folder_problem, model_cache_root
 from lensdiv.models.entries import build_entry, sha256_file, verify_entry
 
 GGUF_MAGIC = b"GGUF"
@@ -183,7 +183,7 @@ def _field(reader: Any, key: str) -> str | None:
 
 def entry_dir(sha256: str) -> Path:
     """The cache folder of the model dequantized from the GGUF file of this digest."""
-    return cache_root() / "gguf" / sha256[:32]
+    return model_cache_root() / "gguf" / sha256[:32]
 
 
 def cached_facts(sha256: str) -> GGUFFacts | None:
@@ -211,7 +211,7 @@ def dequantized(facts: GGUFFacts, *, progress: bool = True) -> Path:
     if where is not None:
         raise ModelLoadError(
             f"cannot cache the dequantized model in {folder.parent}: {where}",
-            hint="set LENSDIV_CACHE to a writable folder",
+            hint="set LENSDIV_MODEL_CACHE (or LENSDIV_CACHE) to a writable folder",
         )
     if progress:
         _note(

@@ -99,6 +99,40 @@ def _resume_block(mask: int, n_layers: int) -> int:
     return next((b for b in range(first, n_layers) if mask >> b & 1), n_layers)
 
 
+@dataclass(frozen=True)
+class SurgeryCost:
+    """What a list of interventions costs per sequence: how many (each one readout of every
+    position) and the block evaluations per token they run (each resumed from the clean pass).
+
+    Args:
+        interventions: Interventions per sequence.
+        blocks: Block evaluations per token, summed over the interventions.
+        bound: ``blocks`` is an upper bound (the blocks removed depend on the data).
+    """
+
+    interventions: int
+    blocks: int
+    bound: bool = False
+
+    def forwards(self, n_layers: int) -> float:
+        """``blocks`` in forward passes of the whole model."""
+        return self.blocks / max(n_layers, 1)
+
+    def __add__(self, other: SurgeryCost) -> SurgeryCost:
+        return SurgeryCost(
+            self.interventions + other.interventions,
+            self.blocks + other.blocks,
+            self.bound or other.bound,
+        )
+
+
+def removal_cost(n_layers: int, masks: Sequence[int]) -> SurgeryCost:
+    """The cost of :func:`removed_finals` over ``masks``: each removal runs every block from its
+    resume block on (removing the last blocks runs none)."""
+    blocks = sum(n_layers - _resume_block(mask, n_layers) for mask in masks)
+    return SurgeryCost(len(masks), blocks)
+
+
 # -- reordering ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Program:

