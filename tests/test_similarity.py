@@ -513,3 +513,42 @@ def test_a_run_draws_readable_figures(tmp_path: Path) -> None:
     assert (tmp_path / "run" / "similarity" / "similarity_linear_all.png").exists()
     assert (tmp_path / "run" / "spectrum" / "spectrum_entropy.png").exists()
     assert 0.0 <= run["similarity"].arrays["linear_all"].min() <= 1.0
+
+
+@pytest.mark.parametrize("k", [8, 32, 128])
+def test_the_sketch_stays_within_its_stated_error(k: int) -> None:
+    """The right-hand side of the cross-products projected on ``k`` Gaussian directions
+    (docs/science.md G1): each squared norm is unbiased with relative standard deviation at most
+    ``√(2/k)``; linear CKA, over 20 draws of the sketch, stays within ``√(2/k)/4`` on a mixture
+    of high-rank states and within that on low-rank ones."""
+    from lensdiv.analyzers.similarity import moments_cka
+
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(400, 256, generator=g, dtype=torch.float64) * torch.linspace(0.2, 3, 256)
+    y = torch.tanh(x @ torch.randn(256, 256, generator=g, dtype=torch.float64) / 16) + x / 4
+    low = torch.randn(400, 3, generator=g, dtype=torch.float64) @ torch.randn(
+        3, 256, generator=g, dtype=torch.float64
+    )
+    for a, b in (
+        (x, y),
+        (low, low + 0.3 * torch.randn(400, 256, generator=g, dtype=torch.float64)),
+    ):
+        exact = geo.linear_cka(a, b)
+        rows = torch.cat([a, b], 1)
+        errors = []
+        for seed in range(20):
+            p = geo.sketch_matrix(256, k, seed)
+            right = torch.cat([a @ p, b @ p], 1)
+            got = moments_cka(400.0, rows.sum(0), rows.T @ right, 2, None, right.sum(0))
+            errors.append(abs(got[0, 1] - exact))
+        assert max(errors) <= math.sqrt(2 / k) / 4, (max(errors), exact)
+
+
+def test_a_sketched_run_is_close_to_the_exact_one() -> None:
+    steps = synthetic_steps()
+    exact = Similarity(sample=96, per_batch=24, groups=3)
+    sketched = Similarity(sample=96, per_batch=24, groups=3, sketch=8)
+    a = exact.finalize(_state(exact, steps), INFO).arrays["linear_all"]
+    b = sketched.finalize(_state(sketched, steps), INFO).arrays["linear_all"]
+    assert np.abs(a - b).max() <= 2 / math.sqrt(8)
+    assert sketched.state_bytes(INFO) < exact.state_bytes(INFO)

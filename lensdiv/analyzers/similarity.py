@@ -12,7 +12,7 @@ Every matrix is also computed with the sink position (position 0 of each row) le
 the massive dimensions (``massive``'s definition, :func:`lensdiv.ops.outliers.massive_entries`)
 removed; a table says how much each changes the result.
 
-Memory: the moments hold ``2 (L+1)² d'²`` float64 (position 0 apart from the rest, so the sink
+Memory: the moments hold ``2 (L+1)² d d'`` float64 (position 0 apart from the rest, so the sink
 can be left out exactly; ``d' = d``, or ``sketch`` when set), the sample ``sample · (L+1) · d``.
 """
 
@@ -67,8 +67,9 @@ class Similarity(Analyzer):
             sample's linear CKA.
         rbf_scale: RBF bandwidth as a multiple of the median distance between rows.
         keep: SVCCA/PWCCA keep the directions holding this share of each side's variance.
-        sketch: Project every state onto this many random Gaussian directions before the moments
-            (0: exact). The memory falls by ``(d/sketch)²``; the error is ``O(1/√sketch)``.
+        sketch: Project the right-hand side of every cross-product onto this many random
+            Gaussian directions (0: exact). The moments shrink by ``d/sketch``; each squared
+            norm is then unbiased with relative standard deviation at most ``√(2/sketch)``.
         max_state_gb: Refuse (before the run) moments larger than this; set ``sketch``.
         absolute, ratio, bins_per_decade: The massive dimensions, as ``massive`` defines them.
         seed: Draws the sample's rows and the sketch.
@@ -106,20 +107,22 @@ class Similarity(Analyzer):
         return [info.resid(layer) for layer in range(info.n_layers + 1)]
 
     def width(self, info: ModelInfo) -> int:
-        """Features per state in the moments: ``d``, or the sketch's."""
+        """Columns per state on the right of the cross-products: ``d``, or the sketch's."""
         return self.sketch or info.d_model
 
     def state_bytes(self, info: ModelInfo) -> int:
-        """Bytes of the moments and the sample."""
-        D = (info.n_layers + 1) * self.width(info)
-        return 8 * (2 * D * D + self.sample * (info.n_layers + 1) * info.d_model)
+        """Bytes of the moments (``2 (L+1)² d d'``) and the sample."""
+        L1 = info.n_layers + 1
+        moments = 2 * (L1 * info.d_model) * (L1 * self.width(info))
+        return 8 * (moments + self.sample * L1 * info.d_model)
 
     def setup(self, model: object, info: ModelInfo) -> None:
         size = self.state_bytes(info) / 2**30
         if size > self.max_state_gb:
             raise OptionError(
-                f"similarity's moments would hold {size:.1f} GiB (2·(L+1)²·d² float64 with "
-                f"L={info.n_layers}, d={self.width(info)}), over max_state_gb={self.max_state_gb}",
+                f"similarity's moments would hold {size:.1f} GiB (2·(L+1)²·d·d' float64 with "
+                f"L={info.n_layers}, d={info.d_model}, d'={self.width(info)}), over "
+                f"max_state_gb={self.max_state_gb}",
                 hint="-O similarity.sketch=256 projects the states first (or raise max_state_gb)",
             )
 
@@ -151,13 +154,14 @@ class Similarity(Analyzer):
                 lambda: sketch_matrix(info.d_model, self.sketch, self.seed, device),
             )
         for part, where in (("rest", rest), ("first", first)):
-            rows = torch.cat(
-                [x[where].double() if P is None else x[where].double() @ P for x in h], 1
-            )
-            D = rows.shape[1]
+            rows = torch.cat([x[where].double() for x in h], 1)
+            right = rows if P is None else torch.cat([x[where].double() @ P for x in h], 1)
             state.add(f"n_{part}", float(where.sum()))
             state.add(f"s_{part}", rows.sum(0))
-            state.zeros(f"m_{part}", (D, D), device).addmm_(rows.T, rows)
+            if P is not None:
+                state.add(f"p_{part}", right.sum(0))
+            shape = (rows.shape[1], right.shape[1])
+            state.zeros(f"m_{part}", shape, device).addmm_(rows.T, right)
         write_sample(
             state, step, torch.stack(h), self.sample, self.per_batch, self.per_row, self.seed
         )
@@ -216,14 +220,21 @@ def write_sample(
 
 
 # -- the numbers ---------------------------------------------------------------------------------
-def moments_cka(n: float, s: Tensor, m: Tensor, layers: int, dims: Tensor | None) -> np.ndarray:
-    """The ``(L+1) × (L+1)`` linear CKA of every pair of states from the stacked moments (the
-    count, ``Σx`` and ``Σxxᵀ`` of the states ``[h_0 … h_L]`` side by side); ``dims``: the
-    features kept in every state (``None``: all)."""
-    c = (m - torch.outer(s, s) / n).reshape(layers, -1, layers, m.shape[0] // layers)
+def moments_cka(
+    n: float, s: Tensor, m: Tensor, layers: int, dims: Tensor | None, sp: Tensor | None = None
+) -> np.ndarray:
+    """The ``(L+1) × (L+1)`` linear CKA of every pair of states from the stacked moments: the
+    count, ``Σx`` and ``Σ x x'ᵀ`` of the states ``x = [h_0 … h_L]`` side by side, ``x' = x`` or
+    each state sketched (``x' = [h_0 P … h_L P]``, with ``sp = Σx'``); ``dims``: the features
+    kept in every state (``None``: all; not with a sketch). A sketch estimates each
+    ``‖C_ij‖²_F`` by ``‖C_ij P‖²_F`` (unbiased: ``E[P Pᵀ] = I``), averaged over ``(i, j)`` and
+    ``(j, i)``."""
+    sp = s if sp is None else sp
+    c = (m - torch.outer(s, sp) / n).reshape(layers, m.shape[0] // layers, layers, -1)
     if dims is not None:
         c = c[:, dims][:, :, :, dims]
-    f = (c * c).sum((1, 3))  # ‖C_ij‖²_F
+    f = (c * c).sum((1, 3))  # ‖C_ij‖²_F, or ‖C_ij P‖²_F
+    f = (f + f.T) / 2
     norm = f.diagonal().sqrt()
     with np.errstate(invalid="ignore", divide="ignore"):
         return (f / torch.outer(norm, norm)).cpu().numpy()
@@ -297,14 +308,16 @@ class SimilarityNumbers:
         n = {p: float(state[f"n_{p}"]) for p in ("rest", "first")}
         s = {p: state[f"s_{p}"].cpu() for p in ("rest", "first")}
         m = {p: state[f"m_{p}"].cpu() for p in ("rest", "first")}
+        sp = {p: state[f"p_{p}"].cpu() if options.sketch else s[p] for p in ("rest", "first")}
         n_all, s_all, m_all = n["rest"] + n["first"], s["rest"] + s["first"], m["rest"] + m["first"]
+        sp_all = sp["rest"] + sp["first"]
         matrices = {
-            "linear.all": moments_cka(n_all, s_all, m_all, L1, None),
-            "linear.no_sink": moments_cka(n["rest"], s["rest"], m["rest"], L1, None),
-            # With a sketch the features are projections: no dimension can be removed.
-            "linear.no_massive": moments_cka(
-                n_all, s_all, m_all, L1, kept if dims and not options.sketch else None
-            ),
+            "linear.all": moments_cka(n_all, s_all, m_all, L1, None, sp_all),
+            "linear.no_sink": moments_cka(n["rest"], s["rest"], m["rest"], L1, None, sp["rest"]),
+            # A sketch mixes every dimension into every column: none can be removed after it.
+            "linear.no_massive": np.full((L1, L1), math.nan)
+            if dims and options.sketch
+            else moments_cka(n_all, s_all, m_all, L1, kept if dims else None, sp_all),
         }
         filled = (
             state["sample_filled"].cpu() > 0
