@@ -206,12 +206,33 @@ def test_curvature_of_a_straight_line_is_zero_and_of_a_zigzag_is_known() -> None
     line = t * torch.tensor([1.0, 2.0, 0.0], dtype=torch.float64)
     mask = torch.ones(1, 6, dtype=torch.bool)
     total, _, count = geo.curvature_sums(line, mask)
-    assert count == 4 and total == pytest.approx(0.0, abs=1e-7)
+    assert count == 4 and float(total) == pytest.approx(0.0, abs=1e-7)
     zig = torch.tensor([[[0, 0], [1, 0], [1, 1], [2, 1], [2, 2]]], dtype=torch.float64)
     total, squares, count = geo.curvature_sums(zig, torch.ones(1, 5, dtype=torch.bool))
-    assert count == 3 and total == pytest.approx(3 * math.pi / 2)
+    assert count == 3 and float(total) == pytest.approx(3 * math.pi / 2)
+    assert float(squares) == pytest.approx(3 * (math.pi / 2) ** 2)
     mask[0, 5] = False  # a pad: its triple is left out
     assert geo.curvature_sums(line, mask)[2] == 3
+
+
+def test_batched_spectra_equal_one_at_a_time() -> None:
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(3, 4, 7, 5, generator=g, dtype=torch.float64)
+    z[0, 0] = 0.0  # an all-zero set: NaN
+    z[1, 1, :, 2:] = 0.0  # rank 2
+    eig = geo.batched_gram_eigenvalues(z)
+    for alpha in (1.0, 2.0, 0.5):
+        got = geo.spectral_measures(eig, alpha)
+        for i in range(3):
+            for j in range(4):
+                one = geo.gram_eigenvalues(z[i, j])
+                want = (
+                    geo.matrix_entropy(one, alpha),
+                    geo.effective_rank(one),
+                    geo.participation_ratio(one),
+                )
+                for g_, w in zip(got, want, strict=True):
+                    assert float(g_[i, j]) == pytest.approx(w, rel=1e-10, nan_ok=True)
 
 
 # -- the streamed states ------------------------------------------------------------------------

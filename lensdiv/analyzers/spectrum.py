@@ -31,12 +31,14 @@ from lensdiv.core.stats import Stats
 from lensdiv.ops.geometry import (
     RANK_TOL,
     covariance_eigenvalues,
+    batched_gram_eigenvalues,
     curvature_sums,
     effective_rank,
     gram_eigenvalues,
     jackknife,
     matrix_entropy,
     participation_ratio,
+    spectral_measures,
     twonn,
 )
 from lensdiv.ops.outliers import massive_entries
@@ -151,30 +153,31 @@ class Spectrum(Analyzer):
 
     def _rows(self, state: Stats, h: Tensor, keep: Tensor, clean: Tensor) -> None:
         """Prompt-level spectra (each row's tokens) and curvature, per variant: sums, sums of
-        squares and counts. The massive dimensions of this batch are removed for ``no_massive``."""
-        L1 = h.shape[0]
-        sums = torch.zeros(len(VARIANTS), len(MEASURES), 2, L1, dtype=torch.float64)
-        rows = torch.zeros(len(VARIANTS), dtype=torch.float64)
-        curve = torch.zeros(len(VARIANTS), 3, L1, dtype=torch.float64)
+        squares and counts (rows of one length at once). The massive dimensions of this batch
+        are removed for ``no_massive``."""
+        L1, device = h.shape[0], keep.device
+        sums = torch.zeros(len(VARIANTS), len(MEASURES), 2, L1, dtype=torch.float64, device=device)
+        rows = torch.zeros(len(VARIANTS), dtype=torch.float64, device=device)
+        curve = torch.zeros(len(VARIANTS), 3, L1, dtype=torch.float64, device=device)
         for v, variant in enumerate(VARIANTS):
             mask = keep.clone()
             if variant == "no_sink":
                 mask[:, 0] = False
             feats = h[..., clean] if variant == "no_massive" else h
-            for r in range(h.shape[1]):
-                z = feats[:, r][:, mask[r]]  # [L+1, n_r, d]
-                if z.shape[1] < 2:
+            lengths = mask.sum(1)
+            for n in lengths.unique().tolist():
+                same = (lengths == n).nonzero()[:, 0]
+                if n < 2:
                     continue
-                rows[v] += 1
-                for layer in range(L1):
-                    eig = gram_eigenvalues(z[layer], self.center)
-                    for m, value in enumerate(_measures(eig, self.alpha)):
-                        sums[v, m, 0, layer] += value
-                        sums[v, m, 1, layer] += value * value
-            for layer in range(L1):
-                curve[v, :, layer] = torch.tensor(
-                    curvature_sums(feats[layer], mask), dtype=torch.float64
-                )
+                # Each row's real positions, in order: [L+1, rows, n, d].
+                z = feats[:, same][:, mask[same]].reshape(L1, len(same), n, -1)
+                eig = batched_gram_eigenvalues(z, self.center)
+                for m, value in enumerate(spectral_measures(eig, self.alpha)):
+                    sums[v, m, 0] += value.sum(1)
+                    sums[v, m, 1] += (value**2).sum(1)
+                rows[v] += len(same)
+            total, squares, count = curvature_sums(feats, mask)
+            curve[v, 0], curve[v, 1], curve[v, 2] = total, squares, float(count)
         state.add("prompt_sums", sums)
         state.add("prompt_rows", rows)
         state.add("curvature", curve)

@@ -241,20 +241,58 @@ def twonn(x: Float[Tensor, "n d"]) -> tuple[float, float, int]:
     return d, d / math.sqrt(n), n
 
 
+def spectral_measures(eigenvalues: Tensor, alpha: float = 1.0) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`matrix_entropy`, :func:`effective_rank` and :func:`participation_ratio` of many
+    spectra at once (``[..., k]``, each ≥ 0; NaN for an all-zero one)."""
+    eig = eigenvalues.clamp_min(0.0)
+    top = eig.amax(-1, keepdim=True)
+    keep = eig > RANK_TOL * top
+    lam = torch.where(keep, eig, torch.zeros_like(eig))
+    total = lam.sum(-1, keepdim=True)
+    p = lam / total
+    logp = torch.where(keep, p, torch.ones_like(p)).log()
+    if abs(alpha - 1.0) < 1e-12:
+        entropy = -(p * logp).sum(-1)
+    else:
+        entropy = torch.where(keep, p**alpha, torch.zeros_like(p)).sum(-1).log() / (1.0 - alpha)
+    sigma = lam.sqrt()
+    q = sigma / sigma.sum(-1, keepdim=True)
+    logq = torch.where(keep, q, torch.ones_like(q)).log()
+    erank = torch.exp(-(q * logq).sum(-1))
+    pr = eig.sum(-1) ** 2 / (eig**2).sum(-1)
+    empty = total[..., 0] <= 0
+    nan = torch.full_like(entropy, math.nan)
+    return (
+        torch.where(empty, nan, entropy),
+        torch.where(empty, nan, erank),
+        torch.where(empty, nan, pr),
+    )
+
+
+def batched_gram_eigenvalues(z: Float[Tensor, "*batch n d"], center: bool = True) -> Tensor:
+    """:func:`gram_eigenvalues` of many sets of rows at once (``[..., min(n, d)]``)."""
+    z = z.double()
+    if center:
+        z = z - z.mean(-2, keepdim=True)
+    small = z @ z.transpose(-1, -2) if z.shape[-2] <= z.shape[-1] else z.transpose(-1, -2) @ z
+    return torch.linalg.eigvalsh((small + small.transpose(-1, -2)) / 2).flip(-1).clamp_min(0.0)
+
+
 def curvature_sums(
-    h: Float[Tensor, "batch pos d"], mask: Bool[Tensor, "batch pos"]
-) -> tuple[float, float, int]:
-    """Sum, sum of squares and count of the angles (radians) between consecutive token-to-token
-    differences ``v_t = h_{t+1} − h_t`` within each row (Skean et al.'s curvature), over triples
-    of real positions."""
+    h: Float[Tensor, "*lead batch pos d"], mask: Bool[Tensor, "batch pos"]
+) -> tuple[Tensor, Tensor, int]:
+    """Sum and sum of squares (per leading index, e.g. per layer) and count of the angles
+    (radians) between consecutive token-to-token differences ``v_t = h_{t+1} − h_t`` within each
+    row (Skean et al.'s curvature), over triples of real positions."""
     h = h.double()
-    v = h[:, 1:] - h[:, :-1]
-    a, b = v[:, :-1], v[:, 1:]
+    v = h[..., 1:, :] - h[..., :-1, :]
+    a, b = v[..., :-1, :], v[..., 1:, :]
     valid = mask[:, :-2] & mask[:, 1:-1] & mask[:, 2:]
     ua = a / a.norm(dim=-1, keepdim=True).clamp_min(1e-300)
     ub = b / b.norm(dim=-1, keepdim=True).clamp_min(1e-300)
-    angle = 2 * torch.atan2((ua - ub).norm(dim=-1), (ua + ub).norm(dim=-1))[valid]
-    return float(angle.sum()), float((angle**2).sum()), int(angle.numel())
+    angle = 2 * torch.atan2((ua - ub).norm(dim=-1), (ua + ub).norm(dim=-1))
+    angle = torch.where(valid, angle, torch.zeros_like(angle))
+    return angle.sum((-2, -1)), (angle**2).sum((-2, -1)), int(valid.sum())
 
 
 def jackknife(full: float, leave_out: list[float]) -> float:
