@@ -30,11 +30,10 @@ from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
 from lensdiv.ops.geometry import (
     RANK_TOL,
-    covariance_eigenvalues,
     batched_gram_eigenvalues,
+    covariance_eigenvalues,
     curvature_sums,
     effective_rank,
-    gram_eigenvalues,
     jackknife,
     matrix_entropy,
     participation_ratio,
