@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -267,11 +268,20 @@ def sample_matrices(xs: list[Tensor], options: Similarity) -> dict[str, np.ndarr
     }
     bases = [Basis.of(x) for x in xs]
     cap = max(1, xs[0].shape[0] // 2)  # CCA on fewer directions than half the rows
-    for name, fn in (("svcca", svcca), ("pwcca", pwcca)):
-        out[name] = np.array(
-            [[fn(a, b, options.keep, cap) for b in bases] for a in bases], dtype=float
-        )
-    out["procrustes"] = np.array([[procrustes(a, b) for b in bases] for a in bases], dtype=float)
+    out["pwcca"] = np.array(
+        [[pwcca(a, b, options.keep, cap) for b in bases] for a in bases], dtype=float
+    )
+    out["svcca"] = _symmetric(k, lambda i, j: svcca(bases[i], bases[j], options.keep, cap))
+    out["procrustes"] = _symmetric(k, lambda i, j: procrustes(bases[i], bases[j]))
+    return out
+
+
+def _symmetric(k: int, fn: Callable[[int, int], float]) -> np.ndarray:
+    """A symmetric ``k × k`` matrix from ``fn`` on the upper triangle."""
+    out = np.zeros((k, k))
+    for i in range(k):
+        for j in range(i, k):
+            out[i, j] = out[j, i] = fn(i, j)
     return out
 
 
