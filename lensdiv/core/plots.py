@@ -88,6 +88,12 @@ class Plot:
             with a colour bar labelled ``clabel`` (e.g. one line per model coloured by its
             parameter count; lines are then labelled by their group value alone). The scale is
             logarithmic when every value is positive and they span a factor of 10 or more.
+        limits: A heatmap's fixed colour scale ``(low, high)`` (e.g. ``(0, 1)`` for a
+            similarity), the same in every figure of that quantity; default: the data's range
+            (symmetric about 0 when ``signed``).
+        depth: A heatmap whose rows and columns are the residual states ``h_0 … h_L`` of a
+            model of ``depth = L`` blocks, drawn on relative-depth axes ``ℓ/L`` (0 the
+            embedding, 1 the last block's output); 0: index axes.
     """
 
     kind: Literal["line", "heatmap"]
@@ -110,6 +116,8 @@ class Plot:
     mask: str = ""
     caption: str = ""
     color: str | None = None
+    limits: tuple[float, float] | None = None
+    depth: int = 0
 
     def __post_init__(self) -> None:
         if self.mask and self.mask not in _MASKS:
@@ -118,13 +126,17 @@ class Plot:
             object.__setattr__(self, key, tuple(getattr(self, key)))
         if self.extent is not None:
             object.__setattr__(self, "extent", tuple(float(v) for v in self.extent))
+        if self.limits is not None:
+            object.__setattr__(self, "limits", tuple(float(v) for v in self.limits))
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON data (tuples as lists); :meth:`from_dict` inverts it. ``color`` is absent
-        when unset, so plots without it read as in earlier versions."""
+        """Plain JSON data (tuples as lists); :meth:`from_dict` inverts it. ``color``,
+        ``limits`` and ``depth`` are absent when unset, so plots without them read as in earlier
+        versions."""
         data = {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()}
-        if data["color"] is None:
-            del data["color"]
+        for key, unset in (("color", None), ("limits", None), ("depth", 0)):
+            if data[key] == unset:
+                del data[key]
         return data
 
     @classmethod
@@ -285,7 +297,13 @@ class Plot:
         cmap = matplotlib.colormaps[DIVERGING_CMAP if self.signed else SEQUENTIAL_CMAP]
         cmap = cmap.with_extremes(bad=(0.0, 0.0, 0.0, 0.0))
         finite = values[np.isfinite(values)]
-        if self.signed:
+        extent = self.extent
+        if self.depth:
+            half = 0.5 / self.depth
+            extent = (-half, 1 + half, -half, 1 + half)
+        if self.limits is not None:
+            norm = Normalize(*self.limits)
+        elif self.signed:
             bound = float(np.abs(finite).max()) if finite.size else 1.0
             norm = Normalize(-(bound or 1.0), bound or 1.0)  # centred: white is exactly 0
         else:
@@ -298,7 +316,7 @@ class Plot:
             origin="lower",
             cmap=cmap,
             norm=norm,
-            extent=self.extent,
+            extent=extent,
             interpolation="nearest",
         )
         if np.isnan(values).any():
@@ -309,10 +327,12 @@ class Plot:
         bar.set_label(self.clabel)
         n_rows, n_cols = values.shape
         for axis, labels, count, edges in (
-            (ax.xaxis, self.xticklabels, n_cols, self.extent[:2] if self.extent else None),
-            (ax.yaxis, self.yticklabels, n_rows, self.extent[2:] if self.extent else None),
+            (ax.xaxis, self.xticklabels, n_cols, extent[:2] if extent else None),
+            (ax.yaxis, self.yticklabels, n_rows, extent[2:] if extent else None),
         ):
-            if labels:
+            if self.depth:
+                axis.set_ticks([0.0, 0.25, 0.5, 0.75, 1.0])
+            elif labels:
                 start, stop = edges if edges is not None else (-0.5, count - 0.5)
                 step = (stop - start) / max(count, 1)
                 every = max(1, -(-count // _MAX_TICKS))

@@ -153,6 +153,30 @@ READINGS: dict[tuple[str, str], Reading] = {
         "Sun et al. (F2): massive entries sit at very few positions (the first token, "
         "delimiters) and dimensions; where they are present, this is their count per position.",
     ),
+    ("similarity", "similarity_blocks.cka_next"): Reading(
+        "linear CKA(h_ℓ, h_ℓ+1)",
+        "Kornblith et al. (G1): consecutive residual states are nearly identical in the middle "
+        "of a deep model (CKA near 1) and change most in the first blocks and the last.",
+    ),
+    ("similarity", "similarity_blocks.block_influence"): Reading(
+        "1 − cos(h_ℓ, h_ℓ+1)",
+        "Men et al. (ShortGPT, E1/G1): the blocks that rotate the state least are the ones "
+        "removed first; they sit in the second half.",
+    ),
+    ("spectrum", "spectrum.dataset_entropy"): Reading(
+        "dataset matrix entropy (nats)",
+        "Skean et al. (G2): the entropy of the last tokens' Gram dips in the middle layers of "
+        "autoregressive models, where the representations compress most.",
+    ),
+    ("spectrum", "spectrum.prompt_entropy"): Reading(
+        "prompt matrix entropy (nats)",
+        "Skean et al. (G2): within a prompt, the tokens' Gram entropy also dips mid-depth.",
+    ),
+    ("spectrum", "spectrum.twonn"): Reading(
+        "TwoNN intrinsic dimension",
+        "Valeriani et al. (G2): the intrinsic dimension rises to a peak in the first layers, "
+        "then falls and stays low through the middle.",
+    ),
     ("reorder", "swaps.kl_remove"): Reading(
         "KL(p_removed ‖ p_out) (nats)",
         "Lad et al. (E2): removing block ℓ, the reference for swapping it with block ℓ + 1.",
