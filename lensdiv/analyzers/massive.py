@@ -347,7 +347,8 @@ def present(numbers: MassiveNumbers, options: Massive, info: ModelInfo) -> Resul
                 "max_abs": [float(resid.dim_max[:, j].max()) for j in dims],
                 "first_layer": [int(np.argmax(resid.counts[:, j] > 0)) for j in dims],
             },
-            "Massive dimensions (at the state where they appear)",
+            "Massive dimensions: massive entries counted over every residual state, the largest "
+            "|x| anywhere, the first state holding one",
         ),
         "massive_tokens": Table(
             "massive_tokens",
@@ -375,7 +376,7 @@ def present(numbers: MassiveNumbers, options: Massive, info: ModelInfo) -> Resul
         summary=_summary(numbers, options),
         tables=tables,
         arrays=arrays,
-        plots=_plots(bool(dims)),
+        plots=_plots(options, list(dims), float(resid.dim_max[:, dims].max()) if dims else 1.0),
         meta={
             "tokens": numbers.tokens,
             "appear": numbers.appear,
@@ -417,7 +418,7 @@ def _summary(numbers: MassiveNumbers, options: Massive) -> str:
     return text
 
 
-def _plots(has_dims: bool) -> tuple[Plot, ...]:
+def _plots(options: Massive, dims: list[int], top: float) -> tuple[Plot, ...]:
     plots = [
         Plot(
             "line",
@@ -426,10 +427,13 @@ def _plots(has_dims: bool) -> tuple[Plot, ...]:
             "massive",
             x="layer",
             y=("max_abs", "median"),
+            labels=("largest |x|", "median |x|"),
             xlabel="residual state h_l",
             ylabel="|x| (log scale)",
             logy=True,
-            caption="Median from a log histogram (within the stated precision).",
+            thresholds=((options.absolute, f"|x| = {options.absolute:g} (absolute cut-off)"),),
+            caption="Median from a log histogram (within the stated precision). An entry is "
+            f"massive above {options.absolute:g} and {options.ratio:g}× its state's median.",
         ),
         Plot(
             "line",
@@ -438,20 +442,29 @@ def _plots(has_dims: bool) -> tuple[Plot, ...]:
             "massive_blocks",
             x="block",
             y=("attn_log10_ratio", "mlp_log10_ratio"),
+            labels=("attention output", "MLP output"),
             xlabel="block l",
             ylabel="log10(max |x| / median |x|)",
+            ylim=(0.0, None),  # from 0: a narrow range is not stretched into a drama
+            thresholds=((math.log10(options.ratio), f"{options.ratio:g}× the median"),)
+            if options.ratio > 1
+            else (),
         ),
     ]
-    if has_dims:
+    if dims:
         plots.append(
             Plot(
                 "heatmap",
                 "massive_dims",
                 "Largest |x| of the massive dimensions per residual state",
                 "dim_max",
-                xlabel="massive dimension (rank)",
+                xlabel="massive dimension",
                 ylabel="residual state h_l",
-                clabel="max |x|",
+                clabel="max |x| (from 0)",
+                xticklabels=tuple(str(d) for d in dims),
+                limits=(0.0, top),
+                caption="Each column one dimension that holds massive entries (its index "
+                "below), the scale from 0 so that near-equal values look equal.",
             )
         )
     return tuple(plots)

@@ -367,17 +367,21 @@ def _summary(numbers: SinkNumbers, options: Sinks) -> str:
 
 
 def _plots(options: Sinks, numbers: SinkNumbers) -> tuple[Plot, ...]:
+    sink = "position 0" if options.first == 1 else f"positions 0-{options.first - 1}"
     plots = [
         Plot(
             "heatmap",
             "sinks_mass",
-            f"Attention on the first {options.first} position(s)",
+            f"Attention on the sink ({sink})",
             "mass_first",
             xlabel="head",
             ylabel="layer",
-            clabel="mean attention on the sink (0 to 1)",
+            clabel="mean attention on the sink",
             caption=f"Mean over queries at positions ≥ {options.start} of the attention on "
-            f"keys 0..{options.first - 1}; a sink head exceeds {options.eps:g}.",
+            f"{sink}, on a fixed 0-1 scale; a head above {options.eps:g} (the red mark on the "
+            "scale) is a sink head.",
+            limits=(0.0, 1.0),
+            thresholds=((options.eps, f"sink head > {options.eps:g}"),),
         ),
         Plot(
             "heatmap",
@@ -395,8 +399,15 @@ def _plots(options: Sinks, numbers: SinkNumbers) -> tuple[Plot, ...]:
             "sinks",
             x="layer",
             y=("mass_first", "sink_share", "top_first"),
+            labels=(
+                "mean attention on the sink",
+                f"share of heads above {options.eps:g} (sink heads)",
+                "share of queries whose most-attended key is the sink",
+            ),
             xlabel="layer",
             ylabel="share (0 to 1)",
+            ylim=(0.0, 1.0),
+            thresholds=((options.eps, f"sink-head cut-off {options.eps:g}"),),
         ),
     ]
     if numbers.removal is not None:
@@ -408,8 +419,9 @@ def _plots(options: Sinks, numbers: SinkNumbers) -> tuple[Plot, ...]:
                 "sinks",
                 x="layer",
                 y=("kl", "dce"),
+                labels=("KL(p_removed ‖ p_out)", "Δ next-token cross-entropy"),
                 xlabel="layer whose sink is removed",
-                ylabel="KL (nats), Δ cross-entropy (nats)",
+                ylabel="nats",
                 signed=True,
             )
         )

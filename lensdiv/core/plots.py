@@ -94,6 +94,12 @@ class Plot:
         depth: A heatmap whose rows and columns are the residual states ``h_0 … h_L`` of a
             model of ``depth = L`` blocks, drawn on relative-depth axes ``ℓ/L`` (0 the
             embedding, 1 the last block's output); 0: index axes.
+        labels: The legend's name of each ``y`` column, in order (default: the column names).
+        ylim: A line plot's fixed y range ``(low, high)`` (``(0, 1)`` for a share or a
+            probability, so that a small range is not stretched to fill the axes); ``None``
+            (either end): the data's.
+        thresholds: ``(value, label)`` pairs drawn as dashed lines across a line plot, or as
+            marks on a heatmap's colour bar, each labelled (a cut-off the figure is read by).
     """
 
     kind: Literal["line", "heatmap"]
@@ -118,12 +124,22 @@ class Plot:
     color: str | None = None
     limits: tuple[float, float] | None = None
     depth: int = 0
+    labels: tuple[str, ...] = ()
+    ylim: tuple[float | None, float | None] | None = None
+    thresholds: tuple[tuple[float, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.mask and self.mask not in _MASKS:
             raise ValueError(f"plot {self.name!r}: mask must be one of {sorted(_MASKS)}")
-        for key in ("y", "points", "xticklabels", "yticklabels"):
+        for key in ("y", "points", "xticklabels", "yticklabels", "labels"):
             object.__setattr__(self, key, tuple(getattr(self, key)))
+        if self.labels and len(self.labels) != len(self.y):
+            raise ValueError(f"plot {self.name!r}: one label per y column ({len(self.y)})")
+        if self.ylim is not None:
+            object.__setattr__(self, "ylim", tuple(self.ylim))
+        object.__setattr__(
+            self, "thresholds", tuple((float(v), str(t)) for v, t in self.thresholds)
+        )
         if self.extent is not None:
             object.__setattr__(self, "extent", tuple(float(v) for v in self.extent))
         if self.limits is not None:
@@ -131,10 +147,19 @@ class Plot:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON data (tuples as lists); :meth:`from_dict` inverts it. ``color``,
-        ``limits`` and ``depth`` are absent when unset, so plots without them read as in earlier
-        versions."""
+        ``limits``, ``depth``, ``labels``, ``ylim`` and ``thresholds`` are absent when unset, so
+        plots without them read as in earlier versions."""
         data = {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()}
-        for key, unset in (("color", None), ("limits", None), ("depth", 0)):
+        data["thresholds"] = [list(pair) for pair in self.thresholds]
+        unset_values: tuple[tuple[str, Any], ...] = (
+            ("color", None),
+            ("limits", None),
+            ("depth", 0),
+            ("labels", []),
+            ("ylim", None),
+            ("thresholds", []),
+        )
+        for key, unset in unset_values:
             if data[key] == unset:
                 del data[key]
         return data
@@ -145,6 +170,8 @@ class Plot:
         fields: dict[str, Any] = {
             k: tuple(v) if isinstance(v, list) else v for k, v in data.items()
         }
+        if "thresholds" in fields:
+            fields["thresholds"] = tuple(tuple(pair) for pair in fields["thresholds"])
         return cls(**fields)
 
     def data(self, result: Plotted) -> np.ndarray:
@@ -226,12 +253,12 @@ class Plot:
                     if value is None or group is None
                     else np.asarray(table[group] == value)
                 )
-                for col in self.y:
-                    label = col if value is None else f"{self.group}={value}"
+                for col, name in zip(self.y, self.labels or self.y, strict=True):
+                    label = name if value is None else f"{self.group}={value}"
                     if colours:
                         label = str(value)
                     if value is not None and len(self.y) > 1:
-                        label = f"{col}, {label}"
+                        label = f"{name}, {label}"
                     dots = col in self.points or str(value) in self.points
                     style: dict[str, Any] = {"marker": "o", "markersize": 5 if dots else 3}
                     if dots:
@@ -241,7 +268,11 @@ class Plot:
                     ax.plot(
                         np.asarray(xs)[rows], np.asarray(table[col])[rows], label=label, **style
                     )
-            if len(self.y) * len(groups) > 1:
+            for level, text in self.thresholds:
+                ax.axhline(level, color="0.35", linestyle="--", linewidth=0.9, label=text)
+            if self.ylim is not None:
+                ax.set_ylim(*self.ylim)
+            if len(self.y) * len(groups) + len(self.thresholds) > 1:
                 ax.legend(fontsize=8)
             if self.logy:
                 ax.set_yscale("log")
@@ -325,6 +356,11 @@ class Plot:
             ax.patch.set_edgecolor("0.75")
         bar = ax.figure.colorbar(image, ax=ax)
         bar.set_label(self.clabel)
+        formatter = bar.ax.yaxis.get_major_formatter()
+        if hasattr(formatter, "set_useOffset"):  # "+1.2e4" over the bar reads as a title
+            formatter.set_useOffset(False)
+        for level, _ in self.thresholds:  # a cut-off marked on the scale (the caption names
+            bar.ax.axhline(level, color="red", linewidth=2)  # it: no room beside the bar)
         n_rows, n_cols = values.shape
         for axis, labels, count, edges in (
             (ax.xaxis, self.xticklabels, n_cols, extent[:2] if extent else None),
@@ -364,10 +400,19 @@ def _integers(values: Any) -> bool:
 def _plain_log_labels(axis: Any) -> None:
     """Label a log axis with plain numbers (``2``, ``30``, ``0.5``) rather than matplotlib's
     ``2×10⁰`` style; minor ticks are labelled only where the axis spans few decades."""
-    from matplotlib.ticker import LogFormatter
+    from matplotlib.ticker import FuncFormatter, LogFormatter
 
-    axis.set_major_formatter(LogFormatter(labelOnlyBase=False))
+    axis.set_major_formatter(FuncFormatter(_plain_number))  # 0.1, 1, 10, 1000: one style
     axis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(1, 0.4)))
+
+
+def _plain_number(value: float, _position: Any = None) -> str:
+    """A tick value as people write it: ``0.01``, ``0.5``, ``20``, ``1000``; ``1e+06`` beyond."""
+    if value == 0 or not np.isfinite(value):
+        return "0" if value == 0 else ""
+    if 1e-4 <= abs(value) < 1e6:
+        return f"{value:.6f}".rstrip("0").rstrip(".") if abs(value) < 1 else f"{value:,.0f}"
+    return f"{value:.0e}"
 
 
 def agg_figure() -> tuple[Any, Any]:
