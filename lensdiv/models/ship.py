@@ -51,13 +51,15 @@ def weights_digest(model: Any) -> str:
 
 
 def platform_tag() -> dict[str, Any]:
-    """What decides whether training gives the same bits: torch's version, the processor and
-    torch's threads."""
+    """What decides whether training gives the same bits: torch's version, the processor, the
+    vector instructions torch's kernels use on it (``AVX2``, ``AVX512``: the same ``x86_64``
+    gives other bits with other ones) and torch's threads."""
     import torch
 
     return {
         "torch": torch.__version__.split("+")[0],
         "machine": platform.machine(),
+        "cpu": torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads(),
     }
 
