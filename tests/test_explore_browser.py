@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,8 @@ TEXT = "The happy dog knows the"
 
 def shown(token: str) -> str:
     """A token as the page writes it (explore.js' ``shown``)."""
-    return token.replace(" ", "\u2423").replace("\n", "\u21b5").replace("\t", "\u21e5")
+    token = token.replace(" ", "\u2423").replace("\n", "\u21b5").replace("\t", "\u21e5")
+    return re.sub(r"[\x00-\x1f\x7f]", lambda m: f"<0x{ord(m.group()):02X}>", token)
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from typing import Any
 from urllib.parse import quote, unquote
 
 import pytest
+import torch
 
 from tests.browser import Browser, find_chromium
 from tests.test_browser import not_blank
@@ -136,6 +137,16 @@ def test_lens_tab(served: Any, shots: Path) -> None:
         page.evaluate(f"document.querySelector('{row} button.enlarge').click()")
         after = page.evaluate(f"document.querySelector('{row}').getBoundingClientRect().height")
         assert after > 1.5 * before
+        # wider cells: snapped again, the sink's neighbour clear of it, the query's key in view
+        time.sleep(0.3)
+        clear = page.evaluate("""(() => { const s = document.querySelector('#attention-panel .scroller');
+            const sink = document.querySelector('#attention-panel thead th.sink').getBoundingClientRect();
+            const keys = [...document.querySelectorAll('#attention-panel thead th.key:not(.sink)')]
+                .map(th => th.getBoundingClientRect());
+            const first = keys.find(r => r.right > sink.right + 1), last = keys[keys.length - 1];
+            const b = s.getBoundingClientRect();
+            return [first.left >= sink.right - 1, last.right <= b.right + 1]; })()""")
+        assert clear == [True, True], clear
         assert page.evaluate(f"getComputedStyle(document.querySelector('{row} td .w')).display") != "none"
         tints = page.evaluate("""[...document.querySelectorAll('#attention-panel td')]
             .filter(td => /: (1\\.\\d|2\\.\\d)%$/.test(td.title)).map(td => td.style.background)""")
@@ -187,16 +198,28 @@ def test_patch_tab(served: Any, shots: Path) -> None:
         assert page.errors == []
 
 
-def test_narrow_window_and_a_stopped_server(served: Any, shots: Path) -> None:
+def test_narrow_window_and_a_stopped_server(served: Any, shots: Path, tmp_path: Path) -> None:
     import lensdiv
+    from lensdiv.core.analyzer import ModelInfo
+    from lensdiv.ops.lens_files import save_tuned
 
     _, model = served
-    own = lensdiv.explore(model)  # a server of its own, to stop
+    info = ModelInfo.from_model(model)
+    folder = tmp_path / "some" / "deep" / "folder" / "my-tuned-lens"
+    save_tuned(folder, {i: torch.eye(info.d_model) for i in range(info.n_layers)},
+               {i: torch.zeros(info.d_model) for i in range(info.n_layers)},
+               d_model=info.d_model, n_layers=info.n_layers, model_name="toy")
+    spec = f"tuned:{folder}"
+    own = lensdiv.explore(model, lenses=[spec])  # a server of its own, to stop
     assert CHROMIUM is not None
     try:
         with Browser(CHROMIUM, width=800, height=900) as page:
             page.open(own.url)
             wait(page, "document.querySelectorAll('#grids td').length > 0")
+            # a fitted lens by its folder's name, the whole spec on hover
+            label = page.evaluate("(l => [l.textContent.trim(), l.title])"
+                                  "([...document.querySelectorAll('#lenses label')].pop())")
+            assert label == ["tuned: my-tuned-lens", spec]
             header = page.evaluate("document.querySelector('header').getBoundingClientRect().height")
             assert header < 50  # one line
             assert page.evaluate("document.documentElement.scrollWidth") <= 800

@@ -18,7 +18,8 @@
     for (const c of children) node.append(c instanceof Node ? c : document.createTextNode(String(c)));
     return node;
   }
-  const shown = (t) => t.replace(/ /g, "\u2423").replace(/\n/g, "\u21b5").replace(/\t/g, "\u21e5");
+  const shown = (t) => t.replace(/ /g, "\u2423").replace(/\n/g, "\u21b5").replace(/\t/g, "\u21e5")
+    .replace(/[\u0000-\u001f\u007f]/g, (c) => `<0x${c.charCodeAt(0).toString(16).toUpperCase().padStart(2, "0")}>`);  // other control characters
   const pct = (p) => (p === null || p === undefined ? "–" : (100 * p).toFixed(p < 0.1 ? 1 : 0) + "%");
   const colour = (p) => {  // white → blue, as the prompt view's probability scale
     const t = Math.max(0, Math.min(1, p || 0));
@@ -35,7 +36,7 @@
   }
 
   function markStale(where, stale) {  // the grids stay, dimmed, with a line saying why
-    const parts = where === "lens" ? ["#grids", "#detail"] : ["#patch-grid", "#patch-result"];
+    const parts = where === "lens" ? ["#grids", "#detail", "#attention-panel"] : ["#patch-grid", "#patch-result"];
     const old = stale && $(parts[0]).childNodes.length > 0;  // nothing drawn yet: nothing stale
     parts.forEach((sel) => $(sel).classList.toggle("stale", old));
     $(`#stale-${where}`).hidden = !old;
@@ -370,20 +371,26 @@
     out.heads.forEach((w, h) => rows.push(el("tr", { class: out.sink_heads.includes(h) ? "sink-head" : "" },
       rowHead(`head ${h}`, el("small", {}, ` ${pct(out.sink_mass[h])} sink`)), ...cells(w))));
     const table = el("table", { class: "attn" }, el("thead", {}, head), el("tbody", {}, ...rows));
+    const scroller = el("div", { class: "scroller" }, table);
+    const resized = (change) => {  // cells change width: the same keys' end kept in view, snapped again
+      const atEnd = scroller.scrollLeft + scroller.clientWidth >= scroller.scrollWidth - 2;
+      change();
+      snapColumns(scroller);
+      if (atEnd) scroller.scrollLeft = scroller.scrollWidth;
+    };
     table.addEventListener("click", (e) => {
       const button = e.target.closest("button.enlarge");
-      if (button) button.closest("tr").classList.toggle("big");
+      if (button) resized(() => button.closest("tr").classList.toggle("big"));
     });
     const sinks = out.sink_heads.length ? `sink heads (> 30 % on the first token): ${out.sink_heads.join(", ")}` : "no sink head (none puts > 30 % on the first token)";
     const top = out.mean.map((w, k) => [w, k]).sort((a, b) => b[0] - a[0]).slice(0, 3)
       .map(([w, k]) => `${shown(out.tokens[k])} (position ${k}) ${pct(w)}`).join(", ");
-    const scroller = el("div", { class: "scroller" }, table);
     const all = el("button", { class: "small", id: "attn-enlarge" }, "enlarge all rows");
-    all.addEventListener("click", () => {
+    all.addEventListener("click", () => resized(() => {
       const big = !table.querySelector("tbody tr:not(.big)");
       table.querySelectorAll("tbody tr").forEach((tr) => tr.classList.toggle("big", !big));
       all.textContent = big ? "enlarge all rows" : "shrink all rows";
-    });
+    }));
     box.replaceChildren(
       el("h3", {}, `attention of block ${out.block} at position ${t} (${shown(out.tokens[t])}) — the block that wrote ${view.rows[r]}`, " ", all),
       el("p", { class: "muted" }, `mean over heads on the first token: ${pct(out.mean[0])}; ${sinks}; most attended (mean over heads): ${top}.`),
