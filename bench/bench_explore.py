@@ -82,15 +82,15 @@ def time_model(model: Any, repeats: int, with_map: bool = True) -> dict[str, Any
 
     def post(path: str, body: dict[str, Any], via: TestClient = client) -> Callable[[], None]:
         def run() -> None:
-            session._captured = None  # the two prompts' states captured again (no cache hit)
+            session.patcher._captured = None  # the two prompts' states captured again (no cache hit)
             got = via.post(path, json=body)
             assert got.status_code == 200, got.text
 
         return run
 
     def patch_map() -> None:  # the page's way: piece after piece until the last
-        ask: dict[str, Any] = {"clean": CLEAN, "corrupt": CORRUPT, "map": True}
-        session._captured = None
+        ask: dict[str, Any] = {"clean": CLEAN, "corrupt": CORRUPT, "map": True, "min_gap": 0}
+        session.patcher._captured = None
         while True:
             got = client.post("/api/patch", json=ask)
             assert got.status_code == 200, got.text

@@ -30,8 +30,10 @@ from lensdiv.core.analyzer import ModelInfo  # noqa: E402
 from lensdiv.core.errors import LensdivError  # noqa: E402
 from lensdiv.ops.lens_files import save_tuned  # noqa: E402
 from lensdiv.ops.prompt import prompt_view  # noqa: E402
+from lensdiv.ops.token_text import token_text  # noqa: E402
+from lensdiv.web.patch_panel import TOY_EXAMPLE, patch_example  # noqa: E402
 from lensdiv.web.server import make_app  # noqa: E402
-from lensdiv.web.session import TOY_EXAMPLE, Session, patch_example  # noqa: E402
+from lensdiv.web.session import Session  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = "The happy dog runs"
@@ -134,8 +136,9 @@ def hooked_patch(model: Any, layer: int, position: int, target: int) -> float:
 
 
 def test_patch_matches_a_hooked_pass(client: TestClient, native_model: Any) -> None:
+    # min_gap 0: the tiny random model gives the target about the same probability in both
     base = client.post("/api/patch", json={"clean": CLEAN, "corrupt": CORRUPT, "layer": 0,
-                                           "position": 0}).json()
+                                           "position": 0, "min_gap": 0}).json()
     target = base["target_id"]
     with torch.no_grad():
         clean_out = native_model(native_model.to_tokens(CLEAN))[0, -1].float().softmax(-1)
@@ -144,7 +147,7 @@ def test_patch_matches_a_hooked_pass(client: TestClient, native_model: Any) -> N
     L = ModelInfo.from_model(native_model).n_layers
     for layer, position in ((0, 5), (1, 6), (L, 13)):
         got = client.post("/api/patch", json={"clean": CLEAN, "corrupt": CORRUPT, "layer": layer,
-                                              "position": position}).json()
+                                              "position": position, "min_gap": 0}).json()
         want = hooked_patch(native_model, layer, position, target)
         assert got["patched_prob"] == pytest.approx(want, rel=1e-4, abs=1e-7)
         assert got["recovered"] == pytest.approx(
@@ -152,7 +155,7 @@ def test_patch_matches_a_hooked_pass(client: TestClient, native_model: Any) -> N
 
 
 def test_patching_map(client: TestClient, session: Session, native_model: Any) -> None:
-    got = session.patch_map({"clean": CLEAN, "corrupt": CORRUPT, "target": "g"})
+    got = session.patch_map({"clean": CLEAN, "corrupt": CORRUPT, "target": "g", "min_gap": 0})
     target = got["target_id"]
     assert got["target"] == "g"
     rows = got["map"]
@@ -165,14 +168,14 @@ def test_patching_map(client: TestClient, session: Session, native_model: Any) -
     assert rows[2][6] == pytest.approx(hooked_patch(native_model, 2, 6, target), rel=1e-4)
 
 
-def check_example(model: Any, example: dict[str, str]) -> dict[str, Any]:
+def check_example(model: Any, example: dict[str, str], min_gap: float = 0) -> dict[str, Any]:
     """The example pair is one the patch tab can run: prompts of one length, a one-token target."""
     assert set(example) == {"clean", "corrupt", "target", "about"} and example["about"]
     clean, corrupt = (model.to_tokens(example[k], prepend_bos=True) for k in ("clean", "corrupt"))
     assert clean.shape == corrupt.shape
     session = Session(model)
     assert session.describe()["patch_example"] == example
-    out = session.patch_map(example)
+    out = session.patch_map({**example, "min_gap": min_gap})
     if example["target"]:
         assert out["target"] == example["target"]
     return out
@@ -217,19 +220,22 @@ def test_patch_example_for_another_tokenizer() -> None:
         assert pair.clean in example["about"] and pair.corrupt in example["about"]
 
 
-def test_toy_patch_example_moves_the_answer(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On the default toy as users get it (its full recipe), patching the example's best
-    (layer, position) moves the target's probability from the corrupt run's most of the way to
-    the clean run's: the pair shows something."""
+def test_toy_patch_example_moves_the_answer(monkeypatch: pytest.MonkeyPatch,
+                                            tmp_path: Path) -> None:
+    """On the default toy as users get it — the one shipped with the package, read from a fresh
+    (empty) cache as on a fresh clone — patching the example's best (layer, position) moves the
+    target's probability from the corrupt run's most of the way to the clean run's: the pair
+    shows something, and its map is drawn at the default threshold (MIN_GAP)."""
     from lensdiv.models.load import load_model
-    from lensdiv.models.toy import TrainRecipe, cached_log, parse_toy
+    from lensdiv.models.toy import TrainRecipe, parse_toy, trained_log
+    from lensdiv.web.asks import MIN_GAP
 
     monkeypatch.delenv("LENSDIV_TOY_STEPS", raising=False)  # the tests' recipe is 30 steps
-    monkeypatch.delenv("LENSDIV_CACHE", raising=False)  # the user's cache
+    monkeypatch.setenv("LENSDIV_CACHE", str(tmp_path))  # nothing cached: where users start
     spec = parse_toy("toy")
-    if cached_log(spec, TrainRecipe.default(spec)) is None:
-        pytest.skip("the default toy is not trained in the user's cache (lensdiv toy train toy)")
-    out = check_example(load_model("toy"), TOY_EXAMPLE)
+    found = trained_log(spec, TrainRecipe.default(spec))
+    assert found is not None and found[0] == "shipped"  # loads without training
+    out = check_example(load_model("toy"), TOY_EXAMPLE, min_gap=MIN_GAP)
     best = max(p for row in out["map"] for p in row)
     assert out["clean_prob"] - out["corrupt_prob"] > 0.5
     assert best - out["corrupt_prob"] > 0.5
@@ -242,11 +248,11 @@ def test_map_pieces_are_the_whole_map(client: TestClient, session: Session,
                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """The pieces the page asks for one by one (each short: here one batch, MAP_SECONDS = 0)
     cover every (layer, position) once, in order, and equal the map computed in one go."""
-    import lensdiv.web.session as module
+    import lensdiv.web.patch_panel as module
 
     monkeypatch.setattr(module, "MAP_SECONDS", 0.0)
-    session._map_step = 3
-    ask: dict[str, Any] = {"clean": CLEAN, "corrupt": CORRUPT, "map": True}
+    session.patcher._map_step = 3
+    ask: dict[str, Any] = {"clean": CLEAN, "corrupt": CORRUPT, "map": True, "min_gap": 0}
     rows: dict[int, list[float]] = {}
     pieces = 0
     while True:
@@ -260,14 +266,15 @@ def test_map_pieces_are_the_whole_map(client: TestClient, session: Session,
     L, n_pos = session.info.n_layers, len(piece["corrupt_tokens"])
     assert sorted(rows) == list(range(L + 1)) and all(len(r) == n_pos for r in rows.values())
     assert pieces > L + 1  # rows in several pieces
-    clean, corrupt = session._tokens(CLEAN), session._tokens(CORRUPT)
+    clean, corrupt = session.tokens(CLEAN), session.tokens(CORRUPT)
+    patcher = session.patcher
     with torch.no_grad():  # the whole map at once: every position of a row in one batch
-        states = session._states(clean, corrupt)
-        whole = [session._patched(corrupt, states, layer, range(n_pos), piece["target_id"])
+        states = patcher._states(clean, corrupt)
+        whole = [patcher._patched(corrupt, states, layer, range(n_pos), piece["target_id"])
                  for layer in range(L + 1)]
     for layer in range(L + 1):
         assert rows[layer] == pytest.approx(whole[layer], rel=1e-5, abs=1e-8), layer
-    assembled = session.patch_map({"clean": CLEAN, "corrupt": CORRUPT})
+    assembled = session.patch_map({"clean": CLEAN, "corrupt": CORRUPT, "min_gap": 0})
     for layer in range(L + 1):
         assert assembled["map"][layer] == pytest.approx(whole[layer], rel=1e-5, abs=1e-8)
 
@@ -646,8 +653,9 @@ def test_what_the_model_says_is_the_patchscope_continuation(client: TestClient,
     found = inspection(native_model, DEFAULT_PROMPT, -1)
     said, probs = found.generate(1, cache[info.resid(1)][0, position], 5)
     decode = native_model.tokenizer.decode
-    assert out["tokens"] == [decode([t]) for t in said] and out["text"] == decode(said)
+    label = [token_text(native_model.tokenizer, t) for t in said]  # bytes as <0xC3>
+    assert out["tokens"] == label and out["text"] == decode(said)
     assert out["probs"] == pytest.approx(probs, rel=1e-6)
     assert (out["lens"], out["row"], out["target"], out["patched"]) == (
         "patchscope", 1, 1, len(out["prompt"]) - 1)
-    assert "".join(out["prompt"]) == decode(found.tokens_list)
+    assert out["prompt"] == [token_text(native_model.tokenizer, t) for t in found.tokens_list]

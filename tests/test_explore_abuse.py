@@ -253,7 +253,7 @@ def test_a_grid_during_a_map_is_answered_at_once(
 ) -> None:
     # Pieces of about 20 ms: on the tiny model a whole map then lasts seconds on a quiet machine
     # (hundreds of pieces), so "the grid did not wait for the map" is measurable, not noise.
-    monkeypatch.setattr("lensdiv.web.session.MAP_SECONDS", 0.02)
+    monkeypatch.setattr("lensdiv.web.patch_panel.MAP_SECONDS", 0.02)
     port = port_of(served)
     n_ctx = int(native_model.cfg.n_ctx)
     clean = ("The happy dog runs to the park " * 40)[: n_ctx * 2]
@@ -264,7 +264,7 @@ def test_a_grid_during_a_map_is_answered_at_once(
     mapped = threading.Event()
 
     def walk() -> None:  # the page's map: piece after piece
-        ask_map: dict[str, Any] = {"clean": clean, "corrupt": corrupt, "map": True}
+        ask_map: dict[str, Any] = {"clean": clean, "corrupt": corrupt, "map": True, "min_gap": 0}
         while True:
             status, piece = ask(port, "POST", "/api/patch", ask_map)
             assert status == 200, piece

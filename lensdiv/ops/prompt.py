@@ -41,6 +41,7 @@ from lensdiv.ops.capture import capture
 from lensdiv.ops.cells import Cells, cells, describe
 from lensdiv.ops.lens_specs import is_path, parse_lens
 from lensdiv.ops.readout import Workspace, final_readout, readout_dtype
+from lensdiv.ops.token_text import token_text
 from lensdiv.ops.translators import LENS_KINDS, Lens, split_unquoted
 from lensdiv.view.prompt import PromptView, PromptViews
 
@@ -306,13 +307,14 @@ def _tokens(model: Any, text: str, prepend_bos: bool) -> Int[Tensor, "1 pos"]:
 
 
 def _decoder(model: Any) -> Callable[[int], str]:
-    """Token id → its text, cached (one decode per distinct id)."""
+    """Token id → its text (a byte without one as ``<0xC3>``: :func:`token_text`), cached (one
+    decode per distinct id)."""
     tokenizer = model.tokenizer
     seen: dict[int, str] = {}
 
     def decode(token: int) -> str:
         if token not in seen:
-            seen[token] = tokenizer.decode([token])
+            seen[token] = token_text(tokenizer, token)
         return seen[token]
 
     return decode

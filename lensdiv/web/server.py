@@ -54,6 +54,7 @@ from lensdiv.web.session import Session
 MAX_BODY = 256 * 1024  # bytes of one request
 MAX_WAITING = 64  # requests waiting for the model before new ones get 503
 TOO_LARGE = f"the request is over {MAX_BODY // 1024} KiB"
+INTERNAL = "internal error: the server could not answer this request (its terminal has the details)"
 COOKIE = "lensdiv_token"
 HEADER = "x-lensdiv-token"
 STATIC = Path(__file__).parent / "static"
@@ -276,9 +277,11 @@ async def gone(request: Request, exc: Exception) -> Response:
     return Response(status_code=204)
 
 
-async def crashed(request: Request, exc: Exception) -> Response:  # a bug: logged, said
+async def crashed(request: Request, exc: Exception) -> Response:
+    """A bug: logged with its traceback; the answer says only that (never the exception's text,
+    which may carry paths or data)."""
     log.exception("explore: %s %s failed", request.method, request.url.path)
-    return error(500, f"internal error: {type(exc).__name__}: {exc}")
+    return error(500, INTERNAL)
 
 
 ROUTES = [

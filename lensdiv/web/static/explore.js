@@ -18,7 +18,8 @@
     for (const c of children) node.append(c instanceof Node ? c : document.createTextNode(String(c)));
     return node;
   }
-  const shown = (t) => t.replace(/ /g, "\u2423").replace(/\n/g, "\u21b5").replace(/\t/g, "\u21e5");
+  const shown = (t) => t.replace(/ /g, "\u2423").replace(/\n/g, "\u21b5").replace(/\t/g, "\u21e5")
+    .replace(/[\u0000-\u001f\u007f]/g, (c) => `<0x${c.charCodeAt(0).toString(16).toUpperCase().padStart(2, "0")}>`);  // other control characters
   const pct = (p) => (p === null || p === undefined ? "–" : (100 * p).toFixed(p < 0.1 ? 1 : 0) + "%");
   const colour = (p) => {  // white → blue, as the prompt view's probability scale
     const t = Math.max(0, Math.min(1, p || 0));
@@ -35,7 +36,7 @@
   }
 
   function markStale(where, stale) {  // the grids stay, dimmed, with a line saying why
-    const parts = where === "lens" ? ["#grids", "#detail"] : ["#patch-grid", "#patch-result"];
+    const parts = where === "lens" ? ["#grids", "#detail", "#attention-panel"] : ["#patch-grid", "#patch-result"];
     const old = stale && $(parts[0]).childNodes.length > 0;  // nothing drawn yet: nothing stale
     parts.forEach((sel) => $(sel).classList.toggle("stale", old));
     $(`#stale-${where}`).hidden = !old;
@@ -51,11 +52,23 @@
     markStale(where, false);
   }
 
+  const NOT_ANSWERING = "the server is not answering: is lensdiv explore still running? " +
+    "(start it again, then reload this page)";
+
   async function api(path, body, signal) {
-    const response = await fetch(path, body === undefined ? { headers, signal } :
-      { method: "POST", headers, body: JSON.stringify(body), signal });
+    let response;
+    try {
+      response = await fetch(path, body === undefined ? { headers, signal } :
+        { method: "POST", headers, body: JSON.stringify(body), signal });
+    } catch (err) {  // the browser's "Failed to fetch": nothing answered
+      if (err.name === "AbortError") throw err;
+      throw new Error(NOT_ANSWERING);
+    }
     if (response.status === 204) return null;
-    const data = await response.json();
+    let data;
+    try { data = await response.json(); } catch (err) {
+      throw new Error(response.ok ? NOT_ANSWERING : `the server answered ${response.status}`);
+    }
     if (!response.ok) throw new Error(data.error || `${response.status}`);
     return data;
   }
@@ -97,26 +110,39 @@
     }
   }
 
+  const rowNumber = (name) => Number(String(name).replace(/^h/, ""));
+
   function drawGrids(views) {
     const box = $("#grids");
     box.replaceChildren();
     $("#skip-kl").textContent = "";
+    // every panel shows the same rows (h0 … h_L), a row a lens does not read left blank, so the
+    // panels' rows line up side by side
+    const names = [...new Set(views.flatMap((v) => v.rows))].sort((a, b) => rowNumber(a) - rowNumber(b));
     views.forEach((view, v) => {
       const skip = view.skip;
-      const title = skip ? `${view.title}` : `${view.title}`;
-      const panel = el("div", { class: "panel" + (skip ? " skip" : ""), "data-lens": skip ? "skip" : view.lens },
-        el("h2", {}, title), el("p", { class: "note muted" }, view.note));
+      const head = el("div", { class: "panel-head" },
+        el("div", { class: "panel-title" }, el("h2", {}, view.title), csvLink(view)),
+        el("p", { class: "note muted" }, view.note));
+      const panel = el("div", { class: "panel" + (skip ? " skip" : ""), "data-lens": skip ? "skip" : view.lens }, head);
       if (skip) {
         const kl = `output KL to the unskipped run: ${skip.mean_output_kl.toFixed(3)} nats (mean over positions ≥ 1)`;
-        panel.append(el("div", { class: "muted skip-kl" }, kl));
+        head.append(el("div", { class: "muted skip-kl" }, kl));
         $("#skip-kl").textContent = `KL ${skip.mean_output_kl.toFixed(3)} nats`;
       }
       const table = el("table", { class: "grid" });
-      const head = el("tr", {}, el("th", {}, ""));
-      view.tokens.forEach((t, i) => head.append(el("th", { title: `position ${i}` }, shown(t))));
-      table.append(el("thead", {}, head));
+      const top = el("tr", {}, el("th", {}, ""));
+      view.tokens.forEach((t, i) => top.append(el("th", { title: `position ${i}` }, shown(t))));
+      table.append(el("thead", {}, top));
       const body = el("tbody");
-      for (let r = view.rows.length - 1; r >= 0; r--) {  // the output on top
+      for (let n = names.length - 1; n >= 0; n--) {  // the output on top
+        const r = view.rows.indexOf(names[n]);
+        if (r < 0) {
+          body.append(el("tr", { class: "missing" }, el("th", {}, names[n]),
+            el("td", { class: "none", colspan: view.tokens.length },
+              el("span", {}, `— this lens does not read ${names[n]}`), el("small", {}, "\u00a0"))));  // a cell's two lines
+          continue;
+        }
         const tr = el("tr", {}, el("th", {}, view.rows[r]));
         view.tokens.forEach((_, t) => {
           const p = view.top_probs[r][t][0];
@@ -129,12 +155,12 @@
         body.append(tr);
       }
       table.append(body);
-      table.addEventListener("mouseover", (e) => { const td = e.target.closest("td"); if (td && !state.pinned) detail(td); });
+      table.addEventListener("mouseover", (e) => { const td = e.target.closest("td[data-row]"); if (td && !state.pinned) detail(td); });
       table.addEventListener("click", (e) => {
-        const td = e.target.closest("td");
+        const td = e.target.closest("td[data-row]");
         if (!td) return;
         document.querySelectorAll("td.pinned").forEach((c) => c.classList.remove("pinned"));
-        if (state.pinned === key(td)) { state.pinned = null; return; }
+        if (state.pinned === key(td)) { state.pinned = null; $("#attention-panel").hidden = true; return; }
         state.pinned = key(td);
         td.classList.add("pinned");
         detail(td);
@@ -143,13 +169,41 @@
       box.append(panel);
     });
     alignColumns([...box.querySelectorAll("table.grid")]);
+    sameHeight([...box.querySelectorAll(".panel-head")]);
     linkScrolling([...box.querySelectorAll(".scroller")]);
     if (state.pinned) {
       const [view, row, pos] = state.pinned.split(",");
       const td = document.querySelector(`td[data-view="${view}"][data-row="${row}"][data-pos="${pos}"]`);
-      if (td) { td.classList.add("pinned"); detail(td); } else state.pinned = null;
+      if (td) { td.classList.add("pinned"); detail(td); } else { state.pinned = null; $("#attention-panel").hidden = true; }
     }
   }
+
+  // -- export: what a grid shows, as CSV ---------------------------------------------------------
+  const csvField = (v) => (/[",\n\r]/.test(String(v)) ? `"${String(v).replace(/"/g, '""')}"` : String(v));
+  const csvHref = (rows) => "data:text/csv;charset=utf-8," +
+    encodeURIComponent(rows.map((r) => r.map(csvField).join(",")).join("\n") + "\n");
+
+  function gridCsv(view) {  // one line per cell: its top-k, KL, entropy and the next token
+    const k = view.top_tokens[0][0].length;
+    const head = ["row", "position", "token", "next_token", "next_prob", "next_rank (1 = top-1)", "kl_to_output", "entropy"];
+    for (let i = 1; i <= k; i++) head.push(`top${i}`, `p${i}`);
+    const rows = [head];
+    view.rows.forEach((name, r) => view.tokens.forEach((tok, t) => {
+      const line = [name, t, tok, t + 1 < view.tokens.length ? view.tokens[t + 1] : "",
+        view.next_prob[r][t] ?? "", view.next_rank[r][t] >= 0 ? view.next_rank[r][t] + 1 : "",
+        view.kl[r][t] ?? "", view.entropy[r][t]];
+      view.top_tokens[r][t].forEach((tok2, i) => line.push(tok2, view.top_probs[r][t][i]));
+      rows.push(line);
+    }));
+    return rows;
+  }
+
+  function csvLink(view) {
+    const name = (view.skip ? `skip-block${view.skip.block}-${view.skip.part}` : view.lens).replace(/[^\w.-]+/g, "_");
+    return el("a", { class: "csv small", download: `lensdiv-${name}.csv`, href: csvHref(gridCsv(view)),
+      title: "download this grid as CSV: one line per cell (top-k, KL to the output, entropy, the next token's probability and rank)" }, "CSV");
+  }
+
   const key = (td) => [td.dataset.view, td.dataset.row, td.dataset.pos].join();
 
   // -- the grids' columns: aligned across lenses, scrolled together, opening on the last ------
@@ -158,6 +212,34 @@
     const heads = tables.map((t) => [...t.querySelectorAll("thead th")]);
     const widths = heads[0].map((_, c) => Math.max(...heads.map((h) => h[c].getBoundingClientRect().width)));
     heads.forEach((h) => h.forEach((th, c) => { th.style.minWidth = `${widths[c]}px`; }));
+  }
+
+  function sameHeight(heads) {  // titles and notes of different lengths: the tables start level
+    heads.forEach((h) => { h.style.minHeight = ""; });
+    const tallest = Math.max(0, ...heads.map((h) => h.getBoundingClientRect().height));
+    if (heads.length > 1) heads.forEach((h) => { h.style.minHeight = `${tallest}px`; });
+  }
+
+  // A scrolled table stops on a column's edge just right of its sticky row labels (CSS scroll
+  // snapping), so no column hides half under them; the table gets room after its last column
+  // for the furthest stop to be such an edge too.
+  function snapColumns(scroller) {
+    const table = scroller.querySelector("table");
+    if (!table || !table.querySelector("thead th")) return;
+    table.style.marginRight = "0px";
+    const all = [...table.querySelectorAll("thead tr:last-child th")];
+    const fixed = all.filter((th) => getComputedStyle(th).position === "sticky");  // the row labels (and a sink)
+    // both whatever the scroll: a stuck cell against the scroller, a column against its table
+    const box = scroller.getBoundingClientRect().left + scroller.clientLeft;
+    const labelWidth = Math.max(0, ...fixed.map((th) => th.getBoundingClientRect().right - box));
+    scroller.style.scrollPaddingLeft = `${labelWidth}px`;
+    const heads = all.filter((th) => !fixed.includes(th));
+    const most = scroller.scrollWidth - scroller.clientWidth;
+    if (most <= 0) return;
+    const origin = table.getBoundingClientRect().left;
+    const stops = heads.map((th) => th.getBoundingClientRect().left - origin - labelWidth);
+    const last = stops.find((x) => x >= most - 0.5);
+    if (last !== undefined) table.style.marginRight = `${Math.ceil(last - most)}px`;
   }
 
   function linkScrolling(scrollers) {
@@ -176,8 +258,12 @@
       state.scrollLeft = s.scrollLeft;
       windowNote();
     }));
-    follow();
-    windowNote();
+    state.relayout = () => {  // again once shown (a hidden tab has no widths) or resized
+      scrollers.forEach(snapColumns);
+      follow();
+      windowNote();
+    };
+    state.relayout();
   }
 
   function windowNote() {  // which positions are in view, and how to reach the others
@@ -214,8 +300,16 @@
       el("table", { class: "topk" }, ...rows),
       el("p", {}, `KL to the output: ${view.kl[r][t] === null ? "–" : view.kl[r][t].toFixed(3)} nats`),
       el("p", {}, `entropy: ${view.entropy[r][t].toFixed(3)} nats`),
+      nextToken(view, r, t),
     );
     if (state.pinned === key(td)) { says(view, r, t); attention(view, r, t); }
+  }
+
+  function nextToken(view, r, t) {  // the token that does come next in the prompt
+    if (t + 1 >= view.tokens.length) return el("p", { class: "next muted" }, "the next token: none (the prompt's last position)");
+    const rank = view.next_rank[r][t] + 1;  // the API counts from 0 (the top-1)
+    return el("p", { class: "next" }, "the next token ", el("code", {}, shown(view.tokens[t + 1])),
+      `: ${pct(view.next_prob[r][t])}, rank ${rank}${rank === 1 ? " (the top-1)" : ""}`);
   }
 
   // -- a pinned cell's state read by the model itself: the patchscope's greedy continuation ----
@@ -243,10 +337,16 @@
   }
 
   // -- a pinned cell's attention: the block that wrote h_r (block 0 for h0), its query at t ----
+  // A full-width panel under the grids: a column per key with its token written out, the sink
+  // (the first token) kept in view at the left, a row per head that a click enlarges, and a
+  // logarithmic colour scale on which a weight of 1 % is still visibly tinted.
+  const attnShade = (w) => Math.max(0, Math.min(1, (Math.log10(Math.max(w || 0, 1e-9)) + 3) / 3));
+
   async function attention(view, r, t) {
     const block = Math.max(r - 1, 0);
-    const box = el("div", { id: "attention", class: "attention" }, el("p", { class: "muted" }, "attention …"));
-    $("#detail").append(box);
+    const box = $("#attention-panel");
+    box.hidden = false;
+    box.replaceChildren(el("p", { class: "muted" }, "attention …"));
     let out;
     try {
       out = await api("api/attention", { text: state.text, block, position: t });
@@ -255,26 +355,52 @@
       return;
     }
     if (!out) return;
+    const sinkCls = (k) => (k < out.first ? "sink" : "");
     const cells = (weights) => weights.map((w, k) => {
-      const td = el("td", { title: `${shown(out.tokens[k])}: ${pct(w)}`, class: k < out.first ? "sink" : "" }, "");
-      td.style.background = colour(w);
+      const td = el("td", { title: `${shown(out.tokens[k])} (position ${k}): ${pct(w)}`, class: sinkCls(k) },
+        el("span", { class: "w" }, pct(w)));
+      td.style.background = colour(attnShade(w));
+      td.style.color = ink(attnShade(w));
       return td;
     });
-    const head = el("tr", {}, el("th", {}, ""), ...out.tokens.map((tok, k) => el("th", { class: k < out.first ? "sink" : "" }, shown(tok))));
-    const rows = [el("tr", {}, el("th", {}, "mean"), ...cells(out.mean))];
-    out.heads.forEach((w, h) => rows.push(el("tr", { class: out.sink_heads.includes(h) ? "sink-head" : "" }, el("th", {}, `head ${h}`), ...cells(w))));
+    const rowHead = (label, extra) => el("th", { class: "row-label" },
+      el("button", { class: "enlarge", title: "enlarge this row (its weights written out); click again to shrink" }, label), extra || "");
+    const head = el("tr", {}, el("th", { class: "row-label" }, "keys →"),
+      ...out.tokens.map((tok, k) => el("th", { class: `key ${sinkCls(k)}`, title: `position ${k}` }, el("span", {}, shown(tok)))));
+    const rows = [el("tr", { class: "mean" }, rowHead("mean"), ...cells(out.mean))];
+    out.heads.forEach((w, h) => rows.push(el("tr", { class: out.sink_heads.includes(h) ? "sink-head" : "" },
+      rowHead(`head ${h}`, el("small", {}, ` ${pct(out.sink_mass[h])} sink`)), ...cells(w))));
+    const table = el("table", { class: "attn" }, el("thead", {}, head), el("tbody", {}, ...rows));
+    const scroller = el("div", { class: "scroller" }, table);
+    const resized = (change) => {  // cells change width: the same keys' end kept in view, snapped again
+      const atEnd = scroller.scrollLeft + scroller.clientWidth >= scroller.scrollWidth - 2;
+      change();
+      snapColumns(scroller);
+      if (atEnd) scroller.scrollLeft = scroller.scrollWidth;
+    };
+    table.addEventListener("click", (e) => {
+      const button = e.target.closest("button.enlarge");
+      if (button) resized(() => button.closest("tr").classList.toggle("big"));
+    });
     const sinks = out.sink_heads.length ? `sink heads (> 30 % on the first token): ${out.sink_heads.join(", ")}` : "no sink head (none puts > 30 % on the first token)";
     const top = out.mean.map((w, k) => [w, k]).sort((a, b) => b[0] - a[0]).slice(0, 3)
       .map(([w, k]) => `${shown(out.tokens[k])} (position ${k}) ${pct(w)}`).join(", ");
-    const scroller = el("div", { class: "scroller" }, el("table", { class: "attn" }, el("thead", {}, head), el("tbody", {}, ...rows)));
+    const all = el("button", { class: "small", id: "attn-enlarge" }, "enlarge all rows");
+    all.addEventListener("click", () => resized(() => {
+      const big = !table.querySelector("tbody tr:not(.big)");
+      table.querySelectorAll("tbody tr").forEach((tr) => tr.classList.toggle("big", !big));
+      all.textContent = big ? "enlarge all rows" : "shrink all rows";
+    }));
     box.replaceChildren(
-      el("h3", {}, `attention of block ${out.block} at position ${t}`),
-      el("p", { class: "muted" }, `mean over heads on the first token: ${pct(out.mean[0])}; ${sinks}`),
-      el("p", { class: "muted" }, `most attended (mean over heads): ${top}`),
+      el("h3", {}, `attention of block ${out.block} at position ${t} (${shown(out.tokens[t])}) — the block that wrote ${view.rows[r]}`, " ", all),
+      el("p", { class: "muted" }, `mean over heads on the first token: ${pct(out.mean[0])}; ${sinks}; most attended (mean over heads): ${top}.`),
+      el("p", { class: "muted scale-note" }, "columns: the keys 0 … ", String(t), ", the sink (position 0, outlined) kept at the left; rows: the mean over heads, then each head (sink heads in orange; click a row's name to enlarge it). ",
+        el("span", { class: "scale" }, el("span", {}, "colour: the weight on a log scale"),
+          el("i", { class: "ramp" }), el("span", {}, "≤ 0.1 % · 1 % · 10 % · 100 %"))),
       scroller,
-      el("p", { class: "muted" }, "columns: the keys, position 0 (the sink, outlined) first; rows: the mean over heads, then each head (sink heads in orange)."),
     );
-    scroller.scrollLeft = scroller.scrollWidth;  // the keys nearest the query in view
+    snapColumns(scroller);
+    scroller.scrollLeft = scroller.scrollWidth;  // the keys nearest the query in view; the sink stays
   }
 
   // -- the patch tab ---------------------------------------------------------------------------
@@ -297,15 +423,22 @@
     }
   }
 
-  function drawPatchGrid(tokens, rows) {
+  function drawPatchGrid(out, rows) {  // the two prompts' tokens as columns, where they differ marked
+    const differ = new Set(out.differ);
+    const mark = (t) => (differ.has(t) ? "differ" : "");
     const table = el("table", { class: "grid", id: "patch-table" });
-    const head = el("tr", {}, el("th", {}, ""));
-    tokens.forEach((t) => head.append(el("th", {}, shown(t))));
-    table.append(el("thead", {}, head));
+    const clean = el("tr", { class: "clean-row" }, el("th", {}, "clean"));
+    const corrupt = el("tr", {}, el("th", {}, "corrupt"));
+    out.corrupt_tokens.forEach((tok, t) => {
+      const why = differ.has(t) ? `position ${t}: the prompts differ here` : `position ${t}`;
+      clean.append(el("th", { class: mark(t), title: why }, shown(out.clean_tokens[t])));
+      corrupt.append(el("th", { class: mark(t), title: why }, shown(tok)));
+    });
+    table.append(el("thead", {}, clean, corrupt));
     const body = el("tbody");
     for (let r = rows - 1; r >= 0; r--) {
       const tr = el("tr", {}, el("th", {}, `h${r}`));
-      tokens.forEach((_, t) => tr.append(el("td", { "data-layer": r, "data-pos": t }, "·")));
+      out.corrupt_tokens.forEach((_, t) => tr.append(el("td", { "data-layer": r, "data-pos": t, class: mark(t) }, "·")));
       body.append(tr);
     }
     table.append(body);
@@ -313,35 +446,68 @@
       const td = e.target.closest("td");
       if (!td) return;
       const layer = Number(td.dataset.layer), position = Number(td.dataset.pos);
-      const out = await patchCall({ layer, position });
-      if (!out) return;
-      fill(td, out.patched_prob, out);
+      const cell = await patchCall({ layer, position });
+      if (!cell) return;
+      fill(td, cell.patched_prob, cell);
       document.querySelectorAll("#patch-table td.pinned").forEach((c) => c.classList.remove("pinned"));
       td.classList.add("pinned");
-      const moved = out.recovered === null ? "" : ` (${(100 * out.recovered).toFixed(0)}% of the way to clean)`;
+      const moved = cell.recovered === null ? (cell.gap_note ? " (no share of the gap: it is too small)" : "") :
+        ` (${(100 * cell.recovered).toFixed(0)}% of the way to clean)`;
       $("#patch-result").textContent =
-        `patch h${layer} at position ${position} (${shown(out.corrupt_tokens[position])}): ` +
-        `p(${shown(out.target)}) ${pct(out.corrupt_prob)} → ${pct(out.patched_prob)}${moved}; clean ${pct(out.clean_prob)}`;
+        `patch h${layer} at position ${position} (${shown(cell.corrupt_tokens[position])}): ` +
+        `p(${shown(cell.target)}) ${pct(cell.corrupt_prob)} → ${pct(cell.patched_prob)}${moved}; clean ${pct(cell.clean_prob)}`;
     });
     const scroller = el("div", { class: "scroller" }, table);
     $("#patch-grid").replaceChildren(el("div", { class: "panel" }, scroller));
-    scroller.scrollLeft = scroller.scrollWidth;  // the last position (where the target is read) in view
+    state.patchFollow = true;
+    scroller.addEventListener("scroll", () => {
+      if (!state.patchScrolling) state.patchFollow = scroller.scrollLeft + scroller.clientWidth >= scroller.scrollWidth - 2;
+    });
+    answerInView();
+  }
+
+  function answerInView() {  // the last position (where the target is read) in view, once the cells are filled
+    const scroller = $("#patch-grid .scroller");
+    if (!scroller || !state.patchFollow) return;
+    snapColumns(scroller);
+    state.patchScrolling = true;
+    scroller.scrollLeft = scroller.scrollWidth;
+    state.patchScrolling = false;
   }
 
   function fill(td, p, out) {  // colour: the share of the corrupt → clean gap the patch recovers
-    const gap = out.clean_prob - out.corrupt_prob;
-    const s = Math.abs(gap) > 1e-9 ? (p - out.corrupt_prob) / gap : 0;
     td.replaceChildren(pct(p));
+    td.classList.toggle("no-share", !!out.gap_note);
+    if (out.gap_note) {  // a gap too small to share: the probability only, in grey
+      td.style.background = "";
+      td.style.color = "";
+      td.title = "no colour: the clean − corrupt gap is under the threshold";
+      return;
+    }
+    const s = (p - out.corrupt_prob) / out.gap;
     td.style.background = colour(s);
     td.style.color = ink(s);
+    td.title = `p(target) ${pct(p)}: ${(100 * s).toFixed(0)}% of the gap recovered`;
   }
 
-  async function patchSetup() {  // the corrupt prompt's tokens as columns, h_L … h0 as rows
+  function gapWarning(out) {  // the server's reason a map would colour noise, and the map refused
+    const box = $("#patch-gap");
+    box.hidden = !out.gap_note;
+    box.textContent = out.gap_note ? `No patching map: ${out.gap_note}. Type a target the two ` +
+      "prompts disagree on, or change a prompt; a clicked cell shows p(target) alone, in grey." : "";
+    $("#patch-map").disabled = !!out.gap_note;
+    $("#patch-map").title = out.gap_note ? "refused: the two prompts give the target about the same probability" : "";
+  }
+
+  async function patchSetup() {  // the two prompts' tokens as columns, h_L … h0 as rows
     const out = await patchCall({ layer: 0, position: 0 });
     if (!out) return;
-    drawPatchGrid(out.corrupt_tokens, state.info.n_layers + 1);
+    drawPatchGrid(out, state.info.n_layers + 1);
+    gapWarning(out);
     $("#patch-result").textContent =
-      `target ${shown(out.target)}: p = ${pct(out.clean_prob)} clean, ${pct(out.corrupt_prob)} corrupt. Click a cell to patch it.`;
+      `target ${shown(out.target)}: p = ${pct(out.clean_prob)} clean, ${pct(out.corrupt_prob)} corrupt. ` +
+      (out.differ.length ? `The prompts differ at position${out.differ.length === 1 ? "" : "s"} ${out.differ.join(", ")} (marked).` :
+        "The prompts are the same token for token.") + " Click a cell to patch it.";
   }
 
   async function patchMap() {  // piece by piece: the server is never held for a whole map
@@ -350,6 +516,7 @@
     state.patchAbort = abort;
     const ask = patchAsk({ map: true, layer: 0, start: 0 });
     let out = null, done = 0, total = 0;
+    const filled = [];
     try {
       for (;;) {
         out = await api("api/patch", ask, abort.signal);
@@ -357,10 +524,14 @@
         if (total === 0) {
           succeeded("patch");
           total = (state.info.n_layers + 1) * out.corrupt_tokens.length;
-          drawPatchGrid(out.corrupt_tokens, state.info.n_layers + 1);
+          drawPatchGrid(out, state.info.n_layers + 1);
+          gapWarning(out);
         }
-        out.probs.forEach((p, i) => fill(document.querySelector(
-          `#patch-table td[data-layer="${out.layer}"][data-pos="${out.start + i}"]`), p, out));
+        out.probs.forEach((p, i) => {
+          fill(document.querySelector(`#patch-table td[data-layer="${out.layer}"][data-pos="${out.start + i}"]`), p, out);
+          filled.push([out.layer, out.start + i, p]);
+        });
+        answerInView();  // the cells widen as they fill: the answer's column kept in view
         done += out.probs.length;
         if (!out.next) break;
         $("#patch-result").textContent = `full map: ${done} of ${total} patches (${Math.floor(100 * done / total)}%)…`;
@@ -370,8 +541,12 @@
       if (err.name !== "AbortError") failed("patch", err.message);
       return;
     }
-    $("#patch-result").textContent =
-      `full map: p(${shown(out.target)}) at the last position with the clean h_l copied in at each (layer, position); clean ${pct(out.clean_prob)}, corrupt ${pct(out.corrupt_prob)} (colour: the share of the gap recovered)`;
+    answerInView();
+    const csv = [["layer", "position", "clean_token", "corrupt_token", "p_target", "share_recovered"],
+      ...filled.map(([l, t, p]) => [`h${l}`, t, out.clean_tokens[t], out.corrupt_tokens[t], p, (p - out.corrupt_prob) / out.gap])];
+    $("#patch-result").replaceChildren(
+      `full map: p(${shown(out.target)}) at the last position with the clean h_l copied in at each (layer, position); clean ${pct(out.clean_prob)}, corrupt ${pct(out.corrupt_prob)} (colour: the share of the gap recovered) `,
+      el("a", { class: "csv small", id: "patch-csv", download: "lensdiv-patch-map.csv", href: csvHref(csv), title: "download the map as CSV" }, "CSV"));
   }
 
   function patchExample(info) {  // the session's example pair: one where patching moves the answer
@@ -381,6 +556,14 @@
     $("#corrupt").value = example.corrupt;
     $("#target").value = example.target;
     $("#patch-about").textContent = `The example: ${example.about}.`;
+  }
+
+  function pairChanged() {  // another pair: the example's target and words no longer apply
+    const example = state.info.patch_example || {};
+    const same = $("#clean").value === example.clean && $("#corrupt").value === example.corrupt;
+    $("#target").value = same ? example.target : "";
+    $("#patch-about").textContent = same ? `The example: ${example.about}.` :
+      "Your own pair: the target is the clean prompt's top prediction unless you type one.";
   }
 
   // -- the runs tab ----------------------------------------------------------------------------
@@ -411,6 +594,8 @@
     document.querySelectorAll(".pane").forEach((p) => { p.hidden = p.id !== `pane-${name}`; });
     if (name === "runs") loadRuns();
     if (name === "patch" && !$("#patch-table")) patchSetup();
+    if (name === "patch") answerInView();
+    if (name === "lens" && state.relayout) state.relayout();
   }
 
   async function start() {
@@ -420,32 +605,67 @@
     const info = state.info;
     $("#model").textContent = `${info.model} · ${info.n_layers} blocks · d_model ${info.d_model} · context ${info.n_ctx}`;
     $("#legend-top").replaceChildren(`h${info.n_layers}`);
+    $("#min-gap").textContent = `${100 * info.min_gap}`;
     info.lenses.forEach((name, i) => {
       const box = el("input", { type: "checkbox", value: name });
       box.checked = i === 0;
       box.addEventListener("change", refresh);
-      $("#lenses").append(el("label", {}, box, ` ${name}`));
+      $("#lenses").append(el("label", { title: name }, box, ` ${lensName(name)}`));
     });
     for (let b = 0; b < info.n_layers; b++) $("#skip-block").append(el("option", { value: b }, `block ${b}`));
     info.parts.forEach((p) => $("#skip-part").append(el("option", { value: p }, p)));
     $("#prompt").addEventListener("input", () => { state.follow = true; schedule(); });
     $("#grid-first").addEventListener("click", () => scrollGrids(false));
     $("#grid-last").addEventListener("click", () => scrollGrids(true));
-    window.addEventListener("resize", windowNote);
+    window.addEventListener("resize", () => { if (state.relayout) state.relayout(); answerInView(); });
     patchExample(info);
     ["#skip-block", "#skip-part", "#top-k"].forEach((s) => $(s).addEventListener("change", refresh));
     document.querySelectorAll(".tab").forEach((b) => b.addEventListener("click", () => tab(b.dataset.tab)));
     $("#patch-map").addEventListener("click", patchMap);
-    ["#clean", "#corrupt", "#target"].forEach((s) => $(s).addEventListener("change", patchSetup));
-    // A link may open the page on a prompt (the course prints such links): ?text=…&skip=N for the
-    // lens tab, ?clean=…&corrupt=…&tab=patch for the patch tab.
+    ["#clean", "#corrupt"].forEach((s) => $(s).addEventListener("change", () => { pairChanged(); patchSetup(); }));
+    $("#target").addEventListener("change", patchSetup);
+    const tabName = fromLink(info);
+    refresh();
+    if (tabName !== "lens") tab(tabName);
+  }
+
+  // A link may open the page on a prompt (the course prints such links): ?text=…&skip=N&part=…
+  // for the lens tab, ?clean=…&corrupt=…&target=…&tab=patch for the patch tab. A value the page
+  // cannot use is named in a note, not dropped in silence.
+  function fromLink(info) {
     const ask = new URLSearchParams(location.search);
+    const ignored = [];
+    const choose = (name, select, allowed, why) => {
+      if (!ask.has(name)) return;
+      const value = ask.get(name);
+      if (allowed.includes(value)) $(select).value = value;
+      else ignored.push(`${name}=${value} (${why})`);
+    };
     if (ask.has("text")) $("#prompt").value = ask.get("text");
-    if (ask.has("skip")) $("#skip-block").value = ask.get("skip");
+    const blocks = [...Array(info.n_layers).keys()].map(String);
+    choose("skip", "#skip-block", blocks, `this model's blocks are 0-${info.n_layers - 1}`);
+    choose("part", "#skip-part", info.parts, `use ${info.parts.join(", ")}`);
+    choose("top_k", "#top-k", [...$("#top-k").options].map((o) => o.value), "use 3, 5 or 10");
     if (ask.has("clean")) $("#clean").value = ask.get("clean");
     if (ask.has("corrupt")) $("#corrupt").value = ask.get("corrupt");
-    refresh();
-    if (["patch", "runs"].includes(ask.get("tab"))) tab(ask.get("tab"));
+    if (ask.has("clean") || ask.has("corrupt")) pairChanged();  // the example's target is not theirs
+    if (ask.has("target")) $("#target").value = ask.get("target");
+    let tabName = "lens";
+    if (ask.has("tab")) {
+      if (["lens", "patch", "runs"].includes(ask.get("tab"))) tabName = ask.get("tab");
+      else ignored.push(`tab=${ask.get("tab")} (use lens, patch or runs)`);
+    }
+    const note = $("#notice");
+    note.hidden = ignored.length === 0;
+    note.textContent = ignored.length ? `This link's ${ignored.join("; ")} ${ignored.length === 1 ? "was" : "were"} ignored.` : "";
+    return tabName;
+  }
+
+  function lensName(spec) {  // a fitted lens by its file's name (the whole path on hover)
+    const m = /^([\w-]+):(.+)$/.exec(spec);
+    if (!m || !/[\/\\]/.test(m[2])) return spec;
+    const parts = m[2].split(/[\/\\]/).filter(Boolean);
+    return `${m[1]}: ${parts[parts.length - 1] || m[2]}`;
   }
   start();
 })();
