@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -142,8 +142,13 @@ def fit(
             overwrite=overwrite,
             trust_remote_code=trust_remote_code,
         )
-    if not world.main:
-        return
+    if world.main:
+        _show_fit(done)
+
+
+def _show_fit(done: Any) -> None:
+    """Print a fit (its run's notes, the evaluation, where the lens is, a warning of the
+    manifest) and exit as a run does: 130 or 143 interrupted, 1 when anything failed."""
     term = console()
     if done.run is not None:
         show_run(done.run)  # a failed analyzer and an error on standard error

@@ -169,27 +169,8 @@ def fit_lens(
         LensdivError: A bad kind, option or data, before any work.
         TypeError: A run setting passed both ways, or ``settings`` that is no ``RunSettings``.
     """
-    given = {n: load.pop(n) for n in RunSettings.names() if n in load}
-    loading = set(inspect.signature(load_model).parameters) - {
-        "spec",
-        "device",
-        "dtype",
-        "progress",
-    }
-    unknown = sorted(set(load) - loading)
-    if unknown:
-        raise TypeError(
-            f"fit_lens() got an unexpected keyword argument {unknown[0]!r} (its run settings: "
-            f"{', '.join(RunSettings.names())}; load_model's: {', '.join(sorted(loading))})"
-        )
-    settings = RunSettings.of(settings, given, caller="fit_lens", defaults=_FIT_DEFAULTS)
-    _no_lens(settings, "a fit reads the model's own residual states", "tuned: init=LENS")
-    found = LENS_KINDS.get(kind)
-    how = None if found is None else found.fitting()
-    if found is None or how is None:
-        raise OptionError(
-            f"unknown lens kind {kind!r}", hint=f"use one of {', '.join(fitted_kinds())}"
-        )
+    settings = _fit_settings(settings, load)
+    how = _fitting(kind)
     out = Path(out)
     options = dict(options or {})
     fitter, tokens, start = how.plan(
@@ -220,36 +201,98 @@ def fit_lens(
         overwrite=overwrite,
         shard=shard,
     )
-    # Rank 0 alone finalizes and writes: its word decides, on every rank, whether the lens is
-    # there and complete (every rank takes part in the evaluation's runs).
-    written, complete, read = gather_objects(
-        current_world(),
-        (
-            fitter.name in run.results,
-            run.manifest.get("status") == "complete",
-            int(run.manifest.get("timings", {}).get("tokens", tokens)),
-        ),
-        "the end of the fit",
-    )[0]
-    lens = out / fitter.name / how.artifact if written else None
-    fit = LensFit(kind, lens, out, run=run, manifest=run.manifest, warnings=said)
-    if lens is not None and current_world().main:
-        write_pointer(out, kind, lens)  # --lens KIND:OUT and --lens OUT read it
-    if lens is None or eval_tokens <= 0 or not complete:
+    fit, complete, read = _fitted(run, kind, out, fitter.name, how.artifact, tokens, said)
+    if fit.lens is None or eval_tokens <= 0 or not complete:
         return fit
     # the data ran out (steps done of those planned), or holds nothing after the fit's tokens:
     # the lens stays, without its evaluation
     short = read < tokens or (held is not None and held <= tokens)
     why = f"the fit read all {read:,} tokens of the data ({tokens:,} planned)" if short else None
+    _evaluate_fit(fit, model, bridge, data, settings, tokens, eval_tokens, why, progress)
+    return fit
+
+
+def _fit_settings(settings: RunSettings | None, load: dict[str, Any]) -> RunSettings:
+    """The fit's run settings from ``settings`` and those of ``load``'s keywords (taken out of
+    it: what stays is for ``load_model``, a keyword of neither a TypeError); no lens."""
+    given = {n: load.pop(n) for n in RunSettings.names() if n in load}
+    loading = set(inspect.signature(load_model).parameters) - {
+        "spec",
+        "device",
+        "dtype",
+        "progress",
+    }
+    unknown = sorted(set(load) - loading)
+    if unknown:
+        raise TypeError(
+            f"fit_lens() got an unexpected keyword argument {unknown[0]!r} (its run settings: "
+            f"{', '.join(RunSettings.names())}; load_model's: {', '.join(sorted(loading))})"
+        )
+    settings = RunSettings.of(settings, given, caller="fit_lens", defaults=_FIT_DEFAULTS)
+    _no_lens(settings, "a fit reads the model's own residual states", "tuned: init=LENS")
+    return settings
+
+
+def _fitting(kind: str) -> Fitter:
+    """How a lens of ``kind`` is fitted (its entry in the registry of lens kinds)."""
+    found = LENS_KINDS.get(kind)
+    how = None if found is None else found.fitting()
+    if found is None or how is None:
+        raise OptionError(
+            f"unknown lens kind {kind!r}", hint=f"use one of {', '.join(fitted_kinds())}"
+        )
+    return how
+
+
+def _fitted(
+    run: Run, kind: str, out: Path, name: str, artifact: str, tokens: int, said: list[str]
+) -> tuple[LensFit, bool, int]:
+    """The fit's outcome on every rank (the lens, ``out/name/artifact``, if the analyzer
+    ``name`` wrote it; ``lens.json`` pointing at it), whether the run was complete, and the
+    tokens it read.
+
+    Rank 0 alone finalizes and writes: its word decides, on every rank, whether the lens is
+    there and complete (every rank takes part in the evaluation's runs).
+    """
+    written, complete, read = gather_objects(
+        current_world(),
+        (
+            name in run.results,
+            run.manifest.get("status") == "complete",
+            int(run.manifest.get("timings", {}).get("tokens", tokens)),
+        ),
+        "the end of the fit",
+    )[0]
+    lens = out / name / artifact if written else None
+    fit = LensFit(kind, lens, out, run=run, manifest=run.manifest, warnings=said)
+    if lens is not None and current_world().main:
+        write_pointer(out, kind, lens)  # --lens KIND:OUT and --lens OUT read it
+    return fit, complete, read
+
+
+def _evaluate_fit(
+    fit: LensFit,
+    model: Any,
+    bridge: Any,
+    data: Any,
+    settings: RunSettings,
+    tokens: int,
+    eval_tokens: int,
+    why: str | None,
+    progress: bool,
+) -> None:
+    """The fitted lens evaluated on ``eval_tokens`` after the fit's ``tokens`` of the data
+    (``fit.evaluation``), or one warning why it is not (``why``, or data that holds too few),
+    naming the command that evaluates it on other data."""
     if why is None:
         try:
             fit.evaluation = evaluate_lens(
                 bridge,
-                f"{kind}:{lens}",
+                f"{fit.kind}:{fit.lens}",
                 data=data,
                 settings=dataclasses.replace(settings, max_tokens=eval_tokens),
                 skip_tokens=tokens,
-                out=out,
+                out=fit.out,
                 progress=progress,
             )
         except DataError as err:
@@ -257,10 +300,10 @@ def fit_lens(
     if why is not None:
         _say(
             f"no evaluation: {why}; none are left to evaluate the lens on — evaluate it on "
-            f"other data: lensdiv lenses evaluate {_named(model)} --lens {kind}:{out} --data OTHER",
+            f"other data: lensdiv lenses evaluate {_named(model)} --lens {fit.kind}:{fit.out} "
+            "--data OTHER",
             fit.warnings,
         )
-    return fit
 
 
 def _named(model: Any) -> str:

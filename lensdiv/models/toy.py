@@ -421,9 +421,62 @@ def train_toy(
     model = build(spec)
     net = model.original_model
     net.train()
+    opt = _optimizer(net, recipe)
+    batches, eval_batches = _toy_batches(recipe)
+    log: dict[str, Any] = {
+        "model": spec.name,
+        "spec": dataclasses.asdict(spec),
+        "recipe": dataclasses.asdict(recipe),
+        "key": recipe_key(spec, recipe),
+        "n_params": sum(p.numel() for p in net.parameters()),
+        "train_loss": [],
+        "eval": [],
+    }
+    started = time.time()
+    bar = _train_progress(progress, spec.name)
+    with bar:
+        task = bar.add_task("train", total=recipe.steps, loss=float("nan"))
+        smooth = None
+        for step, batch in enumerate(batches):
+            if step >= min(recipe.steps, stop_after or recipe.steps):
+                break
+            for group in opt.param_groups:
+                group["lr"] = _lr_at(recipe, step)
+            loss = _lm_loss(net, batch.tokens, batch.mask)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+            opt.step()
+            value = float(loss.detach())
+            smooth = value if smooth is None else 0.95 * smooth + 0.05 * value
+            log["train_loss"].append(round(value, 5))
+            if (step + 1) % recipe.eval_every == 0 or step + 1 == recipe.steps:
+                log["eval"].append(_eval_point(model, eval_batches, recipe, step + 1))
+                net.train()
+            bar.update(task, advance=1, loss=smooth)
+    net.eval()
+    if stop_after is not None:
+        return model, log
+    log["train_seconds"] = round(time.time() - started, 2)
+    log["heldout_loss"] = log["eval"][-1]["loss"]
+    log["multihop"] = log["eval"][-1]["multihop"]  # held-out chains
+    log["multihop_seen"] = log["eval"][-1]["multihop_seen"]  # chains of the training split
+    log["lens_kl"] = _lens_kl(model)
+    if save:
+        try:
+            _save_entry(spec, recipe, model, log)
+        except OSError as err:  # the trained model is still good for this run
+            _warn(f"could not cache {spec.name} ({err.strerror or err}); it trains again next time")
+    return model, log
+
+
+def _optimizer(net: Any, recipe: TrainRecipe) -> Any:
+    """AdamW over the toy's parameters, weight decay on the matrices only."""
+    import torch
+
     decay = [p for n, p in net.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in net.named_parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW(
+    return torch.optim.AdamW(
         [
             {"params": decay, "weight_decay": recipe.weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
@@ -432,12 +485,18 @@ def train_toy(
         betas=(0.9, 0.98),
     )
 
-    def lr_at(step: int) -> float:
-        if step < recipe.warmup:
-            return recipe.lr * (step + 1) / recipe.warmup
-        frac = (step - recipe.warmup) / max(1, recipe.steps - recipe.warmup)
-        return recipe.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
+def _lr_at(recipe: TrainRecipe, step: int) -> float:
+    """The learning rate of ``step``: a linear warm-up, then a cosine down to a tenth."""
+    if step < recipe.warmup:
+        return recipe.lr * (step + 1) / recipe.warmup
+    frac = (step - recipe.warmup) / max(1, recipe.steps - recipe.warmup)
+    return recipe.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def _toy_batches(recipe: TrainRecipe) -> tuple[Iterator[Any], list[Any]]:
+    """The recipe's training batches (the mixed corpus' train split, as many as its steps
+    read) and its evaluation batches (the test split's first ``eval_tokens``)."""
     tokenizer = byte_tokenizer()
     pack_spec = DataSpec(
         seq_len=recipe.seq_len,
@@ -461,58 +520,20 @@ def train_toy(
             dataclasses.replace(pack_spec, max_tokens=recipe.eval_tokens),
         )
     )
-    log: dict[str, Any] = {
-        "model": spec.name,
-        "spec": dataclasses.asdict(spec),
-        "recipe": dataclasses.asdict(recipe),
-        "key": recipe_key(spec, recipe),
-        "n_params": sum(p.numel() for p in net.parameters()),
-        "train_loss": [],
-        "eval": [],
-    }
-    started = time.time()
-    bar = _train_progress(progress, spec.name)
-    with bar:
-        task = bar.add_task("train", total=recipe.steps, loss=float("nan"))
-        smooth = None
-        for step, batch in enumerate(batches):
-            if step >= min(recipe.steps, stop_after or recipe.steps):
-                break
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step)
-            loss = _lm_loss(net, batch.tokens, batch.mask)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
-            opt.step()
-            value = float(loss.detach())
-            smooth = value if smooth is None else 0.95 * smooth + 0.05 * value
-            log["train_loss"].append(round(value, 5))
-            if (step + 1) % recipe.eval_every == 0 or step + 1 == recipe.steps:
-                point: dict[str, Any] = {"step": step + 1, "loss": _eval_loss(net, eval_batches)}
-                # Multi-hop accuracy along training: on the training split's chains (seen) and
-                # on held-out ones (whether composition is learnt).
-                point["multihop"] = multihop_accuracy(model, n=recipe.hop_queries)
-                point["multihop_seen"] = multihop_accuracy(
-                    model, n=recipe.hop_queries, chains="seen"
-                )
-                log["eval"].append(point)
-                net.train()
-            bar.update(task, advance=1, loss=smooth)
-    net.eval()
-    if stop_after is not None:
-        return model, log
-    log["train_seconds"] = round(time.time() - started, 2)
-    log["heldout_loss"] = log["eval"][-1]["loss"]
-    log["multihop"] = log["eval"][-1]["multihop"]  # held-out chains
-    log["multihop_seen"] = log["eval"][-1]["multihop_seen"]  # chains of the training split
-    log["lens_kl"] = _lens_kl(model)
-    if save:
-        try:
-            _save_entry(spec, recipe, model, log)
-        except OSError as err:  # the trained model is still good for this run
-            _warn(f"could not cache {spec.name} ({err.strerror or err}); it trains again next time")
-    return model, log
+    return batches, eval_batches
+
+
+def _eval_point(
+    model: Any, eval_batches: list[Any], recipe: TrainRecipe, step: int
+) -> dict[str, Any]:
+    """The evaluation after ``step`` steps: held-out loss, and multi-hop accuracy on held-out
+    chains and on the training split's (the net left in eval mode)."""
+    point: dict[str, Any] = {"step": step, "loss": _eval_loss(model.original_model, eval_batches)}
+    # Multi-hop accuracy along training: on the training split's chains (seen) and on held-out
+    # ones (whether composition is learnt).
+    point["multihop"] = multihop_accuracy(model, n=recipe.hop_queries)
+    point["multihop_seen"] = multihop_accuracy(model, n=recipe.hop_queries, chains="seen")
+    return point
 
 
 def _lm_loss(net: Any, tokens: Any, mask: Any) -> Any:

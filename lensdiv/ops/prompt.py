@@ -122,6 +122,31 @@ def prompt_view(
         raise OptionError("--skip works with the logit lens only", hint="drop --lens")
     _check_options(top_k, skip, part, L)
     tokens = _tokens(model, text, prepend_bos)
+    grid, labels, how = _grid(
+        model, info, lens, tokens, skip, part, top_k=top_k, products=products, workspace=workspace
+    )
+    title, note = _describe(lens, skip, part, L)
+    fields = _view(model, info, tokens[0], grid, labels, title, note, lens.kind, skip)
+    meta = _meta(model, lens, grid, how, top_k, prepend_bos, skip, part)
+    return PromptView(**fields, meta=meta)
+
+
+def _grid(
+    model: Any,
+    info: ModelInfo,
+    lens: Lens,
+    tokens: Int[Tensor, "1 pos"],
+    skip: int | None,
+    part: str,
+    *,
+    top_k: int,
+    products: str,
+    workspace: Workspace | None,
+) -> tuple[Cells, list[str], str]:
+    """The cells of every row shown (each ``h_l`` through ``lens``, or the logit lens of the
+    model with block ``skip`` skipped; the KL always to the unskipped output), the rows'
+    labels, and how they were read out."""
+    L = info.n_layers
     names = [info.resid(layer) for layer in range(L + 1)]
     with torch.no_grad():
         _, clean = capture(model, tokens, names, need_logits=False)
@@ -149,23 +174,32 @@ def prompt_view(
             products=products,
             workspace=workspace,
         )
-    title, note = _describe(lens, skip, part, L)
-    fields = _view(model, info, tokens[0], grid, labels, title, note, lens.kind, skip)
+    return grid, labels, how
+
+
+def _meta(
+    model: Any,
+    lens: Lens,
+    grid: Cells,
+    how: str,
+    top_k: int,
+    prepend_bos: bool,
+    skip: int | None,
+    part: str,
+) -> dict[str, Any]:
+    """What a view records of how it was made (lens, options, the readout's precision)."""
     dtype = next(model.parameters()).dtype
-    return PromptView(
-        **fields,
-        meta={
-            "lensdiv": versions()["lensdiv"],
-            "lens": "skip" if skip is not None else lens.kind,
-            **({"translator": lens.describe()} if not lens.identity else {}),
-            "top_k": top_k,
-            "prepend_bos": prepend_bos,
-            "readout_dtype": str(readout_dtype(dtype)).replace("torch.", ""),
-            "readout": how if grid.products == "float32" else f"{how}; {describe(grid.products)}",
-            "model_dtype": str(dtype).replace("torch.", ""),
-            **({"skip": skip, "part": part} if skip is not None else {}),
-        },
-    )
+    return {
+        "lensdiv": versions()["lensdiv"],
+        "lens": "skip" if skip is not None else lens.kind,
+        **({"translator": lens.describe()} if not lens.identity else {}),
+        "top_k": top_k,
+        "prepend_bos": prepend_bos,
+        "readout_dtype": str(readout_dtype(dtype)).replace("torch.", ""),
+        "readout": how if grid.products == "float32" else f"{how}; {describe(grid.products)}",
+        "model_dtype": str(dtype).replace("torch.", ""),
+        **({"skip": skip, "part": part} if skip is not None else {}),
+    }
 
 
 def float32_readout(model: Any) -> tuple[Callable[[Tensor], Tensor], str]:

@@ -17,24 +17,20 @@ from lensdiv.core.analyzer import Analyzer, Batch, ModelInfo
 from lensdiv.core.devices import device_map_of
 from lensdiv.core.errors import (
     LensdivError,
-    OptionError,
     RankError,
     ResultError,
     UnsupportedModelError,
 )
 from lensdiv.core.progress import progress_allowed
 from lensdiv.core.provenance import versions
-from lensdiv.core.registry import make_analyzers
 from lensdiv.core.results import Rendered, Result
 from lensdiv.core.settings import RunSettings, settings_keywords
 from lensdiv.data.prefetch import ready_batches
-from lensdiv.data.sources import DataSpec, check_source, most_tokens
+from lensdiv.data.sources import DataSpec, most_tokens
 from lensdiv.models.load import load_model
-from lensdiv.ops.lens_specs import parse_lens
 from lensdiv.ops.readout import readout_dtype
-from lensdiv.ops.translators import LOGIT, Lens
-from lensdiv.run.defaults import default_data
-from lensdiv.run.distributed import DataParallelFeed, World, current_world, gather_objects
+from lensdiv.ops.translators import Lens
+from lensdiv.run.distributed import DataParallelFeed, World
 from lensdiv.run.engine import Engine, describe, input_device
 from lensdiv.run.feed import Feed, LocalFeed
 from lensdiv.run.interrupts import handle_signals, interruption, shielded, signals_received
@@ -49,19 +45,18 @@ from lensdiv.run.outcome import (
 )
 from lensdiv.run.passes import Reader, feed_passes, own_batches
 from lensdiv.run.report import REPORT, VIEWS, write_report
-from lensdiv.run.shards import ShardFeed, check_shardable, parse_shard
+from lensdiv.run.request import Request, check_request
+from lensdiv.run.shards import ShardFeed, check_shardable
 from lensdiv.run.validate import (
-    check_arguments,
+    Prepared,
     check_budget,
     check_model,
-    check_output,
     check_runs,
     checked,
     clear_output,
     corpus_facts,
     prepare,
     short_data_warning,
-    warn_unread_lens,
 )
 
 
@@ -198,193 +193,45 @@ def analyze(
         TypeError: A keyword that is neither an argument nor a run setting.
     """
     settings = RunSettings.of(settings, given, caller="analyze")
-    device, dtype, seed = settings.device, settings.dtype, settings.seed
-    out_dir = check_arguments(
-        out=out,
-        device=device,
-        seed=seed,
-        flags={
-            "progress": progress,
-            "trust_remote_code": trust_remote_code,
-            "overwrite": overwrite,
-        },
-    )
-    if threads is not None and (
-        isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
-    ):
-        raise OptionError(f"threads must be a whole number of at least 1, not {threads!r}")
-    analyzers = make_analyzers(plugins, options)
-    translator = parse_lens(settings.lens)
-    warn_unread_lens(translator, analyzers)
-    world, part = _split(shard)
-    if feed is not None and (part is not None or world.parallel):
-        raise LensdivError(
-            "a feed and --shard or a process group (torchrun) are two ways to split one run",
-            hint="use one",
-        )
-    if device is None and world.parallel:
-        device = world.default_device()
-    spec = DataSpec.from_data(data, default=default_data(model), **settings.data())
-    check_source(spec)
-    _check_output_once(world, out_dir, analyzers, overwrite=overwrite)
-    with handle_signals(), progress_allowed(progress):
-        return _run(
-            model,
-            spec,
-            analyzers,
-            out_dir,
-            device=device,
-            dtype=dtype,
-            threads=threads,
-            seed=seed,
-            trust_remote_code=trust_remote_code,
-            progress=progress and world.main,
-            overwrite=overwrite,
-            placement={
-                "device_map": device_map,
-                "max_memory": max_memory,
-                "offload_folder": offload_folder,
-            },
-            world=world,
-            part=part,
-            feed=feed,
-            translator=translator,
-        )
-
-
-def _run(
-    model: Any,
-    spec: DataSpec,
-    analyzers: list[Analyzer],
-    out_dir: Path | None,
-    *,
-    device: Any,
-    dtype: Any,
-    threads: int | None,
-    seed: int,
-    trust_remote_code: bool,
-    progress: bool,
-    overwrite: bool,
-    placement: dict[str, Any],
-    world: World,
-    part: tuple[int, int] | None,
-    feed: Feed | None,
-    translator: Lens = LOGIT,
-) -> Run:
-    import torch
-
-    started = time.time()
-    if threads is not None:
-        torch.set_num_threads(threads)
-    torch.manual_seed(seed)
-    folded_only = all(a.numerics == "folded" for a in analyzers)
-    bridge = load_model(
+    request = check_request(
         model,
-        device=device,
-        dtype=dtype,
+        data,
+        plugins,
+        settings,
+        out=out,
+        options=options,
+        threads=threads,
         trust_remote_code=trust_remote_code,
-        numerics="folded" if folded_only else "raw",
         progress=progress,
-        **placement,
+        overwrite=overwrite,
+        placement={
+            "device_map": device_map,
+            "max_memory": max_memory,
+            "offload_folder": offload_folder,
+        },
+        shard=shard,
+        feed=feed,
     )
-    parsed = bridge.lensdiv_spec
-    info = ModelInfo.from_model(bridge, name=parsed.spec)
-    check_model(bridge, info, spec)
-    check_runs(bridge, info)
-    translator.check(info, bridge)
-    # Task analyzers bring their own examples, and setup() loads what else a run needs (a
-    # reference model): all of it is read and checked before any forward pass, so a bad task
-    # file fails at once and nothing is written. An analyzer that cannot support the model is
-    # skipped with its reason; one that crashes here is marked failed; the others run.
-    prepared = prepare(analyzers, bridge, info, corpus_facts(spec, bridge.tokenizer))
-    if not prepared.ready(analyzers) and not prepared.failed:
-        by_reason: dict[str, list[str]] = {}
-        for name, why in prepared.skipped.items():
-            by_reason.setdefault(why, []).append(name)
-        reasons = "; ".join(f"{', '.join(names)}: {why}" for why, names in by_reason.items())
-        raise UnsupportedModelError(
-            f"no selected analyzer supports {info.name} ({reasons})",
-            hint="choose other analyzers (`lensdiv plugins list`)",
-        )
-    hooks, tasks, resources = prepared.hooks, prepared.tasks, prepared.resources
-    check_budget([a for a in prepared.ready(analyzers) if tasks[a.name] is None], info, spec)
-    if part is not None:
-        check_shardable(prepared.ready(analyzers), info)
-    out_dir = out_dir if world.main else None
-    if overwrite:
-        clear_output(out_dir, analyzers)
+    with handle_signals(), progress_allowed(progress):
+        return _run(request)
 
+
+def _run(request: Request) -> Run:
+    """Load the model, prepare the analyzers, write the manifest, and stream each group of
+    analyzers; the manifest ends in its final state however the run ends."""
+    started = time.time()
+    bridge, info = _load(request)
+    prepared = _prepare(request, bridge, info)
+    out_dir = request.out_dir if request.world.main else None
+    if request.overwrite:
+        clear_output(out_dir, request.analyzers)
     run = Run(out=out_dir)
-    run.manifest = {
-        "lensdiv_manifest": 1,
-        "status": "running",
-        "model": {
-            "spec": parsed.spec,
-            "kind": parsed.kind,
-            "resolved": parsed.resolved,
-            "source": getattr(parsed, "origin", None),  # a GGUF file's name, digest, quantization
-            "n_layers": info.n_layers,
-            "d_model": info.d_model,
-            "d_vocab": info.d_vocab,
-            "parameters": sum(p.numel() for p in bridge.parameters()),  # a study's size axis
-            "normalization": info.normalization,
-            "parallel_residual": info.parallel_residual,
-            "device": str(input_device(bridge)),
-            "dtype": str(next(bridge.parameters()).dtype).replace("torch.", ""),
-            "readout_dtype": str(readout_dtype(next(bridge.parameters()).dtype)).replace(
-                "torch.", ""
-            ),
-        },
-        "threads": torch.get_num_threads(),
-        "world_size": world.size,  # processes of a torchrun group (details under "distributed")
-        "lens": translator.describe(),
-        "data": spec.describe(),
-        "seed": seed,
-        "analyzers": {
-            a.name: {"options": a.options(), "status": "pending", "numerics": a.numerics}
-            for a in analyzers
-        },
-        "versions": versions(),
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
-        "timings": {},
-    }
-    feed = _feed(world, part, bridge, info, out_dir, run.manifest, feed)
-    entries = run.manifest["analyzers"]
-    for name, reason in prepared.skipped.items():
-        entries[name].update(status="skipped", reason=reason)
-        run.skipped[name] = reason
-    for name, error in prepared.failed.items():
-        entries[name].update(status="failed", error=error)
-        run.errors[name] = error
-    for name, own in tasks.items():
-        if own is not None:
-            entries[name]["data"] = "own examples"
-    analyzers = prepared.ready(analyzers)
-
-    def save_manifest() -> None:
-        problem = write_manifest(out_dir, run.manifest)
-        run.unwritten.pop(MANIFEST, None)
-        if problem is not None:
-            run.unwritten[MANIFEST] = problem
-            if problem not in run.problems:
-                run.problems.append(problem)
-
-    # One fused stream over the corpus per numerics kind, then one stream per task analyzer.
-    # Each with the most tokens it can read (a progress bar's total until the data's end is
-    # known: the data tells it, see _stream). A training (passes that read the data onward:
-    # Analyzer.pass_tokens) streams on its own.
-    groups: list[tuple[list[Analyzer], Reader, int]] = []
-    for kind in ("raw", "folded"):
-        shared = [a for a in analyzers if a.numerics == kind and tasks[a.name] is None]
-        corpus = partial(_checked, partial(ready_batches, spec, bridge.tokenizer), info)
-        together = [a for a in shared if a.pass_tokens(info) is None]
-        for group in ([together] if together else []) + [[a] for a in shared if a not in together]:
-            groups.append((group, corpus, most_tokens(spec)))
-        for a in analyzers:
-            own = tasks[a.name]
-            if a.numerics == kind and own is not None:
-                size = sum(b.n_tokens for b in own)
-                groups.append(([a], partial(own_batches, own), size))
+    run.manifest = _manifest(request, bridge, info, started)
+    feed = _feed(request.world, request.part, bridge, info, out_dir, run.manifest, request.feed)
+    _record_prepared(run, prepared)
+    analyzers = prepared.ready(request.analyzers)
+    save_manifest = partial(_save_manifest, run)
+    groups = _groups(analyzers, prepared.tasks, request.spec, bridge, info)
     stopped: BaseException | None = None
     try:
         feed.start()  # every process has its model: the run starts (and its manifest says so)
@@ -393,17 +240,10 @@ def _run(
             if signals_received():  # arrived while the last group's results were saved
                 stopped = interruption(signals_received()[0])
                 break
-            if group[0].numerics == "folded" and not getattr(bridge, "compatibility_mode", False):
-                bridge.enable_compatibility_mode()
-            engine = Engine(
-                bridge,
-                info,
-                group,
-                hooks={a.name: hooks[a.name] for a in group},
-                resources={a.name: resources[a.name] for a in group},
-                lens=translator,
+            engine = _engine(bridge, info, group, prepared, request.translator)
+            stopped = _stream(
+                engine, batches, total, run, out_dir, request.progress, save_manifest, feed
             )
-            stopped = _stream(engine, batches, total, run, out_dir, progress, save_manifest, feed)
             if stopped is not None:
                 break
     except KeyboardInterrupt as err:  # between two groups: what is saved stays saved
@@ -421,6 +261,167 @@ def _run(
     if isinstance(stopped, LensdivError):
         raise stopped  # after the partial results and the manifest are on disk
     return run
+
+
+def _load(request: Request) -> tuple[Any, ModelInfo]:
+    """The model (torch's threads and seed set first), its facts, and every check of them
+    against the data and the lens."""
+    import torch
+
+    if request.threads is not None:
+        torch.set_num_threads(request.threads)
+    torch.manual_seed(request.seed)
+    folded_only = all(a.numerics == "folded" for a in request.analyzers)
+    bridge = load_model(
+        request.model,
+        device=request.device,
+        dtype=request.dtype,
+        trust_remote_code=request.trust_remote_code,
+        numerics="folded" if folded_only else "raw",
+        progress=request.progress,
+        **request.placement,
+    )
+    info = ModelInfo.from_model(bridge, name=bridge.lensdiv_spec.spec)
+    check_model(bridge, info, request.spec)
+    check_runs(bridge, info)
+    request.translator.check(info, bridge)
+    return bridge, info
+
+
+def _prepare(request: Request, bridge: Any, info: ModelInfo) -> Prepared:
+    """Each analyzer's hooks, own examples and resources, before any forward pass.
+
+    Task analyzers bring their own examples, and setup() loads what else a run needs (a
+    reference model): all of it is read and checked before any forward pass, so a bad task
+    file fails at once and nothing is written. An analyzer that cannot support the model is
+    skipped with its reason; one that crashes here is marked failed; the others run.
+    """
+    analyzers, spec = request.analyzers, request.spec
+    prepared = prepare(analyzers, bridge, info, corpus_facts(spec, bridge.tokenizer))
+    if not prepared.ready(analyzers) and not prepared.failed:
+        by_reason: dict[str, list[str]] = {}
+        for name, why in prepared.skipped.items():
+            by_reason.setdefault(why, []).append(name)
+        reasons = "; ".join(f"{', '.join(names)}: {why}" for why, names in by_reason.items())
+        raise UnsupportedModelError(
+            f"no selected analyzer supports {info.name} ({reasons})",
+            hint="choose other analyzers (`lensdiv plugins list`)",
+        )
+    tasks = prepared.tasks
+    check_budget([a for a in prepared.ready(analyzers) if tasks[a.name] is None], info, spec)
+    if request.part is not None:
+        check_shardable(prepared.ready(analyzers), info)
+    return prepared
+
+
+def _manifest(request: Request, bridge: Any, info: ModelInfo, started: float) -> dict[str, Any]:
+    """The run's manifest as it starts: the model, the lens, data, seed and every analyzer
+    pending."""
+    import torch
+
+    parsed = bridge.lensdiv_spec
+    dtype = next(bridge.parameters()).dtype
+    return {
+        "lensdiv_manifest": 1,
+        "status": "running",
+        "model": {
+            "spec": parsed.spec,
+            "kind": parsed.kind,
+            "resolved": parsed.resolved,
+            "source": getattr(parsed, "origin", None),  # a GGUF file's name, digest, quantization
+            "n_layers": info.n_layers,
+            "d_model": info.d_model,
+            "d_vocab": info.d_vocab,
+            "parameters": sum(p.numel() for p in bridge.parameters()),  # a study's size axis
+            "normalization": info.normalization,
+            "parallel_residual": info.parallel_residual,
+            "device": str(input_device(bridge)),
+            "dtype": str(dtype).replace("torch.", ""),
+            "readout_dtype": str(readout_dtype(dtype)).replace("torch.", ""),
+        },
+        "threads": torch.get_num_threads(),
+        "world_size": request.world.size,  # processes of a torchrun group (see "distributed")
+        "lens": request.translator.describe(),
+        "data": request.spec.describe(),
+        "seed": request.seed,
+        "analyzers": {
+            a.name: {"options": a.options(), "status": "pending", "numerics": a.numerics}
+            for a in request.analyzers
+        },
+        "versions": versions(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+        "timings": {},
+    }
+
+
+def _record_prepared(run: Run, prepared: Prepared) -> None:
+    """The manifest's and the run's record of the analyzers skipped or failed in preparation,
+    and of those reading their own examples."""
+    entries = run.manifest["analyzers"]
+    for name, reason in prepared.skipped.items():
+        entries[name].update(status="skipped", reason=reason)
+        run.skipped[name] = reason
+    for name, error in prepared.failed.items():
+        entries[name].update(status="failed", error=error)
+        run.errors[name] = error
+    for name, own in prepared.tasks.items():
+        if own is not None:
+            entries[name]["data"] = "own examples"
+
+
+def _save_manifest(run: Run) -> None:
+    """Write the manifest to the run's folder; a write that fails is a problem of the run."""
+    problem = write_manifest(run.out, run.manifest)
+    run.unwritten.pop(MANIFEST, None)
+    if problem is not None:
+        run.unwritten[MANIFEST] = problem
+        if problem not in run.problems:
+            run.problems.append(problem)
+
+
+def _groups(
+    analyzers: list[Analyzer],
+    tasks: Mapping[str, Any],
+    spec: DataSpec,
+    bridge: Any,
+    info: ModelInfo,
+) -> list[tuple[list[Analyzer], Reader, int]]:
+    """The run's streams: one fused stream over the corpus per numerics kind, then one stream
+    per task analyzer.
+
+    Each with the most tokens it can read (a progress bar's total until the data's end is
+    known: the data tells it, see _stream). A training (passes that read the data onward:
+    Analyzer.pass_tokens) streams on its own.
+    """
+    groups: list[tuple[list[Analyzer], Reader, int]] = []
+    for kind in ("raw", "folded"):
+        shared = [a for a in analyzers if a.numerics == kind and tasks[a.name] is None]
+        corpus = partial(_checked, partial(ready_batches, spec, bridge.tokenizer), info)
+        together = [a for a in shared if a.pass_tokens(info) is None]
+        for group in ([together] if together else []) + [[a] for a in shared if a not in together]:
+            groups.append((group, corpus, most_tokens(spec)))
+        for a in analyzers:
+            own = tasks[a.name]
+            if a.numerics == kind and own is not None:
+                size = sum(b.n_tokens for b in own)
+                groups.append(([a], partial(own_batches, own), size))
+    return groups
+
+
+def _engine(
+    bridge: Any, info: ModelInfo, group: list[Analyzer], prepared: Prepared, lens: Lens
+) -> Engine:
+    """The engine of one group (the model in compatibility mode for folded numerics)."""
+    if group[0].numerics == "folded" and not getattr(bridge, "compatibility_mode", False):
+        bridge.enable_compatibility_mode()
+    return Engine(
+        bridge,
+        info,
+        group,
+        hooks={a.name: prepared.hooks[a.name] for a in group},
+        resources={a.name: prepared.resources[a.name] for a in group},
+        lens=lens,
+    )
 
 
 def _report(run: Run, model: Any) -> None:
@@ -554,40 +555,6 @@ def _wrap_up(
         run.manifest["timings"][a.name + "_s"] = round(engine.spent[a.name], 3)
         save_manifest()
     save_manifest()
-
-
-def _check_output_once(
-    world: World, out_dir: Path | None, analyzers: list[Analyzer], *, overwrite: bool
-) -> None:
-    """``check_output`` on the rank that writes, its verdict shared with every rank.
-
-    Only rank 0 writes ``--out``, so only it may judge it: a rank that started late would
-    otherwise find rank 0's fresh manifest and refuse the folder as "already holds a run".
-    The exchange is also the barrier that keeps rank 0 from writing before every rank is here.
-    """
-    if not world.parallel:
-        check_output(out_dir, analyzers, overwrite=overwrite)
-        return
-    problem: LensdivError | None = None
-    if world.main:
-        try:
-            check_output(out_dir, analyzers, overwrite=overwrite)
-        except LensdivError as err:
-            problem = err
-    verdict = gather_objects(world, problem, "the check of --out")[0]
-    if verdict is not None:
-        raise verdict
-
-
-def _split(shard: str | tuple[int, int] | None) -> tuple[World, tuple[int, int] | None]:
-    """The process group this run is part of (if any), and the shard to run (if any)."""
-    world, split = current_world(), parse_shard(shard)
-    if world.parallel and split is not None:
-        raise LensdivError(
-            "--shard and a process group (torchrun) are two ways to split one run",
-            hint="use one: torchrun for a coordinated run, --shard I/N for independent jobs",
-        )
-    return world, split
 
 
 def _feed(

@@ -215,22 +215,8 @@ def run_study(
             family, bad ``task``, an ``out`` that cannot be written or holds another study.
         TypeError: An argument ``analyze`` does not take.
     """
-    given = {n: run_options.pop(n) for n in RunSettings.names() if n in run_options}
-    unknown = sorted(set(run_options) - set(_RUN_OPTIONS))
-    if unknown:
-        raise TypeError(
-            f"run_study() got an unexpected keyword argument {unknown[0]!r} (its run settings: "
-            f"{', '.join(RunSettings.names())}; analyze's: {', '.join(_RUN_OPTIONS)})"
-        )
-    settings = RunSettings.of(settings, given, caller="run_study")
+    settings, run_options = _study_settings(settings, run_options)
     seed, lens = settings.seed, settings.lens
-    # Where the model runs passes through to every run, and is recorded as given.
-    placement = {
-        n: getattr(settings, n)
-        for n in ("device", "dtype")
-        if n in given or getattr(settings, n) is not None
-    }
-    run_options = {**placement, **run_options}
     analyzers = make_analyzers(plugins, options)
     specs = resolve_models(models)
     spec = DataSpec.from_data(data, default=default_data(*specs), **settings.data())
@@ -259,40 +245,99 @@ def run_study(
     classes = {a.name: type(a) for a in analyzers}
     say = _Lines(progress and world.main)
     mine = [e for i, e in enumerate(entries) if part.runs(i)]
+    runs = _Runs(spec, analyzers, seed, lens, progress, run_options, world.main)
     with handle_signals(), progress_allowed(progress), _collecting():
-        try:
-            if out_dir is not None:
-                refresh(out_dir, entries)
-            for number, entry in enumerate(mine, 1):
-                if entry.status == "complete":
-                    entry.action = "kept"
-                    say(f"study [{number}/{len(mine)}] {entry.model}: complete before, kept")
-                    continue
-                say(f"study [{number}/{len(mine)}] {entry.model} -> {_where(out_dir, entry)}")
-                stopped = _run_model(
-                    study, entry, spec, analyzers, seed, lens, progress, run_options, world.main
-                )
-                say(f"study [{number}/{len(mine)}] {entry.model}: {_outcome(entry)}")
-                if stopped is not None:
-                    study.interrupted = signal_name(signum_of(stopped))
-                    break
-        except KeyboardInterrupt as err:  # between two models: every record is on disk
-            study.interrupted = signal_name(signum_of(err))
+        _run_models(study, mine, runs, say)
         if world.main:
-            gather = report and part.count == 1 and not study.interrupted
-            if gather and out_dir is not None:
-                say(f"study: writing the dataset, figures and page of {out_dir}")
-            try:
-                _finish(study, classes, report=gather)
-            except KeyboardInterrupt as err:  # the runs and records are on disk already
-                study.interrupted = signal_name(signum_of(err))
-                study.problems.append(f"stopped while gathering: `lensdiv study report {out}`")
-            if study.interrupted is None and report and part.count > 1 and out_dir is not None:
-                say(
-                    f"task {part} done; once every task is, `lensdiv study report {out_dir}` "
-                    "writes the dataset, figures and page"
-                )
+            _gather(study, classes, report=report, out=out, say=say)
     return study
+
+
+def _study_settings(
+    settings: RunSettings | None, run_options: dict[str, Any]
+) -> tuple[RunSettings, dict[str, Any]]:
+    """The study's run settings (from ``settings`` and those of ``run_options``), and what
+    passes through to every run: ``analyze``'s other arguments, and where the model runs
+    (``device``, ``dtype``) as given. An argument ``analyze`` does not take is a TypeError."""
+    given = {n: run_options.pop(n) for n in RunSettings.names() if n in run_options}
+    unknown = sorted(set(run_options) - set(_RUN_OPTIONS))
+    if unknown:
+        raise TypeError(
+            f"run_study() got an unexpected keyword argument {unknown[0]!r} (its run settings: "
+            f"{', '.join(RunSettings.names())}; analyze's: {', '.join(_RUN_OPTIONS)})"
+        )
+    settings = RunSettings.of(settings, given, caller="run_study")
+    # Where the model runs passes through to every run, and is recorded as given.
+    placement = {
+        n: getattr(settings, n)
+        for n in ("device", "dtype")
+        if n in given or getattr(settings, n) is not None
+    }
+    return settings, {**placement, **run_options}
+
+
+@dataclass(frozen=True)
+class _Runs:
+    """What every model's run of a study takes: the data, the analyzers, the seed, the lens
+    (``{model}`` and ``{run}`` filled in per model), whether to show progress, ``analyze``'s
+    other arguments (``options``); ``main``: this process writes the study's records."""
+
+    spec: DataSpec
+    analyzers: list[Analyzer]
+    seed: int
+    lens: Any
+    progress: bool
+    options: Mapping[str, Any]
+    main: bool
+
+
+def _run_models(study: Study, mine: list[ModelEntry], runs: _Runs, say: _Lines) -> None:
+    """Run this call's models in turn (one complete before is kept), a line before and after
+    each; a signal stops the study between two models (``study.interrupted``)."""
+    out_dir = study.out
+    try:
+        if out_dir is not None:
+            refresh(out_dir, study.models)
+        for number, entry in enumerate(mine, 1):
+            if entry.status == "complete":
+                entry.action = "kept"
+                say(f"study [{number}/{len(mine)}] {entry.model}: complete before, kept")
+                continue
+            say(f"study [{number}/{len(mine)}] {entry.model} -> {_where(out_dir, entry)}")
+            stopped = _run_model(study, entry, runs)
+            say(f"study [{number}/{len(mine)}] {entry.model}: {_outcome(entry)}")
+            if stopped is not None:
+                study.interrupted = signal_name(signum_of(stopped))
+                break
+    except KeyboardInterrupt as err:  # between two models: every record is on disk
+        study.interrupted = signal_name(signum_of(err))
+
+
+def _gather(
+    study: Study,
+    classes: Mapping[str, type[Analyzer]],
+    *,
+    report: bool,
+    out: str | Path | None,
+    say: _Lines,
+) -> None:
+    """After the models (on the process that writes): the study manifest and, when the study
+    is one task and was not stopped, with ``report``, its dataset, summary and page; a split
+    study is told how to gather it once every task is done."""
+    task, out_dir = study.task, study.out
+    gather = report and task.count == 1 and not study.interrupted
+    if gather and out_dir is not None:
+        say(f"study: writing the dataset, figures and page of {out_dir}")
+    try:
+        _finish(study, classes, report=gather)
+    except KeyboardInterrupt as err:  # the runs and records are on disk already
+        study.interrupted = signal_name(signum_of(err))
+        study.problems.append(f"stopped while gathering: `lensdiv study report {out}`")
+    if study.interrupted is None and report and task.count > 1 and out_dir is not None:
+        say(
+            f"task {task} done; once every task is, `lensdiv study report {out_dir}` "
+            "writes the dataset, figures and page"
+        )
 
 
 def report_study(out: str | Path, *, progress: bool = True) -> Study:
@@ -346,36 +391,26 @@ def load_study(out: str | Path) -> Any:
 
 
 # -- one model ----------------------------------------------------------------------------------
-def _run_model(
-    study: Study,
-    entry: ModelEntry,
-    spec: DataSpec,
-    analyzers: list[Analyzer],
-    seed: int,
-    lens: Any,
-    progress: bool,
-    run_options: Mapping[str, Any],
-    main: bool,
-) -> KeyboardInterrupt | None:
+def _run_model(study: Study, entry: ModelEntry, runs: _Runs) -> KeyboardInterrupt | None:
     """Run one model (from scratch), record its outcome; return the signal that stopped it."""
     folder = study.out / RUNS / entry.run if study.out is not None else None
     record = study.out / STATUS / f"{entry.run}.json" if study.out is not None else None
-    if record is not None and main:
+    if record is not None and runs.main:
         record.unlink(missing_ok=True)  # an attempt in progress has no record
-        clear_output(folder, analyzers)  # a run that did not finish is redone from scratch
+        clear_output(folder, runs.analyzers)  # a run that did not finish is redone from scratch
     entry.action, entry.reason, entry.size = "ran", None, {}
     started = time.time()
     stopped: KeyboardInterrupt | None = None
     try:
         run = analyze(
             entry.model,
-            spec,
-            analyzers,
+            runs.spec,
+            runs.analyzers,
             out=folder,
-            seed=seed,
-            lens=_lens_for(lens, entry),
-            progress=progress,
-            **run_options,
+            seed=runs.seed,
+            lens=_lens_for(runs.lens, entry),
+            progress=runs.progress,
+            **runs.options,
         )
     except KeyboardInterrupt as err:  # before the run could keep anything
         entry.status, entry.reason = "interrupted", "interrupted before any result"
@@ -396,7 +431,7 @@ def _run_model(
     finally:
         entry.seconds = time.time() - started
         _free()
-    if record is not None and main:
+    if record is not None and runs.main:
         try:
             write_json_atomic(record, {**entry.row(), "finished": now(), "host": host()})
         except OSError as err:

@@ -305,35 +305,88 @@ def summarize(
         runs: ``(model, size facts, results)`` of each finished run, in the study's order.
         profiles: ``(analyzer, result, n_layers) -> [(table, column)]``, its depth profiles.
     """
-    tables: dict[str, Table] = {
-        "models": Table(
-            "models",
-            {
-                key: [m.get(key) if m.get(key) is not None else _missing(key) for m in models]
-                for key in (
-                    "model",
-                    "run",
-                    "status",
-                    "params",
-                    "n_layers",
-                    "d_model",
-                    "d_vocab",
-                    "seconds",
-                    "reason",
-                )
-            },
-            "Each model of the study: its status, size facts and time",
-        )
-    }
-    sizes = [(facts.get("params"), facts.get("n_layers")) for _, facts, _ in runs]
-    by_params = bool(runs) and all(p is not None for p, _ in sizes)
-    colour, clabel = ("params", "parameters") if by_params else ("n_layers", "blocks L")
+    tables: dict[str, Table] = {"models": _models_table(models)}
+    colours = _Colours.of(runs)
     plots: list[Plot] = []
+    labels = {m.get("model"): _label(str(m.get("model")), str(m.get("run"))) for m in models}
+    numbers = _numbers(runs)
+    curves = _curves(runs, profiles, labels)
+    ran = [k for k in NUMBERS if any(math.isfinite(v) for v in numbers[k])]
+    tables["numbers"] = Table(
+        "numbers",
+        {k: v for k, v in numbers.items() if k in ("model", "params", "n_layers", "d_model", *ran)},
+        "The papers' numbers for each model, against its size",
+    )
+    # Below 3 blocks the "middle" blocks include the first or the last (dynamics' middle_blocks),
+    # whose updates are unlike the rest: the slope is fitted over the models of 3 blocks or more.
+    deep = [i for i, n in enumerate(numbers["n_layers"]) if n >= 3]
+    slope, intercept = loglog_slope(
+        [numbers["n_layers"][i] for i in deep], [numbers["update_norm"][i] for i in deep]
+    )
+    if math.isfinite(slope):
+        tables["update_scaling"] = _update_scaling(numbers, slope, intercept)
+        plots.append(_update_scaling_plot(slope))
+    for (analyzer, table_name, column), curve in curves.items():
+        name = profile_name(analyzer, table_name, column)
+        tables[name] = Table(name, curve, f"{analyzer} {table_name}.{column} of every model")
+        plots.append(_profile_plot(name, analyzer, table_name, column, colours))
+    fractions = _prunable_fractions(runs, labels)
+    if fractions is not None:
+        tables["prune_fraction"] = fractions
+        plots.append(_prune_plot(colours))
+    summary = _summary_line(models, numbers, ran, slope)
+    meta = {"update_slope": slope, "profiles": [list(k) for k in curves], "numbers": NUMBERS}
+    return Result("study", summary + ".", tables=tables, plots=tuple(plots), meta=meta)
+
+
+@dataclass(frozen=True)
+class _Colours:
+    """How the summary's lines are coloured: by parameter count when every run knows it (a
+    colour bar), else by depth L (``column``, its ``label``, the captions' last sentence)."""
+
+    column: str
+    label: str
+    note: str
+
+    @classmethod
+    def of(cls, runs: Sequence[tuple[str, Mapping[str, Any], Mapping[str, Result]]]) -> _Colours:
+        """The colouring of these runs."""
+        sizes = [(facts.get("params"), facts.get("n_layers")) for _, facts, _ in runs]
+        if bool(runs) and all(p is not None for p, _ in sizes):
+            return cls("params", "parameters", f" {_SIZES}")
+        return cls("n_layers", "blocks L", " Lines are coloured by depth L.")
+
+
+def _models_table(models: Sequence[Mapping[str, Any]]) -> Table:
+    """Each model of the study: its status, size facts and time."""
+    return Table(
+        "models",
+        {
+            key: [m.get(key) if m.get(key) is not None else _missing(key) for m in models]
+            for key in (
+                "model",
+                "run",
+                "status",
+                "params",
+                "n_layers",
+                "d_model",
+                "d_vocab",
+                "seconds",
+                "reason",
+            )
+        },
+        "Each model of the study: its status, size facts and time",
+    )
+
+
+def _numbers(
+    runs: Sequence[tuple[str, Mapping[str, Any], Mapping[str, Result]]],
+) -> dict[str, list[Any]]:
+    """The papers' numbers (:data:`NUMBERS`) of every finished run and its size facts, a column
+    each (NaN where a run has none)."""
     numbers: dict[str, list[Any]] = {
         k: [] for k in ("model", "params", "n_layers", "d_model", *NUMBERS)
     }
-    curves: dict[tuple[str, str, str], dict[str, list[Any]]] = {}
-    labels = {m.get("model"): _label(str(m.get("model")), str(m.get("run"))) for m in models}
     for model, facts, results in runs:
         n_layers = int(facts.get("n_layers") or 0)
         values = model_numbers(results, n_layers) if n_layers else {}
@@ -342,6 +395,19 @@ def summarize(
             numbers[key].append(facts.get(key) if facts.get(key) is not None else math.nan)
         for key in NUMBERS:
             numbers[key].append(values.get(key, math.nan))
+    return numbers
+
+
+def _curves(
+    runs: Sequence[tuple[str, Mapping[str, Any], Mapping[str, Result]]],
+    profiles: Callable[[str, Result, int], list[tuple[str, str]]],
+    labels: Mapping[Any, str],
+) -> dict[tuple[str, str, str], dict[str, list[Any]]]:
+    """Every depth profile ``(analyzer, table, column)`` of every run, at relative depth: one
+    row per model and layer (a table without a depth index left out)."""
+    curves: dict[tuple[str, str, str], dict[str, list[Any]]] = {}
+    for model, facts, results in runs:
+        n_layers = int(facts.get("n_layers") or 0)
         for analyzer, result in results.items():
             for table_name, column in profiles(analyzer, result, n_layers) if n_layers else []:
                 table = result.table(table_name)
@@ -361,88 +427,85 @@ def summarize(
                     curve["layer"].append(int(layer))
                     curve["rel_depth"].append(index.relative(int(layer)))
                     curve["value"].append(float(value))
-    ran = [k for k in NUMBERS if any(math.isfinite(v) for v in numbers[k])]
-    tables["numbers"] = Table(
-        "numbers",
-        {k: v for k, v in numbers.items() if k in ("model", "params", "n_layers", "d_model", *ran)},
-        "The papers' numbers for each model, against its size",
+    return curves
+
+
+def _update_scaling_plot(slope: float) -> Plot:
+    """The mean middle update against depth, log–log, with its fitted slope."""
+    return Plot(
+        "line",
+        "update_scaling",
+        f"Mean middle update against depth: slope {slope:.2f}",
+        "update_scaling",
+        x="n_layers",
+        y=("update_norm",),
+        group="series",
+        points=("measured",),
+        logx=True,
+        logy=True,
+        xlabel="blocks L",
+        ylabel="mean middle ‖Δ_ℓ‖ / ‖h_ℓ‖",
+        caption="Liu et al. (C1): the mean update of the middle blocks shrinks about as "
+        f"1/L (slope −1) across a family; here the log–log slope is {slope:.2f}, fitted "
+        "over the models of at least 3 blocks (with fewer, the middle blocks include the "
+        "first or the last).",
     )
-    # Below 3 blocks the "middle" blocks include the first or the last (dynamics' middle_blocks),
-    # whose updates are unlike the rest: the slope is fitted over the models of 3 blocks or more.
-    deep = [i for i, n in enumerate(numbers["n_layers"]) if n >= 3]
-    slope, intercept = loglog_slope(
-        [numbers["n_layers"][i] for i in deep], [numbers["update_norm"][i] for i in deep]
+
+
+def _profile_plot(
+    name: str, analyzer: str, table_name: str, column: str, colours: _Colours
+) -> Plot:
+    """One depth profile of every model at relative depth, read as :data:`READINGS` says."""
+    reading = profile_reading(analyzer, table_name, column)
+    return Plot(
+        "line",
+        name,
+        f"{analyzer}: {column}",
+        name,
+        x="rel_depth",
+        y=("value",),
+        group="label",
+        color=colours.column,
+        clabel=colours.label,
+        logy=reading.logy,
+        xlabel="relative depth ℓ/L",
+        ylabel=reading.ylabel,
+        caption=f"{reading.caption} {_AT}" + colours.note,
     )
-    if math.isfinite(slope):
-        tables["update_scaling"] = _update_scaling(numbers, slope, intercept)
-        plots.append(
-            Plot(
-                "line",
-                "update_scaling",
-                f"Mean middle update against depth: slope {slope:.2f}",
-                "update_scaling",
-                x="n_layers",
-                y=("update_norm",),
-                group="series",
-                points=("measured",),
-                logx=True,
-                logy=True,
-                xlabel="blocks L",
-                ylabel="mean middle ‖Δ_ℓ‖ / ‖h_ℓ‖",
-                caption="Liu et al. (C1): the mean update of the middle blocks shrinks about as "
-                f"1/L (slope −1) across a family; here the log–log slope is {slope:.2f}, fitted "
-                "over the models of at least 3 blocks (with fewer, the middle blocks include the "
-                "first or the last).",
-            )
-        )
-    for (analyzer, table_name, column), curve in curves.items():
-        name = profile_name(analyzer, table_name, column)
-        reading = profile_reading(analyzer, table_name, column)
-        tables[name] = Table(name, curve, f"{analyzer} {table_name}.{column} of every model")
-        plots.append(
-            Plot(
-                "line",
-                name,
-                f"{analyzer}: {column}",
-                name,
-                x="rel_depth",
-                y=("value",),
-                group="label",
-                color=colour,
-                clabel=clabel,
-                logy=reading.logy,
-                xlabel="relative depth ℓ/L",
-                ylabel=reading.ylabel,
-                caption=f"{reading.caption} {_AT}"
-                + (f" {_SIZES}" if by_params else " Lines are coloured by depth L."),
-            )
-        )
-    fractions = _prunable_fractions(runs, labels)
-    if fractions is not None:
-        tables["prune_fraction"] = fractions
-        plots.append(
-            Plot(
-                "line",
-                "prune_fraction",
-                "Prunable fraction of the depth",
-                "prune_fraction",
-                x="kl",
-                y=("fraction",),
-                group="label",
-                color=colour,
-                clabel=clabel,
-                logx=True,
-                xlabel="KL threshold (nats)",
-                ylabel="prunable fraction n/L",
-                caption="The most blocks of one contiguous range whose removal keeps "
-                "KL(p_removed ‖ p_out) at or below the threshold, as a fraction of the depth "
-                "(ranges up to prune's max_n blocks; summary/prune_fraction.csv gives where each "
-                "range lies, start_depth..stop_depth in ℓ/L). Gromov et al. and Men et al. (E1) remove "
-                "a large fraction of the deeper blocks of LLMs before the output collapses; "
-                "models that use their depth alike have the same curve."
-                + (f" {_SIZES}" if by_params else " Lines are coloured by depth L."),
-            )
-        )
+
+
+def _prune_plot(colours: _Colours) -> Plot:
+    """The prunable fraction of the depth against the KL threshold, a line per model."""
+    return Plot(
+        "line",
+        "prune_fraction",
+        "Prunable fraction of the depth",
+        "prune_fraction",
+        x="kl",
+        y=("fraction",),
+        group="label",
+        color=colours.column,
+        clabel=colours.label,
+        logx=True,
+        xlabel="KL threshold (nats)",
+        ylabel="prunable fraction n/L",
+        caption="The most blocks of one contiguous range whose removal keeps "
+        "KL(p_removed ‖ p_out) at or below the threshold, as a fraction of the depth "
+        "(ranges up to prune's max_n blocks; summary/prune_fraction.csv gives where each "
+        "range lies, start_depth..stop_depth in ℓ/L). Gromov et al. and Men et al. (E1) remove "
+        "a large fraction of the deeper blocks of LLMs before the output collapses; "
+        "models that use their depth alike have the same curve." + colours.note,
+    )
+
+
+def _summary_line(
+    models: Sequence[Mapping[str, Any]],
+    numbers: Mapping[str, list[Any]],
+    ran: Sequence[str],
+    slope: float,
+) -> str:
+    """The summary's line (without its full stop): the models, then each number's span over
+    the models where it was measured."""
     done = sum(1 for m in models if m.get("status") == "complete")
     summary = f"{len(models)} models, {done} complete."
     if "contrib_half_ratio" in ran:
@@ -457,8 +520,7 @@ def summarize(
         summary += f"; prunable fraction at KL ≤ {PRUNE_KL:g} nats " + _span(
             numbers["prunable_fraction"]
         )
-    meta = {"update_slope": slope, "profiles": [list(k) for k in curves], "numbers": NUMBERS}
-    return Result("study", summary + ".", tables=tables, plots=tuple(plots), meta=meta)
+    return summary
 
 
 def _prunable_fractions(
