@@ -100,6 +100,9 @@ class Plot:
             (either end): the data's.
         thresholds: ``(value, label)`` pairs drawn as dashed lines across a line plot, or as
             marks on a heatmap's colour bar, each labelled (a cut-off the figure is read by).
+        logc: A heatmap's colour scale logarithmic, over its positive values (one large cell,
+            such as removing block 0, then does not flatten the rest; values ≤ 0 take the
+            lowest colour).
     """
 
     kind: Literal["line", "heatmap"]
@@ -127,6 +130,7 @@ class Plot:
     labels: tuple[str, ...] = ()
     ylim: tuple[float | None, float | None] | None = None
     thresholds: tuple[tuple[float, str], ...] = ()
+    logc: bool = False
 
     def __post_init__(self) -> None:
         if self.mask and self.mask not in _MASKS:
@@ -158,6 +162,7 @@ class Plot:
             ("labels", []),
             ("ylim", None),
             ("thresholds", []),
+            ("logc", False),
         )
         for key, unset in unset_values:
             if data[key] == unset:
@@ -317,7 +322,7 @@ class Plot:
 
     def _heatmap(self, result: Plotted, ax: Any) -> None:
         import matplotlib
-        from matplotlib.colors import Normalize
+        from matplotlib.colors import LogNorm, Normalize
         from matplotlib.ticker import MaxNLocator
 
         values = self.data(result)
@@ -332,7 +337,13 @@ class Plot:
         if self.depth:
             half = 0.5 / self.depth
             extent = (-half, 1 + half, -half, 1 + half)
-        if self.limits is not None:
+        positive = finite[finite > 0]
+        norm: Normalize
+        if self.logc and positive.size:
+            high = float(positive.max())
+            norm = LogNorm(float(positive.min()), high if high > positive.min() else high * 10)
+            norm.clip = True  # a value ≤ 0 takes the lowest colour
+        elif self.limits is not None:
             norm = Normalize(*self.limits)
         elif self.signed:
             bound = float(np.abs(finite).max()) if finite.size else 1.0
@@ -357,7 +368,9 @@ class Plot:
         bar = ax.figure.colorbar(image, ax=ax)
         bar.set_label(self.clabel)
         formatter = bar.ax.yaxis.get_major_formatter()
-        if hasattr(formatter, "set_useOffset"):  # "+1.2e4" over the bar reads as a title
+        if isinstance(norm, LogNorm):
+            _plain_log_labels(bar.ax.yaxis)  # 0.2, 1, 6: not 2×10⁻¹
+        elif hasattr(formatter, "set_useOffset"):  # "+1.2e4" over the bar reads as a title
             formatter.set_useOffset(False)
         for level, _ in self.thresholds:  # a cut-off marked on the scale (the caption names
             bar.ax.axhline(level, color="red", linewidth=2)  # it: no room beside the bar)
@@ -400,10 +413,16 @@ def _integers(values: Any) -> bool:
 def _plain_log_labels(axis: Any) -> None:
     """Label a log axis with plain numbers (``2``, ``30``, ``0.5``) rather than matplotlib's
     ``2×10⁰`` style; minor ticks are labelled only where the axis spans few decades."""
-    from matplotlib.ticker import FuncFormatter, LogFormatter
+    from matplotlib.ticker import LogFormatter
 
-    axis.set_major_formatter(FuncFormatter(_plain_number))  # 0.1, 1, 10, 1000: one style
-    axis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(1, 0.4)))
+    class Plain(LogFormatter):
+        """matplotlib's choice of which log ticks to label, each in one plain style."""
+
+        def _num_to_string(self, x: float, vmin: float, vmax: float) -> str:
+            return _plain_number(x)
+
+    axis.set_major_formatter(Plain(labelOnlyBase=False))  # 0.1, 1, 10, 1,000: one style
+    axis.set_minor_formatter(Plain(labelOnlyBase=False, minor_thresholds=(1, 0.4)))
 
 
 def _plain_number(value: float, _position: Any = None) -> str:

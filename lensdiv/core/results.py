@@ -83,11 +83,14 @@ class Table(Rendered):
         name: File stem and key of the table.
         columns: Column name to list of values (numbers or strings).
         description: One line saying what a row is.
+        keys: How many leading columns name a row (``start`` and ``n`` of a grid): a table
+            wider than the terminal repeats them in each part it is cut into.
     """
 
     name: str
     columns: Mapping[str, Any]  # sequences, numpy arrays or tensors; stored as lists
     description: str = ""
+    keys: int = 1
 
     def __post_init__(self) -> None:
         lengths = {len(v) for v in self.columns.values()}
@@ -128,26 +131,26 @@ class Table(Rendered):
             writer.writerows(zip(*self.columns.values(), strict=False))
 
     def __rich_console__(self, console: Any, options: Any) -> Any:
-        # A table wider than the terminal is cut into several, each repeating the first (key)
-        # column, rather than shrinking every number to an ellipsis.
+        # A table wider than the terminal is cut into several, each repeating the key columns
+        # (``keys``), rather than shrinking every number to an ellipsis.
         from rich.table import Table as RichTable
 
         names = list(self.columns)
         cells = {c: [_fmt(v) for v in self.columns[c]] for c in names}
         widths = {c: max([len(c), *map(len, cells[c])]) + 3 for c in names}
-        key, rest = names[0], names[1:]
+        key, rest = names[: max(self.keys, 1)], names[max(self.keys, 1) :]
         groups: list[list[str]] = []
         for col in rest:
-            if groups and sum(widths[c] for c in [key, *groups[-1], col]) < options.max_width:
+            if groups and sum(widths[c] for c in [*key, *groups[-1], col]) < options.max_width:
                 groups[-1].append(col)
             else:
                 groups.append([col])
         for i, group in enumerate(groups or [[]]):
             title = (self.description or self.name) if i == 0 else None
             table = RichTable(title=title, title_justify="left")
-            for col in [key, *group]:
+            for col in [*key, *group]:
                 table.add_column(col, justify="right", no_wrap=True)
-            for row in zip(*(cells[c] for c in [key, *group]), strict=False):
+            for row in zip(*(cells[c] for c in [*key, *group]), strict=False):
                 table.add_row(*row)
             yield table
 
@@ -233,6 +236,7 @@ class Result(Rendered):
             "summary": self.summary,
             "tables": {
                 k: {"columns": dict(t.columns), "description": t.description}
+                | ({"keys": t.keys} if t.keys != 1 else {})
                 for k, t in self.tables.items()
             },
             "arrays": {k: v.tolist() for k, v in self.arrays.items()},
@@ -253,7 +257,7 @@ class Result(Rendered):
                 analyzer=data["analyzer"],
                 summary=data.get("summary", ""),
                 tables={
-                    k: Table(k, t["columns"], t.get("description", ""))
+                    k: Table(k, t["columns"], t.get("description", ""), t.get("keys", 1))
                     for k, t in data.get("tables", {}).items()
                 },
                 arrays=data.get("arrays", {}),

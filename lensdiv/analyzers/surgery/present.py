@@ -65,7 +65,9 @@ def present(numbers: PruneNumbers, options: Prune) -> Result:
     else:
         arrays_acc = {}
     tables = {
-        "grid": Table("grid", grid, "True effect of removing blocks ℓ..ℓ+n−1, and each signal"),
+        "grid": Table(
+            "grid", grid, "True effect of removing blocks ℓ..ℓ+n−1, and each signal", keys=2
+        ),
         "picks": Table("picks", pick_cols, "Per length n: best start vs each signal's pick (KL)"),
         "curves": Table("curves", curve_cols, "KL to the full output after removing k blocks"),
         "blocks": Table("blocks", blocks, "Removing one block at a time, and its signals"),
@@ -135,17 +137,23 @@ def _task_line(numbers: PruneNumbers) -> str:
 
 
 def _plots(numbers: PruneNumbers) -> tuple[Plot, ...]:
+    starts, lengths = numbers.n_layers, numbers.longest
+    # columns are n = 1..N, rows the first removed block ℓ = 0..L−1: whole-number cell centres
+    extent = (0.5, lengths + 0.5, -0.5, starts - 0.5)
     heat = [
         Plot(
             "heatmap",
             "prune_true_kl",
             "True effect of removing n blocks from ℓ",
             "true_kl",
-            xlabel="blocks removed n − 1",
+            xlabel="blocks removed n",
             ylabel="first removed block ℓ",
-            clabel="KL(p_removed ‖ p_out) (nats)",
-            caption="Blank cells: ℓ + n > L. Gromov et al. report that ranges ending at the "
-            "last blocks (but not the very last) are the cheapest to remove.",
+            clabel="KL (nats, log scale)",
+            caption="KL(p_removed ‖ p_out) on a logarithmic scale (removing block 0 costs far "
+            "more than the rest). Blank cells: ℓ + n > L. Gromov et al. report that ranges "
+            "ending at the last blocks (but not the very last) are the cheapest to remove.",
+            extent=extent,
+            logc=True,
         )
     ]
     for name in numbers.signals:
@@ -155,7 +163,8 @@ def _plots(numbers: PruneNumbers) -> tuple[Plot, ...]:
                 f"prune_signal_{name}",
                 f"Cheap signal: {name}",
                 f"signal_{name}",
-                xlabel="blocks removed n − 1",
+                xlabel="blocks removed n",
+                extent=extent,
                 ylabel="first removed block ℓ",
                 clabel=_SIGNAL_LABELS[name],
                 caption="Lower = predicted more removable; compare with the true KL heatmap. "
