@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -222,23 +222,34 @@ def write_sample(
 
 # -- the numbers ---------------------------------------------------------------------------------
 def moments_cka(
-    n: float, s: Tensor, m: Tensor, layers: int, dims: Tensor | None, sp: Tensor | None = None
+    n: float,
+    s: Tensor,
+    m: Tensor | Sequence[Tensor],
+    layers: int,
+    dims: Tensor | None,
+    sp: Tensor | None = None,
 ) -> np.ndarray:
     """The ``(L+1) × (L+1)`` linear CKA of every pair of states from the stacked moments: the
-    count, ``Σx`` and ``Σ x x'ᵀ`` of the states ``x = [h_0 … h_L]`` side by side, ``x' = x`` or
-    each state sketched (``x' = [h_0 P … h_L P]``, with ``sp = Σx'``); ``dims``: the features
-    kept in every state (``None``: all; not with a sketch). A sketch estimates each
-    ``‖C_ij‖²_F`` by ``‖C_ij P‖²_F`` (unbiased: ``E[P Pᵀ] = I``), averaged over ``(i, j)`` and
-    ``(j, i)``."""
+    count, ``Σx`` and ``Σ x x'ᵀ`` of the states ``x = [h_0 … h_L]`` side by side (``m``: one
+    tensor, or parts to add), ``x' = x`` or each state sketched (``x' = [h_0 P … h_L P]``, with
+    ``sp = Σx'``); ``dims``: the features kept in every state (``None``: all; not with a
+    sketch). A sketch estimates each ``‖C_ij‖²_F`` by ``‖C_ij P‖²_F`` (unbiased: ``E[P Pᵀ] =
+    I``), averaged over ``(i, j)`` and ``(j, i)``. One block row at a time: no copy of ``m``."""
+    parts = [m] if isinstance(m, Tensor) else list(m)
     sp = s if sp is None else sp
-    c = (m - torch.outer(s, sp) / n).reshape(layers, m.shape[0] // layers, layers, -1)
-    if dims is not None:
-        c = c[:, dims][:, :, :, dims]
-    f = (c * c).sum((1, 3))  # ‖C_ij‖²_F, or ‖C_ij P‖²_F
+    d = parts[0].shape[0] // layers
+    f = torch.zeros(layers, layers, dtype=torch.float64)
+    for i in range(layers):
+        rows = slice(i * d, (i + 1) * d)
+        c = sum(part[rows] for part in parts) - torch.outer(s[rows], sp) / n
+        c = c.reshape(d, layers, -1)
+        if dims is not None:
+            c = c[dims][:, :, dims]
+        f[i] = (c * c).sum((0, 2)).cpu()  # ‖C_ij‖²_F, or ‖C_ij P‖²_F
     f = (f + f.T) / 2
     norm = f.diagonal().sqrt()
     with np.errstate(invalid="ignore", divide="ignore"):
-        return (f / torch.outer(norm, norm)).cpu().numpy()
+        return (f / torch.outer(norm, norm)).numpy()
 
 
 def gram_cka(grams: list[Tensor]) -> np.ndarray:
@@ -319,7 +330,11 @@ class SimilarityNumbers:
         s = {p: state[f"s_{p}"].cpu() for p in ("rest", "first")}
         m = {p: state[f"m_{p}"].cpu() for p in ("rest", "first")}
         sp = {p: state[f"p_{p}"].cpu() if options.sketch else s[p] for p in ("rest", "first")}
-        n_all, s_all, m_all = n["rest"] + n["first"], s["rest"] + s["first"], m["rest"] + m["first"]
+        n_all, s_all, m_all = (
+            n["rest"] + n["first"],
+            s["rest"] + s["first"],
+            [m["rest"], m["first"]],
+        )
         sp_all = sp["rest"] + sp["first"]
         matrices = {
             "linear.all": moments_cka(n_all, s_all, m_all, L1, None, sp_all),
@@ -542,6 +557,7 @@ def _plots(L: int) -> tuple[Plot, ...]:
             "Linear CKA: massive dimensions removed minus all",
             "Δ linear CKA",
             signed=True,
+            caption="Zero everywhere when the run found no massive dimension.",
         ),
         Plot(
             "line",

@@ -251,7 +251,10 @@ class SpectrumNumbers:
             if variant == "all":
                 spectra_all = spectra
             _put(cols, "token", [_measures(e, options.alpha) for e in spectra])
-            cols.update(_dataset(state, options, feats))
+            if variant == "no_sink":  # the last token of a row is never its position 0
+                cols.update({k: v for k, v in columns["all"].items() if k.startswith("dataset")})
+            else:
+                cols.update(_dataset(state, options, feats, interval=variant == "all"))
             cols.update(_prompt(state, v))
             cols.update(_sampled(state, variant, feats))
             columns[variant] = cols
@@ -274,8 +277,11 @@ def _put(cols: dict[str, np.ndarray], level: str, values: list[tuple[float, floa
         cols[f"{level}_{measure}"] = np.array([v[m] for v in values])
 
 
-def _dataset(state: Stats, options: Spectrum, feats: Tensor | None) -> dict[str, np.ndarray]:
-    """Dataset level (last tokens) and its delete-one-group jackknife standard error."""
+def _dataset(
+    state: Stats, options: Spectrum, feats: Tensor | None, interval: bool
+) -> dict[str, np.ndarray]:
+    """Dataset level (last tokens) and, with ``interval``, its delete-one-group jackknife
+    standard error (``groups`` more eigendecompositions per state)."""
     n, s, m = state["last_n"].cpu(), state["last_s"].cpu(), state["last_m"].cpu()
     full = [
         _measures(e, options.alpha)
@@ -284,7 +290,7 @@ def _dataset(state: Stats, options: Spectrum, feats: Tensor | None) -> dict[str,
     cols: dict[str, np.ndarray] = {}
     _put(cols, "dataset", full)
     leave: list[list[tuple[float, float, float]]] = []
-    for g in range(options.groups):
+    for g in range(options.groups if interval else 0):
         rest = [i for i in range(options.groups) if i != g]
         if float(n[rest].sum()) < 2 or float(n[g]) == 0:
             leave = []
