@@ -44,7 +44,8 @@ def contract_models(tiny_dirs: dict[str, Path], native_model: Any) -> dict[str, 
 def test_every_builtin_is_checked() -> None:
     assert sorted(
         ["bias", "contrib", "depth-score", "dynamics", "lens", "linmap", "patch", "skip", "submod",
-         "fit-affine", "fit-jacobian", "prune", "reorder", "sinks", "massive", "patchscope"]
+         "fit-affine", "fit-jacobian", "prune", "reorder", "sinks", "massive", "patchscope",
+         "similarity", "spectrum"]
     ) == BUILTIN
 
 
