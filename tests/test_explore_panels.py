@@ -128,7 +128,7 @@ def test_requests_are_frozen_dataclasses() -> None:
 def test_a_crash_is_logged_not_echoed(session: Session, monkeypatch: pytest.MonkeyPatch,
                                       caplog: pytest.LogCaptureFixture) -> None:
     def broken(request: Any) -> Any:
-        raise RuntimeError("secret detail /home/someone/data.txt")
+        raise RuntimeError("secret detail /srv/private/data.txt")
 
     monkeypatch.setattr(session, "grid", broken)
     client = TestClient(make_app(session), base_url=LOCAL, raise_server_exceptions=False)

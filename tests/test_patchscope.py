@@ -58,7 +58,7 @@ def naive(model: Any, prompt: str, position: int, start: int, h: torch.Tensor) -
     """One hooked forward pass of the whole inspection prompt per state: ``h`` as block
     ``start``'s input at ``position``; the final residual at the last position."""
     L = int(model.cfg.n_layers)
-    tokens = model.to_tokens(prompt, truncate=False)
+    tokens = model.to_tokens(prompt, prepend_bos=True, truncate=False)  # BOS first, as data rows
     out = []
     for row in h:
         kept: dict[str, torch.Tensor] = {}
