@@ -24,13 +24,10 @@ after an exercise run either way.
 
 from __future__ import annotations
 
-import ctypes
 import inspect
 import linecache
 import os
 import re
-import signal
-import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -39,6 +36,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from lensdiv.course.timelimit import TimeLimit, limited
 
 Output = Any
 
@@ -170,11 +169,6 @@ class Unusable(Exception):
     its message says why (no traceback is shown)."""
 
 
-class TimeLimit(BaseException):
-    """The student's function ran past the check's time limit (a ``BaseException``, so that a
-    student's ``except Exception`` does not swallow it)."""
-
-
 @dataclass
 class Exercise:
     """One checked function of the course.
@@ -248,7 +242,7 @@ class Exercise:
         expected = self._expected()
         limit = self.limit()
         try:
-            runs = _limited(lambda: [self._call(student, case) for case in cases], limit)
+            runs = limited(lambda: [self._call(student, case) for case in cases], limit)
         except NotImplementedError:
             return self._blank()
         except TimeLimit:
@@ -464,63 +458,6 @@ def _changed_args(
         if found:
             return found
     return ""
-
-
-# -- the time limit --------------------------------------------------------------------------------
-def _limited(work: Callable[[], Any], seconds: float) -> Any:
-    """``work()``, stopped by :class:`TimeLimit` after ``seconds``.
-
-    In the main thread (a script; a Jupyter kernel runs its cells there) by ``SIGALRM``: the
-    work is interrupted at its next Python line (a native call, one big matmul, finishes
-    first); a timer already set (by a test runner) is restored with the time it has left.
-    Elsewhere (another thread, Windows) the work runs in a daemon thread that is sent the
-    exception on timeout, so it ends at its next Python line and never outlives the process.
-    """
-    if threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer"):
-        return _with_alarm(work, seconds)
-    return _with_thread(work, seconds)
-
-
-def _with_alarm(work: Callable[[], Any], seconds: float) -> Any:
-    def ring(signum: int, frame: Any) -> None:
-        raise TimeLimit(f"past {seconds:.0f} s")
-
-    previous = signal.signal(signal.SIGALRM, ring)
-    left, interval = signal.setitimer(signal.ITIMER_REAL, seconds)
-    started = time.monotonic()
-    try:
-        return work()
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-        if left > 0:  # someone else's timer: what it had left
-            remaining = max(left - (time.monotonic() - started), 1e-3)
-            signal.setitimer(signal.ITIMER_REAL, remaining, interval)
-
-
-def _with_thread(work: Callable[[], Any], seconds: float) -> Any:
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = work()
-        except BaseException as err:  # handed to the caller, TimeLimit included
-            box["error"] = err
-
-    worker = threading.Thread(target=run, name="lensdiv-course-check", daemon=True)
-    worker.start()
-    worker.join(seconds)
-    if worker.is_alive():
-        ident = worker.ident
-        if ident is not None:
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(
-                ctypes.c_ulong(ident), ctypes.py_object(TimeLimit)
-            )
-        worker.join(1.0)
-        raise TimeLimit(f"past {seconds:.0f} s")
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
 
 
 # -- comparing and showing outputs ----------------------------------------------------------------
