@@ -111,3 +111,27 @@ def test_the_plugins_own_tests_pass(site: Path, tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
     assert "3 passed" in proc.stdout, proc.stdout
+
+
+def test_the_packages_data_source_is_found_through_its_entry_point(
+    site: Path, tmp_path: Path
+) -> None:
+    """The package's ``lensdiv.data_sources`` entry: listed in ``--data``'s help, read by a run
+    (the same tokens as the same documents in a file), refused with one line when empty."""
+    help_text = _lensdiv(site, "analyze", "--help").stdout
+    assert "lines:A|B" in " ".join(help_text.split()).replace("│", "")
+    docs = ["The cat sat on the mat.", "A dog ran in the park and then sat down."]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    tokens = {}
+    for name, data in (("lines", "lines:" + "|".join(docs)), ("file", str(tmp_path / "docs.jsonl"))):
+        out = tmp_path / name
+        proc = _lensdiv(site, "analyze", "toy", "--plugins", "lens", "--data", data,
+                        "--seq-len", "16", "--out", str(out), "--no-progress")
+        assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+        manifest = json.loads((out / "manifest.json").read_text())
+        tokens[name] = json.loads((out / "lens" / "result.json").read_text())["meta"]["tokens"]
+        assert manifest["data"]["source"] == data
+    assert tokens["lines"] == tokens["file"] > 0
+    proc = _lensdiv(site, "analyze", "toy", "--plugins", "lens", "--data", "lines:|")
+    assert proc.returncode != 0 and "'lines:' holds no text" in proc.stderr
+    assert "Traceback" not in proc.stderr

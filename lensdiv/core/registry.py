@@ -16,6 +16,7 @@ from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
 from lensdiv.core.analyzer import Analyzer, checked_options
+from lensdiv.core.entrypoints import is_builtin, provider
 from lensdiv.core.errors import OptionError, PluginError, PluginWarning, did_you_mean
 
 if TYPE_CHECKING:
@@ -103,19 +104,6 @@ class Registry:
         )
 
 
-def _provider(ep: metadata.EntryPoint) -> str:
-    dist = getattr(ep, "dist", None)
-    return f"{dist.name} {dist.version}" if dist is not None else "unknown"
-
-
-def _builtin(ep: metadata.EntryPoint) -> bool:
-    """Registered by lensdiv itself (its own distribution, or a module of the package)."""
-    dist = getattr(ep, "dist", None)
-    if dist is not None:
-        return str(dist.name).lower().replace("_", "-") == "lensdiv"
-    return ep.value.startswith("lensdiv.")
-
-
 def collect(entry_points: Iterable[metadata.EntryPoint] | None = None) -> Registry:
     """Load every analyzer of the ``lensdiv.plugins`` group (or of ``entry_points``).
 
@@ -129,9 +117,9 @@ def collect(entry_points: Iterable[metadata.EntryPoint] | None = None) -> Regist
     registry = Registry()
     seen_aliases: dict[str, str] = {}
     builtin_names: set[str] = set()
-    for ep in sorted(entry_points, key=lambda e: (not _builtin(e), e.name)):
+    for ep in sorted(entry_points, key=lambda e: (not is_builtin(e), e.name)):
         name = ep.name.strip().lower()
-        entry = PluginEntry(name=name, target=ep.value, provider=_provider(ep))
+        entry = PluginEntry(name=name, target=ep.value, provider=provider(ep))
         if name in registry.entries:
             other = registry.entries[name]
             if other.target == entry.target:  # the same distribution seen twice on sys.path
@@ -180,7 +168,7 @@ def collect(entry_points: Iterable[metadata.EntryPoint] | None = None) -> Regist
             else:
                 seen_aliases[alias] = name
         registry.entries[name] = entry
-        if _builtin(ep):
+        if is_builtin(ep):
             builtin_names.add(name)
     return registry
 

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from lensdiv.core.errors import DataError
-from lensdiv.data.spec import DataSpec, Source, register_source
+from lensdiv.data.spec import DataSpec, Source
 
 #: ``--data`` names of the corpus: the whole training part, and the held-out part.
 PYDOC = "pydoc"
@@ -50,12 +50,12 @@ def pydoc_topics(part: str = "train") -> list[tuple[str, str]]:
     return [(k, topics[k]) for i, k in enumerate(keys) if (i % HELDOUT_EVERY == 0) == held]
 
 
-@register_source
 class PythonDocs(Source):
     """Python's own documentation (:mod:`pydoc_data.topics`): ``pydoc`` the training part,
     ``pydoc:heldout`` every tenth topic (see :mod:`lensdiv.data.pydocs`)."""
 
     kind = "pydoc"
+    order = 90
     syntax = "pydoc[:heldout]"
     summary = "Python's documentation, 430 KB of English; :heldout, 32 KB apart"
 

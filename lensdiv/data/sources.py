@@ -57,12 +57,12 @@ __all__ = [
 _SNIFF_BYTES = 1 << 16
 
 
-@register_source
 class TextFile(Source):
     """A UTF-8 text file: one document. Claims every string no later source claims, so a typo
     in a path is an error here, never text."""
 
     kind = "text"
+    order = 10
     syntax = "FILE"
     summary = "a UTF-8 text file"
 
@@ -83,11 +83,11 @@ class TextFile(Source):
         return _sizes([Path(self.spec.source).expanduser()])
 
 
-@register_source
 class JsonlFile(Source):
     """A ``.jsonl`` (or ``.ndjson``) file: one document per row, the text in ``spec.field``."""
 
     kind = "jsonl"
+    order = 20
     syntax = "FILE.jsonl"
     summary = "one JSON object a line"
 
@@ -116,11 +116,11 @@ class JsonlFile(Source):
         return _sizes([Path(self.spec.source).expanduser()])  # the JSON around the text too
 
 
-@register_source
 class TextFolder(Source):
     """A folder: every ``.txt`` file below it, in sorted order, one document each."""
 
     kind = "folder"
+    order = 30
     syntax = "DIR"
     summary = "a folder of .txt files"
 
@@ -156,12 +156,12 @@ class TextFolder(Source):
         return _sizes(self._files())
 
 
-@register_source
 class HubDataset(Source):
     """A hub data set ``hf:NAME[:CONFIG]`` (or a local folder of data files), streamed: split
     ``spec.split``, the text in ``spec.field``."""
 
     kind = "hub"
+    order = 40
     syntax = "hf:NAME[:CONFIG]"
     summary = "a hub data set"
 
@@ -222,11 +222,11 @@ class HubDataset(Source):
         return out
 
 
-@register_source
 class InlineText(Source):
     """``text:TEXT``: the text itself, one document (described by its start and checksum)."""
 
     kind = "literal"
+    order = 50
     syntax = "text:TEXT"
     summary = "the text itself"
 
@@ -251,11 +251,11 @@ class InlineText(Source):
         return out | {"sha256": hashlib.sha256(self.spec.source.encode()).hexdigest()}
 
 
-@register_source
 class BuiltinCorpus(Source):
     """The built-in synthetic corpus, seeded by ``spec.seed`` (see :mod:`lensdiv.data.corpus`)."""
 
     kind = "builtin"
+    order = 60
     syntax = BUILTIN
     summary = "the built-in corpus"
 
@@ -270,11 +270,11 @@ class BuiltinCorpus(Source):
         return {"kind": self.kind, "seed": self.spec.seed, "corpus": CORPUS_VERSION}
 
 
-@register_source
 class MemoryDocuments(Source):
     """Documents in memory (``data=[...]`` of the Python API), one string each."""
 
     kind = "memory"
+    order = 70
     syntax = "[TEXT, ...]"
     summary = "documents in memory"
     command_line = False
@@ -294,12 +294,12 @@ class MemoryDocuments(Source):
         return super().describe() | {"sha256": hashlib.sha256(blob).hexdigest()}
 
 
-@register_source
 class TokenRows(Source):
     """A token tensor ``[batch, pos]`` in memory: each row one sequence (and one document), used
     as it is — no BOS added, nothing packed, ``seq_len`` does not apply."""
 
     kind = "tokens"
+    order = 80
     syntax = "tensor[batch, pos]"
     summary = "token rows in memory"
     command_line = False

@@ -2,11 +2,11 @@
 and the :class:`Source` protocol with its registry, through which a spec finds the one source
 that reads it (:func:`source_of`).
 
-Each kind of source is one subclass of :class:`Source`, registered once with
-:func:`register_source`: it says whether a :class:`DataSpec` names it, checks itself cheaply
+Each kind of source is one subclass of :class:`Source`, declared once as a ``lensdiv.data_sources``
+entry point (read on first use; :func:`register_source` adds one in a running session): it says whether a :class:`DataSpec` names it, checks itself cheaply
 before any model loads, yields its documents (or, for token rows, its batches) and describes
 itself for the manifest and for the ``--data`` help. The built-in sources are in
-:mod:`lensdiv.data.sources` (registered whenever :mod:`lensdiv.data` is imported); packing is in
+:mod:`lensdiv.data.sources` and :mod:`lensdiv.data.pydocs`; packing is in
 :mod:`lensdiv.data.packing`.
 
 In the Python API, ``data`` may also be in memory: a list of strings (one document each),
@@ -24,11 +24,13 @@ import abc
 import dataclasses
 import inspect
 import os
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
-from lensdiv.core.errors import DataError
+from lensdiv.core.entrypoints import DATA_SOURCES_GROUP, load_group
+from lensdiv.core.errors import DataError, PluginWarning
 from lensdiv.core.settings import DEFAULTS
 from lensdiv.data.packing import pack_cached
 
@@ -214,20 +216,24 @@ def _token_rows(data: Any) -> Any:
 class Source(abc.ABC):
     """One kind of data source, bound to the spec that names it.
 
-    A subclass sets the class attributes below, says in :meth:`claims` whether a spec names it,
-    yields its documents in :meth:`documents`, and is registered with :func:`register_source`.
-    :meth:`check`, :meth:`batches`, :meth:`cache_identity` (the token cache's key: by default
-    the source is not cached), :meth:`text_bytes`, :meth:`most_tokens` and :meth:`describe` have
-    defaults that most sources keep.
+        A subclass sets the class attributes below, says in :meth:`claims` whether a spec names it,
+        yields its documents in :meth:`documents`, and is declared as a ``lensdiv.data_sources`` entry
+    point (or registered in a session with :func:`register_source`).
+        :meth:`check`, :meth:`batches`, :meth:`cache_identity` (the token cache's key: by default
+        the source is not cached), :meth:`text_bytes`, :meth:`most_tokens` and :meth:`describe` have
+        defaults that most sources keep.
 
-    Args:
-        spec: The spec that names this source (its sizes, field, split and seed apply).
+        Args:
+            spec: The spec that names this source (its sizes, field, split and seed apply).
 
-    Attributes:
-        kind: A short name, unique among registered sources (what :func:`check_source` returns).
-        syntax: How ``--data`` (or ``data=`` of the Python API) names it, e.g. ``hf:NAME``.
-        summary: What it reads, in a few words, for the ``--data`` help.
-        command_line: ``False`` for data only the Python API can pass (data in memory).
+        Attributes:
+            kind: A short name, unique among registered sources (what :func:`check_source` returns).
+            syntax: How ``--data`` (or ``data=`` of the Python API) names it, e.g. ``hf:NAME``.
+            summary: What it reads, in a few words, for the ``--data`` help.
+            command_line: ``False`` for data only the Python API can pass (data in memory).
+            order: Where the ``--data`` help lists it among the entry points; a source of higher
+                order is asked first whether it claims a spec (the file sources, which claim any
+                string, have the lowest). A package's source keeps the default, after lensdiv's.
     """
 
     spec: DataSpec
@@ -235,6 +241,7 @@ class Source(abc.ABC):
     syntax: ClassVar[str]
     summary: ClassVar[str]
     command_line: ClassVar[bool] = True
+    order: ClassVar[int] = 1000
 
     @classmethod
     @abc.abstractmethod
@@ -305,10 +312,50 @@ class Source(abc.ABC):
 
 _SourceClass = TypeVar("_SourceClass", bound=type[Source])
 _SOURCES: list[type[Source]] = []
+_LOADED: list[bool] = []  # one True once the entry points are read
+
+
+def _check_source(cls: object, have: list[type[Source]]) -> str:
+    """Why ``cls`` cannot be a data source next to ``have`` (``""``: it can)."""
+    if not (isinstance(cls, type) and issubclass(cls, Source)) or inspect.isabstract(cls):
+        return f"{cls!r} is not a concrete subclass of Source"
+    missing = [
+        a for a in ("kind", "syntax", "summary") if not isinstance(getattr(cls, a, None), str)
+    ]
+    if missing:
+        return f"data source {cls.__qualname__} does not set {', '.join(missing)}"
+    for other in have:
+        if other.kind == cls.kind:
+            return (
+                f"a data source of kind {cls.kind!r} is registered already ({other.__qualname__})"
+            )
+    return ""
+
+
+def _sources() -> list[type[Source]]:
+    """The registered sources: the ``lensdiv.data_sources`` entry points by :attr:`Source.order`
+    (then as :func:`~lensdiv.core.entrypoints.ordered` gives them), read on first use; an entry
+    that fails to import or is not a source is left out with one :class:`PluginWarning` line."""
+    if not _LOADED:
+        _LOADED.append(True)
+        loaded, problems = load_group(DATA_SOURCES_GROUP)
+        loaded.sort(key=lambda entry: getattr(entry.value, "order", 1000))
+        found: list[type[Source]] = []
+        for entry in loaded:
+            problem = _check_source(entry.value, found + _SOURCES)
+            if problem:
+                problems.append(f"data source {entry.name!r} from {entry.provider}: {problem}")
+            else:
+                found.append(entry.value)
+        _SOURCES[:0] = found  # before any registered in this session already
+        for line in problems:
+            warnings.warn(line, PluginWarning, stacklevel=3)
+    return _SOURCES
 
 
 def register_source(cls: _SourceClass) -> _SourceClass:
-    """Register a kind of data source (usable as a class decorator).
+    """Register a kind of data source in this session (a notebook, a test; usable as a class
+    decorator); a package declares its sources as ``lensdiv.data_sources`` entry points instead.
 
     A spec is read by the last-registered source that claims it, so a source registered later
     can refine or replace one registered earlier (the built-in path sources claim any string).
@@ -318,19 +365,11 @@ def register_source(cls: _SourceClass) -> _SourceClass:
             ``summary``.
         ValueError: A source of the same kind is registered already.
     """
-    if not (isinstance(cls, type) and issubclass(cls, Source)) or inspect.isabstract(cls):
-        raise TypeError(f"{cls!r} is not a concrete subclass of Source")
-    missing = [
-        a for a in ("kind", "syntax", "summary") if not isinstance(getattr(cls, a, None), str)
-    ]
-    if missing:
-        raise TypeError(f"data source {cls.__qualname__} does not set {', '.join(missing)}")
-    for other in _SOURCES:
-        if other.kind == cls.kind:
-            raise ValueError(
-                f"a data source of kind {cls.kind!r} is registered already ({other.__qualname__})"
-            )
-    _SOURCES.append(cls)
+    have = _sources()
+    problem = _check_source(cls, have)
+    if problem:
+        raise (ValueError if "registered already" in problem else TypeError)(problem)
+    have.append(cls)
     return cls
 
 
@@ -340,14 +379,15 @@ def unregister_source(cls: type[Source]) -> None:
     Raises:
         ValueError: ``cls`` is not registered.
     """
-    if cls not in _SOURCES:
+    have = _sources()
+    if cls not in have:
         raise ValueError(f"data source {cls.__qualname__} is not registered")
-    _SOURCES.remove(cls)
+    have.remove(cls)
 
 
 def registered_sources() -> tuple[type[Source], ...]:
     """Every registered source, in registration order (the order of the ``--data`` help)."""
-    return tuple(_SOURCES)
+    return tuple(_sources())
 
 
 def source_of(spec: DataSpec) -> Source:
@@ -356,7 +396,7 @@ def source_of(spec: DataSpec) -> Source:
     Raises:
         DataError: No registered source claims it.
     """
-    for cls in reversed(_SOURCES):
+    for cls in reversed(_sources()):
         if cls.claims(spec):
             return cls(spec)
     raise DataError(f"no data source reads {spec.source!r}", hint=FLAG_HINTS["source"])

@@ -31,8 +31,9 @@ name and how results name it, its file layout (a reader, a writer) or how it is 
 files, where a fit's output folder holds it, and how it is fitted (its :class:`Fitter`, named by
 import path and imported when asked). Every lens is a :class:`Lens`: affine translators here,
 readouts that run model blocks (``last-block``, ``patchscope``) in :mod:`lensdiv.ops.blocklens`.
-Adding a kind is one :func:`register_lens_kind` call (ARCHITECTURE.md lists the steps); the
-built-in kinds are registered at the end of this module.
+Adding a kind is one ``lensdiv.lens_kinds`` entry point naming a :class:`LensKind` (ARCHITECTURE.md
+lists the steps), as lensdiv's own kinds, defined at the end of this module, are declared in its
+pyproject.toml; :func:`register_lens_kind` adds one in a running session.
 
 **Reading a lens from what ``--lens`` takes** (``parse_lens``, the files, the hub) is
 :mod:`lensdiv.ops.lens_specs`.
@@ -42,8 +43,9 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, runtime_checkable
@@ -53,7 +55,8 @@ from jaxtyping import Float
 from torch import Tensor
 
 from lensdiv.core.analyzer import Analyzer, ModelInfo
-from lensdiv.core.errors import LensError
+from lensdiv.core.entrypoints import LENS_KINDS_GROUP, load_group
+from lensdiv.core.errors import LensError, PluginWarning
 from lensdiv.ops.lens_files import (
     JACOBIAN_FILE,
     TUNED_CONFIG,
@@ -327,6 +330,8 @@ class LensKind:
             a callable or where one is (``"module:attribute"``).
         note: What a row ``h_l`` of its prompt view shows (``{L}``: the blocks, ``{last}``:
             ``L − 1``); empty: an affine translator's ``T_l`` then the readout.
+        order: Where listings put it among the entry points (lowest first; a package's kind
+            keeps the default, after lensdiv's).
     """
 
     name: str
@@ -341,6 +346,7 @@ class LensKind:
     fitter: Fitter | str | None = None
     make: Callable[[str], Lens] | str | None = None
     note: str = ""
+    order: int = 1000
 
     def explain(self, n_layers: int) -> str:
         """What a row ``h_l`` of its prompt view shows, in a sentence or two."""
@@ -371,13 +377,68 @@ class LensKind:
         return lens
 
 
-#: Every kind of lens by name (:func:`register_lens_kind` adds one).
-LENS_KINDS: dict[str, LensKind] = {}
+class _LensKinds(MutableMapping[str, LensKind]):
+    """The kinds of lens by name, read from the ``lensdiv.lens_kinds`` entry points on first use
+    (lensdiv's own first, then other packages'): each entry names a :class:`LensKind` whose
+    ``name`` is the entry's. An entry that fails to import, is not a ``LensKind``, or claims the
+    name of a kind already there is left out with one :class:`PluginWarning` line; the others
+    keep working."""
+
+    def __init__(self) -> None:
+        self._kinds: dict[str, LensKind] = {}
+        self._loaded = False
+
+    def _table(self) -> dict[str, LensKind]:
+        if not self._loaded:
+            self._loaded = True
+            loaded, problems = load_group(LENS_KINDS_GROUP)
+            loaded.sort(key=lambda entry: getattr(entry.value, "order", 1000))
+            for entry in loaded:
+                problem = self._refusal(entry.name, entry.value, entry.provider)
+                if problem:
+                    problems.append(problem)
+                else:
+                    self._kinds.setdefault(entry.name, entry.value)
+            for line in problems:
+                warnings.warn(line, PluginWarning, stacklevel=3)
+        return self._kinds
+
+    def _refusal(self, name: str, kind: object, provider: str) -> str:
+        if not isinstance(kind, LensKind):
+            return f"lens kind {name!r} from {provider} is {type(kind).__name__}, not a LensKind"
+        if kind.name != name:
+            return f"lens kind {name!r} from {provider} is named {kind.name!r}; refused"
+        if name in self._kinds:
+            return (
+                f"lens kind {name!r} from {provider} is a kind lensdiv has already; refused "
+                "(rename it)"
+            )
+        return ""
+
+    def __getitem__(self, name: str) -> LensKind:
+        return self._table()[name]
+
+    def __setitem__(self, name: str, kind: LensKind) -> None:
+        self._table()[name] = kind
+
+    def __delitem__(self, name: str) -> None:
+        del self._table()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._table())
+
+    def __len__(self) -> int:
+        return len(self._table())
+
+
+#: Every kind of lens by name, from the ``lensdiv.lens_kinds`` entry points (lensdiv's own are
+#: declared in its pyproject.toml; :func:`register_lens_kind` adds one in a running session).
+LENS_KINDS: MutableMapping[str, LensKind] = _LensKinds()
 
 
 def register_lens_kind(kind: LensKind) -> LensKind:
-    """Add (or replace) a kind of lens, with its reader, maker and fitter in one step; returns
-    it."""
+    """Add (or replace) a kind of lens in this session (a notebook, a test); a package declares
+    its kinds as ``lensdiv.lens_kinds`` entry points instead. Returns ``kind``."""
     LENS_KINDS[kind.name] = kind
     return kind
 
@@ -456,78 +517,72 @@ def _logit(options: str) -> Translator:
     return LOGIT
 
 
-register_lens_kind(
-    LensKind(
-        "logit",
-        "Logit lens",
-        "logit lens",
-        make=_logit,
-        note="Row h_l: the residual stream before block l through the final norm and "
-        "unembedding; h{L} (top) is the model's output.",
-    )
+LOGIT_KIND = LensKind(
+    "logit",
+    "Logit lens",
+    "logit lens",
+    make=_logit,
+    note="Row h_l: the residual stream before block l through the final norm and "
+    "unembedding; h{L} (top) is the model's output.",
+    order=10,
 )
-register_lens_kind(
-    LensKind(
-        "last-block",
-        "Last-block lens",
-        "last-block lens",
-        make="lensdiv.ops.blocklens:last_block",
-        note="Row h_l: the residual stream before block l pushed through the final block "
-        "({last}), the final norm and the unembedding; the top row is the output.",
-    )
+LAST_BLOCK_KIND = LensKind(
+    "last-block",
+    "Last-block lens",
+    "last-block lens",
+    make="lensdiv.ops.blocklens:last_block",
+    note="Row h_l: the residual stream before block l pushed through the final block "
+    "({last}), the final norm and the unembedding; the top row is the output.",
+    order=20,
 )
-register_lens_kind(
-    LensKind(
-        "patchscope",
-        "Patchscope lens",
-        "patchscope lens",
-        make="lensdiv.ops.blocklens:patchscope",
-        note="Row h_l: the residual stream before block l patched into the inspection prompt "
-        "(its last position, as the input of block l), the model run on, and read at the "
-        "prompt's last position; h{L} (top) is the model's output.",
-    )
+PATCHSCOPE_KIND = LensKind(
+    "patchscope",
+    "Patchscope lens",
+    "patchscope lens",
+    make="lensdiv.ops.blocklens:patchscope",
+    note="Row h_l: the residual stream before block l patched into the inspection prompt "
+    "(its last position, as the input of block l), the model run on, and read at the "
+    "prompt's last position; h{L} (top) is the model's output.",
+    order=30,
 )
-register_lens_kind(
-    LensKind(
-        "tuned",
-        "Tuned lens",
-        "tuned lens",
-        layout=TUNED_LAYOUT,
-        read=_read_tuned_layout,
-        write=write_tuned_maps,
-        owns=_fitted_by("tuned"),
-        hub=_tuned_hub,
-        fitted="fit-tuned/tuned_lens",
-        fitter="lensdiv.lenses.fit:TUNED_FITTER",
-    )
+TUNED_KIND = LensKind(
+    "tuned",
+    "Tuned lens",
+    "tuned lens",
+    layout=TUNED_LAYOUT,
+    read=_read_tuned_layout,
+    write=write_tuned_maps,
+    owns=_fitted_by("tuned"),
+    hub=_tuned_hub,
+    fitted="fit-tuned/tuned_lens",
+    fitter="lensdiv.lenses.fit:TUNED_FITTER",
+    order=40,
 )
-register_lens_kind(
-    LensKind(
-        "jacobian",
-        "Jacobian lens",
-        "Jacobian lens",
-        layout=f"TransformerLens' JacobianLens file ({JACOBIAN_FILE})",
-        read=_read_jacobian_file,
-        write=write_jacobian_maps,
-        owns=is_jacobian_file,
-        hub=_jacobian_hub,
-        fitted=f"fit-jacobian/{JACOBIAN_FILE}",
-        fitter="lensdiv.lenses.fit:JACOBIAN_FITTER",
-    )
+JACOBIAN_KIND = LensKind(
+    "jacobian",
+    "Jacobian lens",
+    "Jacobian lens",
+    layout=f"TransformerLens' JacobianLens file ({JACOBIAN_FILE})",
+    read=_read_jacobian_file,
+    write=write_jacobian_maps,
+    owns=is_jacobian_file,
+    hub=_jacobian_hub,
+    fitted=f"fit-jacobian/{JACOBIAN_FILE}",
+    fitter="lensdiv.lenses.fit:JACOBIAN_FITTER",
+    order=50,
 )
-register_lens_kind(
-    LensKind(
-        "affine",
-        "Affine lens",
-        "affine lens",
-        layout=TUNED_LAYOUT,
-        read=_read_tuned_layout,
-        write=write_tuned_maps,
-        owns=_fitted_by("affine"),
-        hub=_tuned_hub,
-        fitted="fit-affine/affine_lens",
-        fitter="lensdiv.lenses.fit:AFFINE_FITTER",
-    )
+AFFINE_KIND = LensKind(
+    "affine",
+    "Affine lens",
+    "affine lens",
+    layout=TUNED_LAYOUT,
+    read=_read_tuned_layout,
+    write=write_tuned_maps,
+    owns=_fitted_by("affine"),
+    hub=_tuned_hub,
+    fitted="fit-affine/affine_lens",
+    fitter="lensdiv.lenses.fit:AFFINE_FITTER",
+    order=60,
 )
 
 
@@ -562,7 +617,13 @@ def unquoted(value: str) -> str:
 __all__ = [
     "LABELS",
     "LENS_KINDS",
+    "AFFINE_KIND",
+    "JACOBIAN_KIND",
+    "LAST_BLOCK_KIND",
     "LOGIT",
+    "LOGIT_KIND",
+    "PATCHSCOPE_KIND",
+    "TUNED_KIND",
     "PHRASES",
     "TUNED_LAYOUT",
     "FitRequest",
