@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from lensdiv.core.analyzer import DataFacts as DataFacts
     from lensdiv.core.analyzer import ModelInfo as ModelInfo
     from lensdiv.core.analyzer import Step as Step
+    from lensdiv.core.bridge import Bridge as Bridge
+    from lensdiv.core.bridge import Tokenizer as Tokenizer
     from lensdiv.core.errors import LensdivError as LensdivError
     from lensdiv.core.errors import UnsupportedModelError as UnsupportedModelError
     from lensdiv.core.registry import get_analyzer as get_analyzer
@@ -51,6 +53,8 @@ _EXPORTS = {
     "DataFacts": "lensdiv.core.analyzer",
     "ModelInfo": "lensdiv.core.analyzer",
     "Step": "lensdiv.core.analyzer",
+    "Bridge": "lensdiv.core.bridge",
+    "Tokenizer": "lensdiv.core.bridge",
     "DataSpec": "lensdiv.data.sources",
     "LensdivError": "lensdiv.core.errors",
     "UnsupportedModelError": "lensdiv.core.errors",

@@ -54,6 +54,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from lensdiv.core.analyzer import Analyzer, Batch, ModelInfo, RunContext, Step
+from lensdiv.core.bridge import Bridge
 from lensdiv.core.errors import DataError, LensdivError, OptionError
 from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
@@ -161,7 +162,7 @@ class Scored:
         label: Its name in the result.
     """
 
-    model: Any
+    model: Bridge
     info: ModelInfo
     label: str
 
@@ -205,12 +206,12 @@ class DepthScore(Analyzer):
     def hooks(self, info: ModelInfo) -> list[str]:
         return [info.resid(layer) for layer in range(info.n_layers + 1)]
 
-    def _tasks(self, model: Any) -> str:
+    def _tasks(self, model: Bridge) -> str:
         if self.tasks != "auto":
             return self.tasks
         return "kb" if getattr(model.tokenizer, "name_or_path", "") == NAME else "arith"
 
-    def examples(self, model: Any, info: ModelInfo) -> list[Batch]:
+    def examples(self, model: Bridge, info: ModelInfo) -> list[Batch]:
         tokenizer = model.tokenizer
         tasks = self._tasks(model)
         if tasks == "kb":
@@ -253,7 +254,7 @@ class DepthScore(Analyzer):
             batches.append(Batch(tokens, mask, bos=bool(bos), index=index, extra=extra))
         return batches
 
-    def setup(self, model: Any, info: ModelInfo) -> Scored | None:
+    def setup(self, model: Bridge, info: ModelInfo) -> Scored | None:
         """Load the model to score, where it is not the analysed one (see ``model``)."""
         choice = self.model.strip()
         if choice == "self":

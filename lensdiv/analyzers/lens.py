@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from lensdiv.core.analyzer import Analyzer, ModelInfo, Step
+from lensdiv.core.bridge import Bridge
 from lensdiv.core.errors import OptionError
 from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
@@ -60,7 +61,7 @@ class LogitLens(Analyzer):
     def hooks(self, info: ModelInfo) -> list[str]:
         return [info.resid(layer) for layer in range(info.n_layers + 1)]
 
-    def setup(self, model: Any, info: ModelInfo) -> None:
+    def setup(self, model: Bridge, info: ModelInfo) -> None:
         if self.top_k >= info.d_vocab:  # every top-k set would be the whole vocabulary
             raise OptionError(
                 f"lens.top_k={self.top_k} is not below the {info.d_vocab} tokens of "

@@ -47,6 +47,7 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from lensdiv.core.analyzer import Analyzer, Batch, ModelInfo, Step
+from lensdiv.core.bridge import Bridge
 from lensdiv.core.devices import input_device, masked_stack
 from lensdiv.core.errors import LensdivError, OptionError
 from lensdiv.core.results import Plot, Result, Table
@@ -148,7 +149,7 @@ class Target:
         stride: See ``target_stride``.
     """
 
-    model: Any
+    model: Bridge | None
     info: ModelInfo
     label: str
     layers: tuple[int, ...]
@@ -213,7 +214,7 @@ class LinearMaps(Analyzer):
             raise ValueError(f"target_stride must be >= 0 (0: automatic), got {self.target_stride}")
 
     # -- target model -----------------------------------------------------------------------------
-    def setup(self, model: Any, info: ModelInfo) -> Target:
+    def setup(self, model: Bridge, info: ModelInfo) -> Target:
         """Load and check the target before any forward pass (bad targets fail fast)."""
         if self.target.strip().lower() == SELF:
             target, target_info, label = None, info, f"{info.name} (itself)"
@@ -240,7 +241,7 @@ class LinearMaps(Analyzer):
                 return stride
         return target_info.n_layers
 
-    def _load_target(self, model: Any, info: ModelInfo) -> tuple[Any, ModelInfo]:
+    def _load_target(self, model: Bridge, info: ModelInfo) -> tuple[Any, ModelInfo]:
         param = next(model.parameters())  # its dtype; the device is where tokens go
         try:
             target = load_model(self.target, device=input_device(model), dtype=param.dtype)

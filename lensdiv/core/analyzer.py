@@ -41,6 +41,7 @@ from lensdiv.core.errors import OptionError, did_you_mean
 from lensdiv.core.stats import Stats
 
 if TYPE_CHECKING:
+    from lensdiv.core.bridge import Bridge
     from lensdiv.core.results import Result
 
 Numerics = Literal["raw", "folded"]
@@ -73,7 +74,7 @@ class ModelInfo:
     n_ctx: int = 0
 
     @classmethod
-    def from_model(cls, model: Any, name: str | None = None) -> ModelInfo:
+    def from_model(cls, model: Bridge, name: str | None = None) -> ModelInfo:
         """Read the facts off a ``TransformerBridge``."""
         cfg = model.cfg
         return cls(
@@ -170,7 +171,7 @@ class RunContext:
             (:func:`lensdiv.ops.readout.lens_of` reads it).
     """
 
-    model: Any
+    model: Bridge
     info: ModelInfo
     resources: dict[str, Any] = field(default_factory=dict)
     pass_index: int = 0
@@ -207,7 +208,7 @@ class Step:
         batch: Batch,
         cache: Any,  # {hook name: Tensor}: a dict, or TransformerLens' ActivationCache
         logits: Float[Tensor, "batch pos d_vocab"] | None,
-        model: Any = None,
+        model: Bridge | None = None,
         info: ModelInfo | None = None,
         pass_index: int = 0,
         *,
@@ -390,7 +391,7 @@ class Analyzer(abc.ABC):
             OptionError: Naming the option, what it needs and what the data gives.
         """
 
-    def setup(self, model: Any, info: ModelInfo) -> Any:
+    def setup(self, model: Bridge, info: ModelInfo) -> Any:
         """Load and check what the run needs beyond the model (e.g. a reference model), once,
         before any forward pass, so a bad input fails fast. The return value reaches every
         step as ``step.resource(self.name)``; it is never part of the state."""
@@ -413,7 +414,7 @@ class Analyzer(abc.ABC):
         shards; e.g. fit what pass 0 summed and ``put`` the fit into the state. It must depend
         on the state alone, so every process computes the same thing."""
 
-    def examples(self, model: Any, info: ModelInfo) -> Iterable[Batch] | None:
+    def examples(self, model: Bridge, info: ModelInfo) -> Iterable[Batch] | None:
         """This analyzer's own examples, or ``None`` to read the run's corpus (the default).
 
         Called once, before any forward pass, so bad task data fails fast with a

@@ -14,6 +14,8 @@ from lensdiv.core.errors import ModelLoadError
 if TYPE_CHECKING:
     import torch
 
+    from lensdiv.core.bridge import Bridge
+
 # accelerate's placement strategies (``device_map="auto"`` and friends).
 DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 _SIZE = re.compile(r"^\s*\d+(\.\d+)?\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
@@ -110,7 +112,7 @@ def check_device(device: Any) -> str:
     )
 
 
-def place_model(model: Any, device: Any = None, dtype: Any = None) -> Any:
+def place_model(model: Bridge, device: Any = None, dtype: Any = None) -> Bridge:
     """Move a bridge to ``device``/``dtype`` unless it is already there.
 
     TransformerLens prints a line on every ``.to``; a no-op move must not print. A model split
@@ -254,7 +256,7 @@ def execution_device(module: Any) -> torch.device | None:
     return None
 
 
-def input_device(model: Any) -> torch.device:
+def input_device(model: Bridge) -> torch.device:
     """Where token ids must go: where the embedding computes (:func:`execution_device`), else
     the first materialised parameter's device, else the first parameter's."""
     embed = getattr(model, "embed", None)
@@ -286,7 +288,7 @@ def masked_stack(tensors: Iterable[torch.Tensor], mask: torch.Tensor) -> torch.T
     return torch.stack([t[mask.to(t.device)].to(mask.device) for t in tensors])
 
 
-def device_map_of(model: Any) -> dict[str, str] | None:
+def device_map_of(model: Bridge) -> dict[str, str] | None:
     """Where each module of a dispatched model was placed (Hugging Face's ``hf_device_map``,
     as strings), or ``None`` for a model on one device."""
     for owner in (model, getattr(model, "original_model", None)):

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lensdiv.core.bridge import Bridge
 from lensdiv.course import toy
 from lensdiv.course.checker import Case, Exercise, Mistake, randn
 
@@ -26,7 +27,7 @@ def logit_diff(logits: Tensor, target: int, foil: int) -> Tensor:
 
 
 def _patched(
-    model: Any, source: Tensor, into: Tensor, layer: int, pos: Any, site: str = "resid_pre"
+    model: Bridge, source: Tensor, into: Tensor, layer: int, pos: Any, site: str = "resid_pre"
 ) -> Tensor:
     name = f"blocks.{layer}.hook_{site}"
     _, cache = model.run_with_cache(source, names_filter=name)
@@ -41,7 +42,7 @@ def _patched(
         return model.run_with_hooks(into, fwd_hooks=[(name, patch)]).float()
 
 
-def patch_run(model: Any, clean: Tensor, corrupt: Tensor, layer: int, pos: int) -> Tensor:
+def patch_run(model: Bridge, clean: Tensor, corrupt: Tensor, layer: int, pos: int) -> Tensor:
     return _patched(model, clean, corrupt, layer, pos)
 
 
@@ -58,7 +59,7 @@ _SWEEPS: dict[tuple[Any, ...], tuple[Tensor, float, float]] = {}
 
 
 def _sweep(
-    model: Any, source: Tensor, into: Tensor, target: int, foil: int
+    model: Bridge, source: Tensor, into: Tensor, target: int, foil: int
 ) -> tuple[Tensor, float, float]:
     """TransformerLens' sweep of ``h_l`` patched from ``source`` into ``into`` at every position:
     the raw metric ``[n_layers, pos]``, and the metric of ``source`` and of ``into``."""
@@ -81,7 +82,7 @@ def _sweep(
     return _SWEEPS[key]
 
 
-def patching_map(model: Any, clean: Tensor, corrupt: Tensor, target: int, foil: int) -> Tensor:
+def patching_map(model: Bridge, clean: Tensor, corrupt: Tensor, target: int, foil: int) -> Tensor:
     raw, m_clean, m_corrupt = _sweep(model, clean, corrupt, target, foil)
     return (raw - m_corrupt) / (m_clean - m_corrupt)
 
@@ -89,17 +90,21 @@ def patching_map(model: Any, clean: Tensor, corrupt: Tensor, target: int, foil: 
 # -- the mistakes --------------------------------------------------------------------------------------
 
 
-def _swapped_map(model: Any, clean: Tensor, corrupt: Tensor, target: int, foil: int) -> Tensor:
+def _swapped_map(model: Bridge, clean: Tensor, corrupt: Tensor, target: int, foil: int) -> Tensor:
     raw, m_corrupt, m_clean = _sweep(model, corrupt, clean, target, foil)
     return (raw - m_corrupt) / (m_clean - m_corrupt)
 
 
-def _unnormalised_map(model: Any, clean: Tensor, corrupt: Tensor, target: int, foil: int) -> Tensor:
+def _unnormalised_map(
+    model: Bridge, clean: Tensor, corrupt: Tensor, target: int, foil: int
+) -> Tensor:
     raw, _, m_corrupt = _sweep(model, clean, corrupt, target, foil)
     return raw - m_corrupt
 
 
-def _from_clean_map(model: Any, clean: Tensor, corrupt: Tensor, target: int, foil: int) -> Tensor:
+def _from_clean_map(
+    model: Bridge, clean: Tensor, corrupt: Tensor, target: int, foil: int
+) -> Tensor:
     return 1 - patching_map(model, clean, corrupt, target, foil)
 
 

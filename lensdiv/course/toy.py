@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from lensdiv.core.analyzer import ModelInfo
+from lensdiv.core.bridge import Bridge
 from lensdiv.data.pairs import answer_token, builtin_pairs
 from lensdiv.models.load import load_model
 from lensdiv.ops.capture import capture
@@ -48,7 +49,7 @@ def toy(name: str = MODEL) -> Any:
     return model
 
 
-def tokens(model: Any, texts: str | Sequence[str]) -> tuple[Tensor, Tensor]:
+def tokens(model: Bridge, texts: str | Sequence[str]) -> tuple[Tensor, Tensor]:
     """``(tokens, mask)`` of one or more prompts: BOS first, rows right-padded with the pad id.
 
     ``mask`` is True at real tokens (BOS included) and False at padding.
@@ -66,7 +67,7 @@ def tokens(model: Any, texts: str | Sequence[str]) -> tuple[Tensor, Tensor]:
 
 
 def residual_states(
-    model: Any, tokens: Tensor, fwd_hooks: Sequence[Hook] = ()
+    model: Bridge, tokens: Tensor, fwd_hooks: Sequence[Hook] = ()
 ) -> tuple[Tensor, Tensor]:
     """``(logits, states)`` of a run with ``fwd_hooks`` attached: ``states[l] = h_l``,
     ``[L + 1, batch, pos, d_model]`` (``h_0`` the embedding, ``h_L`` the last block's output
@@ -80,13 +81,13 @@ def residual_states(
     return logits.float(), torch.stack([cache[n].float() for n in names])
 
 
-def readout_params(model: Any) -> dict[str, Any]:
+def readout_params(model: Bridge) -> dict[str, Any]:
     """The final LayerNorm's ``w``, ``b``, ``eps`` and the unembedding ``W_U``, ``b_U``."""
     r = final_readout(model)
     return {"ln_w": r.weight, "ln_b": r.bias, "eps": r.eps, "W_U": r.W_U, "b_U": r.b_U}
 
 
-def pair(model: Any, index: int = 0) -> dict[str, Any]:
+def pair(model: Bridge, index: int = 0) -> dict[str, Any]:
     """One clean/corrupt pair of the toy's knowledge base, tokenised (BOS first).
 
     ``clean``/``corrupt``: ``[1, pos]`` tokens of equal length; ``target``/``foil``: the answer
@@ -123,7 +124,7 @@ def explore(text: str, *, skip: int | None = None, corrupt: str | None = None) -
     )
 
 
-def member_predictions(model: Any, text: str) -> tuple[Tensor, Tensor]:
+def member_predictions(model: Bridge, text: str) -> tuple[Tensor, Tensor]:
     """``(f, y)`` on one prompt: ``f[i]`` the logits member ``i`` predicts at every position that
     has a next token, ``[M, n, d_vocab]`` (``M = 2L + 1``: the embedding, then each block's
     attention and MLP writes, read on the final residual's scale, so that ``f.mean(0)`` is the

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lensdiv.core.bridge import Tokenizer
 from lensdiv.core.files import cache_root as lensdiv_cache
 
 FORMAT_VERSION = 1
@@ -69,7 +70,7 @@ def cache_root() -> Path | None:
     return lensdiv_cache() / "tokens"
 
 
-def tokenizer_identity(tokenizer: Any) -> dict[str, Any] | None:
+def tokenizer_identity(tokenizer: Tokenizer) -> dict[str, Any] | None:
     """What fixes the ids ``tokenizer`` gives a text, or ``None`` if nothing reliable does.
 
     A fast tokenizer is its native tokenizer's serialisation (vocabulary, merges, normaliser,
@@ -117,7 +118,7 @@ def tokenizer_identity(tokenizer: Any) -> dict[str, Any] | None:
 _FIXED: weakref.WeakKeyDictionary[Any, dict[str, Any] | None] = weakref.WeakKeyDictionary()
 
 
-def fix_identity(tokenizer: Any) -> None:
+def fix_identity(tokenizer: Tokenizer) -> None:
     """Read ``tokenizer``'s identity now and keep it for as long as it lives: only for a
     tokenizer that nothing changes afterwards (a private copy called without padding or
     truncation)."""
@@ -125,7 +126,7 @@ def fix_identity(tokenizer: Any) -> None:
     _FIXED[tokenizer] = tokenizer_identity(tokenizer)
 
 
-def backend_state(tokenizer: Any) -> str | None:
+def backend_state(tokenizer: Tokenizer) -> str | None:
     """A fast tokenizer's native serialisation without the padding and truncation its last call
     left set (each call sets its own; packing asks for neither), or ``None`` for another
     tokenizer. The serialisation is deterministic (the vocabulary in id order), so it is hashed
@@ -407,7 +408,7 @@ def _sweep(root: Path) -> None:
             pass
 
 
-def token_cache(identity: dict[str, Any] | None, tokenizer: Any) -> TokenCache | None:
+def token_cache(identity: dict[str, Any] | None, tokenizer: Tokenizer) -> TokenCache | None:
     """The cache entry of a source of ``identity`` read with ``tokenizer``, or ``None`` when the
     cache is off or either cannot be identified."""
     if identity is None:

@@ -19,6 +19,7 @@ from lensdiv.data.cache import Prefix, TokenCache, Writer, token_cache
 
 if TYPE_CHECKING:
     from lensdiv.core.analyzer import Batch
+    from lensdiv.core.bridge import Tokenizer
 
 
 @runtime_checkable
@@ -36,7 +37,7 @@ class Cut(Protocol):
 
 
 def pack(
-    docs: Iterable[str], tokenizer: Any, spec: Cut, *, source: str = "documents"
+    docs: Iterable[str], tokenizer: Tokenizer, spec: Cut, *, source: str = "documents"
 ) -> Iterator[Batch]:
     """Pack any stream of documents the way :func:`token_batches` does (``spec`` gives the sizes):
     the one place where text is tokenised.
@@ -52,7 +53,7 @@ def pack(
 
 def pack_cached(
     docs: Iterable[str],
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     spec: Cut,
     source: str,
     identity: Callable[[], dict[str, Any] | None] | None,
@@ -122,7 +123,9 @@ def _commit(
         writer.abort()
 
 
-def _cache_of(identity: Callable[[], dict[str, Any] | None], tokenizer: Any) -> TokenCache | None:
+def _cache_of(
+    identity: Callable[[], dict[str, Any] | None], tokenizer: Tokenizer
+) -> TokenCache | None:
     """The :class:`~lensdiv.data.cache.TokenCache` of a source and ``tokenizer``, or ``None``."""
     try:
         return token_cache(identity(), tokenizer)
@@ -150,7 +153,7 @@ _CHUNK_CHARS = (1 << 10, 1 << 20)
 _CACHE_CHUNK_TOKENS = 1 << 16
 
 
-def _encode(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+def _encode(tokenizer: Tokenizer, texts: list[str]) -> list[list[int]]:
     """The ids of each text, as ``tokenizer(text, add_special_tokens=False)`` gives them, from
     one call (only the ids are asked for: the masks would be built for nothing)."""
     encoded = tokenizer(
@@ -194,7 +197,7 @@ class _Packer:
     """Rows of ``spec.seq_len`` tokens from tokenised documents (each followed by EOS, each row
     after BOS), ``spec.batch_size`` rows a batch, until ``spec.max_tokens`` real tokens."""
 
-    def __init__(self, tokenizer: Any, spec: Cut) -> None:
+    def __init__(self, tokenizer: Tokenizer, spec: Cut) -> None:
         import numpy as np
 
         self.bos = tokenizer.bos_token_id if spec.bos == "prepend" else None

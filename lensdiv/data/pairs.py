@@ -23,11 +23,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from lensdiv.core.analyzer import Batch
+from lensdiv.core.bridge import Tokenizer
 from lensdiv.core.errors import DataError
 from lensdiv.data.corpus import RELATIONS, KnowledgeBase, Query
 from lensdiv.data.tasks import read_task_jsonl
@@ -107,7 +107,7 @@ _CAPITALS = (
 _BUILTIN_PAIRS = 16
 
 
-def is_byte_tokenizer(tokenizer: Any) -> bool:
+def is_byte_tokenizer(tokenizer: Tokenizer) -> bool:
     """Whether ``tokenizer`` is the toy models' byte tokenizer."""
     try:
         specials = tokenizer.convert_ids_to_tokens(list(range(len(SPECIALS))))
@@ -116,7 +116,7 @@ def is_byte_tokenizer(tokenizer: Any) -> bool:
         return False
 
 
-def builtin_pairs(tokenizer: Any) -> list[Pair]:
+def builtin_pairs(tokenizer: Tokenizer) -> list[Pair]:
     """The built-in task: knowledge-base facts for the byte tokenizer, capitals otherwise.
 
     Byte tokenizer (toy models): 4 facts per relation of the toy corpus' knowledge base,
@@ -172,11 +172,11 @@ def builtin_pairs(tokenizer: Any) -> list[Pair]:
     return pairs
 
 
-def _encode(tokenizer: Any, text: str) -> list[int]:
+def _encode(tokenizer: Tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def _answer_id(tokenizer: Any, prompt: str, target: str) -> int | None:
+def _answer_id(tokenizer: Tokenizer, prompt: str, target: str) -> int | None:
     """The answer-token rule (module docstring); ``None`` when the target tokenises to nothing."""
     head = _encode(tokenizer, prompt)
     full = _encode(tokenizer, prompt + target)
@@ -186,7 +186,9 @@ def _answer_id(tokenizer: Any, prompt: str, target: str) -> int | None:
     return alone[0] if alone else None
 
 
-def answer_token(tokenizer: Any, prompt: str, target: str | int, d_vocab: int, where: str) -> int:
+def answer_token(
+    tokenizer: Tokenizer, prompt: str, target: str | int, d_vocab: int, where: str
+) -> int:
     """Token id of ``target`` after ``prompt`` (see the module docstring), checked.
 
     Raises:
@@ -220,7 +222,7 @@ def answer_token(tokenizer: Any, prompt: str, target: str | int, d_vocab: int, w
 
 
 def pair_batches(
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     pairs: Sequence[Pair],
     *,
     source: str,

@@ -31,6 +31,7 @@ from lensdiv.data.sources import DataSpec, token_batches
 
 if TYPE_CHECKING:
     from lensdiv.core.analyzer import Batch
+    from lensdiv.core.bridge import Tokenizer
 
 # Batches ready before the one being fed: a few chunks of the packer (each about two batches),
 # so the reader is busy while the model is.
@@ -44,7 +45,7 @@ _ITEM, _END, _ERROR = range(3)
 
 def ready_batches(
     spec: DataSpec,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     depth: int | None = None,
     on_end: Callable[[int], None] | None = None,
 ) -> Generator[Batch, None, None]:
@@ -128,7 +129,7 @@ def _put(box: queue.Queue[tuple[int, Any]], entry: tuple[int, Any], stop: thread
     return False
 
 
-def _private_copy(tokenizer: Any) -> Any:
+def _private_copy(tokenizer: Tokenizer) -> Any:
     """A copy of ``tokenizer`` that shares no state with it, or ``None`` if it cannot be made.
 
     A fast tokenizer's copy is made once and kept while the tokenizer lives and is the same:
@@ -157,7 +158,7 @@ def _private_copy(tokenizer: Any) -> Any:
 _COPIES: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], Any]] = weakref.WeakKeyDictionary()
 
 
-def _copy_key(tokenizer: Any) -> tuple[Any, ...] | None:
+def _copy_key(tokenizer: Tokenizer) -> tuple[Any, ...] | None:
     """What a kept copy must match: ``None`` for a tokenizer without a native serialisation."""
     state = backend_state(tokenizer)
     if state is None:

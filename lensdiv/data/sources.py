@@ -36,6 +36,7 @@ from lensdiv.data.tasks import json_kind, read_task_jsonl
 
 if TYPE_CHECKING:
     from lensdiv.core.analyzer import Batch
+    from lensdiv.core.bridge import Tokenizer
 
 __all__ = [
     "BUILTIN",
@@ -311,7 +312,7 @@ class TokenRows(Source):
     def documents(self) -> Iterator[str]:
         raise DataError("token data has no documents", hint="read it with token_batches")
 
-    def batches(self, tokenizer: Any) -> Iterator[Batch]:
+    def batches(self, tokenizer: Tokenizer) -> Iterator[Batch]:
         """``batch_size`` rows a batch, up to ``max_tokens`` real tokens (the last row kept is
         cut short, its tail masked); BOS is marked when every row of a batch starts with it."""
         import torch
@@ -374,7 +375,7 @@ def documents(spec: DataSpec) -> Iterator[str]:
     yield from checked_documents(source_of(spec))
 
 
-def token_batches(spec: DataSpec, tokenizer: Any) -> Iterator[Batch]:
+def token_batches(spec: DataSpec, tokenizer: Tokenizer) -> Iterator[Batch]:
     """Tokenise and pack the documents of ``spec`` into :class:`~lensdiv.core.analyzer.Batch` es,
     lazily (a token tensor's rows are used as they are, ``batch_size`` rows a batch); with
     ``skip_tokens``, the batches after the first ``skip_tokens`` real tokens, numbered from 0."""
@@ -398,7 +399,9 @@ def most_tokens(spec: DataSpec) -> int:
 COUNT_BYTES = 16 << 20
 
 
-def known_tokens(spec: DataSpec, tokenizer: Any, *, most_bytes: int = COUNT_BYTES) -> int | None:
+def known_tokens(
+    spec: DataSpec, tokenizer: Tokenizer, *, most_bytes: int = COUNT_BYTES
+) -> int | None:
     """The real tokens :func:`token_batches` yields for ``spec`` (at most ``max_tokens``), when
     that is cheap to know before a run, else ``None``.
 

@@ -36,6 +36,7 @@ from lensdiv.data.packing import pack_cached
 
 if TYPE_CHECKING:
     from lensdiv.core.analyzer import Batch
+    from lensdiv.core.bridge import Tokenizer
 
 BUILTIN = "builtin"
 
@@ -264,7 +265,7 @@ class Source(abc.ABC):
             DataError: Data met along the way is not text.
         """
 
-    def batches(self, tokenizer: Any) -> Iterator[Batch]:
+    def batches(self, tokenizer: Tokenizer) -> Iterator[Batch]:
         """The checked documents packed into batches by :func:`~lensdiv.data.packing.pack`, lazily, from the token
         cache where it holds them (:mod:`lensdiv.data.cache`: the same batches, bit for bit); a
         source whose data is already tokens yields its own."""

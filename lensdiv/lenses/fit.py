@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from lensdiv.core.analyzer import Analyzer, ModelInfo
+from lensdiv.core.bridge import Bridge
 from lensdiv.core.errors import DataError, DataWarning, LensdivError, OptionError
 from lensdiv.core.progress import progress_allowed
 from lensdiv.core.results import Rendered, Table, write_json_atomic
@@ -272,7 +273,7 @@ def _fitted(
 
 def _evaluate_fit(
     fit: LensFit,
-    model: Any,
+    model: Bridge,
     bridge: Any,
     data: Any,
     settings: RunSettings,

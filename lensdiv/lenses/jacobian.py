@@ -36,6 +36,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from lensdiv.core.analyzer import Analyzer, ModelInfo, Step
+from lensdiv.core.bridge import Bridge
 from lensdiv.core.errors import UnsupportedModelError
 from lensdiv.core.provenance import versions
 from lensdiv.core.results import Plot, Result, Table
@@ -88,7 +89,7 @@ class JacobianFit(Analyzer):
     def hooks(self, info: ModelInfo) -> list[str]:
         return []
 
-    def setup(self, model: Any, info: ModelInfo) -> None:
+    def setup(self, model: Bridge, info: ModelInfo) -> None:
         if info.n_layers < 2:
             raise UnsupportedModelError("a Jacobian lens needs at least 2 blocks")
         if self.probes > info.d_model:
@@ -297,7 +298,7 @@ def _metadata(fitted: MeanJacobians, options: JacobianFit, info: ModelInfo) -> d
 
 
 def exact_jacobians(
-    model: Any, tokens: Int[Tensor, "one seq"], layers: Sequence[int], dim_batch: int, skip: int
+    model: Bridge, tokens: Int[Tensor, "one seq"], layers: Sequence[int], dim_batch: int, skip: int
 ) -> dict[int, Float[Tensor, "d_model d_model"]]:
     """TransformerLens' exact per-prompt Jacobians (float32, on the CPU) for ``layers``."""
     from transformer_lens.tools.analysis import jacobian_lens as tl
@@ -314,7 +315,7 @@ def exact_jacobians(
 
 
 def sketch_jacobians(
-    model: Any,
+    model: Bridge,
     tokens: Int[Tensor, "one seq"],
     layers: Sequence[int],
     skip: int,

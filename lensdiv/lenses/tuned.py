@@ -55,6 +55,7 @@ import torch
 from torch import Tensor, nn
 
 from lensdiv.core.analyzer import Analyzer, Batch, ModelInfo, Step
+from lensdiv.core.bridge import Bridge
 from lensdiv.core.errors import OptionError
 from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
@@ -337,7 +338,7 @@ class TunedFit(TunedRecipe, Analyzer):
     def hooks(self, info: ModelInfo) -> list[str]:
         return [info.resid(layer) for layer in range(info.n_layers + 1)]
 
-    def setup(self, model: Any, info: ModelInfo) -> Any:
+    def setup(self, model: Bridge, info: ModelInfo) -> Any:
         """The lens to start from is one this model can read and an affine one (before any pass)."""
         self._start(info)
         return None
@@ -624,7 +625,7 @@ def _config(recipe: TunedRecipe, progress: TunedProgress) -> dict[str, Any]:
 
 
 def train_tuned(
-    model: Any,
+    model: Bridge,
     info: ModelInfo,
     batches: Callable[[], Iterable[Batch]],
     recipe: TunedRecipe,

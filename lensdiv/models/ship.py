@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from lensdiv.core.bridge import Bridge
 from lensdiv.models.entries import COMPLETE as _COMPLETE
 from lensdiv.models.entries import sha256_file as _sha256
 from lensdiv.models.entries import verify_entry
@@ -38,7 +39,7 @@ from lensdiv.models.toy import (
 _FILES = ("recipe.json", "train_log.json", "loss.png")
 
 
-def weights_digest(model: Any) -> str:
+def weights_digest(model: Bridge) -> str:
     """sha256 of a model's weights (every name of its state, sorted, and its bytes): equal
     digests are bit-for-bit equal weights."""
     import hashlib

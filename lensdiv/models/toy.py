@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lensdiv.core.bridge import Bridge
 from lensdiv.core.devices import place_model
 from lensdiv.core.errors import ModelLoadError
 from lensdiv.core.files import cache_root, folder_problem
@@ -344,7 +345,7 @@ def _load_entry(spec: ToySpec, folder: Path) -> tuple[Any, str | None]:
     return model, None
 
 
-def shipped_match(spec: ToySpec, model: Any, recipe: TrainRecipe | None = None) -> bool | None:
+def shipped_match(spec: ToySpec, model: Bridge, recipe: TrainRecipe | None = None) -> bool | None:
     """Whether ``model``'s weights are bit for bit those shipped for (``spec``, ``recipe``);
     ``None`` when none is shipped (or the shipped entry is unusable)."""
     import torch
@@ -359,7 +360,7 @@ def shipped_match(spec: ToySpec, model: Any, recipe: TrainRecipe | None = None) 
     )
 
 
-def load_weights(model: Any, folder: Path) -> None:
+def load_weights(model: Bridge, folder: Path) -> None:
     """Load an entry's weights (safetensors, or the weights.pt of entries cached before) into
     ``model``."""
     import torch
@@ -524,7 +525,7 @@ def _toy_batches(recipe: TrainRecipe) -> tuple[Iterator[Any], list[Any]]:
 
 
 def _eval_point(
-    model: Any, eval_batches: list[Any], recipe: TrainRecipe, step: int
+    model: Bridge, eval_batches: list[Any], recipe: TrainRecipe, step: int
 ) -> dict[str, Any]:
     """The evaluation after ``step`` steps: held-out loss, and multi-hop accuracy on held-out
     chains and on the training split's (the net left in eval mode)."""
@@ -562,7 +563,7 @@ def _eval_loss(net: Any, batches: list[Any]) -> float:
 
 
 def multihop_accuracy(
-    model: Any, *, n: int = 200, seed: int = 1, chains: str = "unseen"
+    model: Bridge, *, n: int = 200, seed: int = 1, chains: str = "unseen"
 ) -> dict[str, Any]:
     """Exact-match accuracy of held-out queries per hop count (answers are two bytes).
 
@@ -600,7 +601,7 @@ def multihop_accuracy(
     return out
 
 
-def _lens_kl(model: Any) -> list[float]:
+def _lens_kl(model: Bridge) -> list[float]:
     """Logit-lens KL to the output per residual state, on held-out text (the training log's
     quick check that later layers converge; ``lensdiv analyze --plugins lens`` is the analysis)."""
     import torch
@@ -621,7 +622,7 @@ def _lens_kl(model: Any) -> list[float]:
     return [round(float(v), 5) for v in total / max(count, 1)]
 
 
-def _save_entry(spec: ToySpec, recipe: TrainRecipe, model: Any, log: dict[str, Any]) -> Path:
+def _save_entry(spec: ToySpec, recipe: TrainRecipe, model: Bridge, log: dict[str, Any]) -> Path:
     """Write weights, recipe, log and loss plot as one cache entry (``entries.build_entry``)."""
     from safetensors.torch import save_model
 

@@ -43,6 +43,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from lensdiv.core.analyzer import ModelInfo
+from lensdiv.core.bridge import Bridge
 from lensdiv.core.devices import input_device
 from lensdiv.core.errors import LensError
 from lensdiv.ops.capture import StopPass, capture, stop_hook_name, stopping
@@ -84,6 +85,17 @@ _TOLERANCE_LOW = 5e-2
 # -- last-block ------------------------------------------------------------------------------------
 
 
+def _the_model(model: Bridge | None, label: str) -> Bridge:
+    """``model``, which a lens that runs the model's blocks cannot do without.
+
+    Raises:
+        LensError: There is no model to run (``None``).
+    """
+    if model is None:
+        raise LensError(f"the {label} runs the model's blocks: it needs the model, not None")
+    return model
+
+
 @dataclass(frozen=True, eq=False)
 class LastBlockLens(Lens):
     """The last-block lens (docs/science.md C1): ``h_l`` through the final block, then the
@@ -103,12 +115,18 @@ class LastBlockLens(Lens):
         return {"kind": self.kind, "label": self.label, "spec": self.spec}
 
     def reader(
-        self, model: Any, tokens: Tensor | None, *, dtype: torch.dtype, device: torch.device
+        self,
+        model: Bridge | None,
+        tokens: Tensor | None,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> Reader:
         """Every ``h_l`` (``l ≤ L − 2``) of the batch through block ``L − 1`` over its own
         sequence, computed on the first read; ``h_{L-1}`` and ``h_L`` read as ``h_L``."""
         if tokens is None:
             raise LensError("the last-block lens runs the final block: it needs the batch's tokens")
+        model = _the_model(model, self.label)
         L = int(model.cfg.n_layers)
         done: dict[int, Tensor] = {}
 
@@ -125,7 +143,7 @@ class LastBlockLens(Lens):
 
 
 def through_last_block(
-    model: Any, tokens: Tensor, states: Sequence[Tensor], n_layers: int
+    model: Bridge, tokens: Tensor, states: Sequence[Tensor], n_layers: int
 ) -> dict[int, Float[Tensor, "rows d_model"]]:
     """``f_{L-1}(h_l)`` for ``l = 0..L-2`` over the batch's sequences (``states[l]``: ``h_l``
     flattened to ``[batch·pos, d_model]``), the layers stacked into few resumed passes."""
@@ -226,7 +244,7 @@ class PatchscopeLens(Lens):
             return n_layers - 1
         return int(self.target)
 
-    def check(self, info: ModelInfo, model: Any = None) -> None:
+    def check(self, info: ModelInfo, model: Bridge | None = None) -> None:
         if isinstance(self.target, int) and self.target >= info.n_layers:
             raise LensError(
                 f"the patchscope's target block {self.target} is not one of {info.name}'s "
@@ -252,11 +270,16 @@ class PatchscopeLens(Lens):
         }
 
     def reader(
-        self, model: Any, tokens: Tensor | None, *, dtype: torch.dtype, device: torch.device
+        self,
+        model: Bridge | None,
+        tokens: Tensor | None,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> Reader:
         """The rows of every ``h_l`` (``l < L``) patched in, all read on the first read of a
         block of rows (the states with the same ``ℓ*`` in one continuation); ``h_L`` as it is."""
-        found = inspection(model, self.prompt, self.position)
+        found = inspection(_the_model(model, self.label), self.prompt, self.position)
         L = found.n_layers
         last: dict[str, Any] = {}
 
@@ -329,7 +352,7 @@ _INSPECTIONS: weakref.WeakKeyDictionary[Any, dict[tuple[str, int], tuple[Any, In
 )
 
 
-def inspection(model: Any, prompt: str, position: int) -> Inspection:
+def inspection(model: Bridge, prompt: str, position: int) -> Inspection:
     """The model's :class:`Inspection` of ``prompt`` patched at ``position`` (computed once per
     model, prompt and position, and again when the weights change)."""
     readout = final_readout(model)
@@ -340,7 +363,7 @@ def inspection(model: Any, prompt: str, position: int) -> Inspection:
     return cached[1]
 
 
-def prompt_tokens(model: Any, prompt: str) -> Tensor:
+def prompt_tokens(model: Bridge, prompt: str) -> Tensor:
     """The inspection prompt's tokens ``[1, m]``, BOS first whatever the bridge's default
     (NeoX's is off): as lensdiv's data rows and the prompt view have it, so a source prompt and
     the same inspection prompt are one sequence."""
@@ -360,7 +383,7 @@ class Inspection:
         fast: ``False``: always run the whole prompt per state (the exact reference).
     """
 
-    def __init__(self, model: Any, prompt: str, position: int, *, fast: bool = True) -> None:
+    def __init__(self, model: Bridge, prompt: str, position: int, *, fast: bool = True) -> None:
         self.model = model
         self.n_layers = L = int(model.cfg.n_layers)
         # where the embedding computes (a split model's weights may sit on the meta device)

@@ -16,6 +16,8 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from lensdiv.core.bridge import Bridge
+
 
 class StopPass(Exception):
     """Raised by a hook to end a forward pass once what it needs has been seen: the one way
@@ -48,7 +50,7 @@ def stop_hook_name(hook_names: Iterable[str]) -> str | None:
 
 
 def capture(
-    model: Any,
+    model: Bridge,
     tokens: Int[Tensor, "batch pos"],
     names: Iterable[str],
     *,

@@ -20,11 +20,13 @@ from typing import Any
 
 from torch import Tensor
 
+from lensdiv.core.bridge import Bridge
+
 #: The names transformers has given the cache argument, newest first.
 _NAMES = ("cache", "past_key_values")
 
 
-def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
+def cache_kwargs(model: Bridge, cache: Any) -> dict[str, Any]:
     """``{name: cache}`` with the name the model's Hugging Face forward takes."""
     hf_class: Any = type(model.original_model)
     return {_cache_name(hf_class): cache}
@@ -37,7 +39,7 @@ def _cache_name(hf_class: Any) -> str:  # a model class: hashable, cached by ide
 
 
 @contextlib.contextmanager
-def passing_cache(model: Any) -> Iterator[None]:
+def passing_cache(model: Bridge) -> Iterator[None]:
     """While open, each attention bridge of ``model`` also finds a ``cache`` argument under
     ``past_key_values`` (the name TransformerLens 4.3 reads): one keyword pre-hook per block."""
 

@@ -32,6 +32,7 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from lensdiv.core.analyzer import ModelInfo
+from lensdiv.core.bridge import Bridge
 from lensdiv.core.errors import HookError
 from lensdiv.ops.norms import LayerNorm, RMSNorm, declared_norm
 from lensdiv.ops.readout import FinalReadout, final_readout, norm_error
@@ -117,7 +118,7 @@ def member_hooks(info: ModelInfo) -> list[str]:
     return [*hooks, info.resid(info.n_layers)]
 
 
-def member_readout(model: Any) -> MemberReadout:
+def member_readout(model: Bridge) -> MemberReadout:
     """The model's final norm and unembedding as a :class:`MemberReadout`, verified, cached per model.
 
     Raises:
@@ -134,7 +135,7 @@ def member_readout(model: Any) -> MemberReadout:
 
 
 def member_inputs(
-    model: Any,
+    model: Bridge,
     cache: Any,
     info: ModelInfo,
     keep: Bool[Tensor, "batch pos"],
@@ -187,7 +188,7 @@ def logits_from_inputs(
 
 
 def member_logits(
-    model: Any,
+    model: Bridge,
     cache: Any,
     info: ModelInfo,
     keep: Bool[Tensor, "batch pos"],
@@ -206,7 +207,7 @@ def member_logits(
 
 
 def iter_member_logits(
-    model: Any,
+    model: Bridge,
     cache: Any,
     info: ModelInfo,
     keep: Bool[Tensor, "batch pos"],
@@ -239,7 +240,7 @@ def keep_chunks(
 # -- the final norm, decomposed ---------------------------------------------------------------------
 
 
-def _build_member_readout(model: Any, full: FinalReadout) -> MemberReadout:
+def _build_member_readout(model: Bridge, full: FinalReadout) -> MemberReadout:
     name = str(getattr(model.cfg, "model_name", "this model"))
     if not full.norm.decomposed:
         ln_final = model.ln_final

@@ -20,6 +20,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
+from lensdiv.core.bridge import Bridge
 from lensdiv.ops.readout import readout_dtype
 from lensdiv.ops.resume import Resumer
 
@@ -35,7 +36,7 @@ def site_hook(site: str, layer: int) -> str:
     return f"blocks.{layer}.hook_{site}"
 
 
-def last_position(model: Any) -> list[Hook]:
+def last_position(model: Bridge) -> list[Hook]:
     """A hook that keeps only the last position (the answer position) for the readout, where
     the model has the hook (a resumed pass applies it to the final residual): the final norm
     and unembedding are per position, so the answer's logits are unchanged, and the largest
@@ -49,7 +50,7 @@ def last_position(model: Any) -> list[Hook]:
     return [("unembed.hook_in", last)]
 
 
-def rows_per_pass(model: Any, n_pos: int, *, grad: bool) -> int:
+def rows_per_pass(model: Bridge, n_pos: int, *, grad: bool) -> int:
     """Rows of ``n_pos`` tokens one batched pass may hold within a fixed memory budget.
 
     Without gradients a pass holds a few ``[row, pos, d_mlp]`` activations and the logits;
@@ -142,7 +143,7 @@ def run_variants(
 
 
 def integrated_gradients(
-    model: Any,
+    model: Bridge,
     tokens: Int[Tensor, "batch pos"],
     hook_name: str,
     x: Float[Tensor, "batch pos d_model"],

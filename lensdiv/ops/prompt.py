@@ -34,6 +34,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from lensdiv.core.analyzer import ModelInfo
+from lensdiv.core.bridge import Bridge
 from lensdiv.core.errors import DataError, OptionError
 from lensdiv.core.provenance import versions
 from lensdiv.models.load import load_model
@@ -49,7 +50,7 @@ PARTS = ("block", "attn", "mlp")
 
 
 def prompt_view(
-    model: Any,
+    model: Bridge,
     text: str,
     *,
     top_k: int = 3,
@@ -132,7 +133,7 @@ def prompt_view(
 
 
 def _grid(
-    model: Any,
+    model: Bridge,
     info: ModelInfo,
     lens: Lens,
     tokens: Int[Tensor, "1 pos"],
@@ -178,7 +179,7 @@ def _grid(
 
 
 def _meta(
-    model: Any,
+    model: Bridge,
     lens: Lens,
     grid: Cells,
     how: str,
@@ -202,7 +203,7 @@ def _meta(
     }
 
 
-def float32_readout(model: Any) -> tuple[Callable[[Tensor], Tensor], str]:
+def float32_readout(model: Bridge) -> tuple[Callable[[Tensor], Tensor], str]:
     """A function from residual vectors ``[n, d_model]`` to readout-dtype logits ``[n, d_vocab]``
     (float32; float64 for a float64 model), and a description of the readout.
 
@@ -242,7 +243,7 @@ def skip_hooks(skip: int, part: str) -> list[tuple[str, Callable[..., Tensor]]]:
 
 
 def _view(
-    model: Any,
+    model: Bridge,
     info: ModelInfo,
     tokens: Int[Tensor, " pos"],
     grid: Cells,
@@ -324,7 +325,7 @@ def _check_options(top_k: int, skip: int | None, part: str, n_layers: int) -> No
         )
 
 
-def _tokens(model: Any, text: str, prepend_bos: bool) -> Int[Tensor, "1 pos"]:
+def _tokens(model: Bridge, text: str, prepend_bos: bool) -> Int[Tensor, "1 pos"]:
     if not text.strip():
         raise DataError(
             "the prompt is empty", hint='pass some text, e.g. "The capital of France is"'
@@ -340,7 +341,7 @@ def _tokens(model: Any, text: str, prepend_bos: bool) -> Int[Tensor, "1 pos"]:
     return tokens
 
 
-def _decoder(model: Any) -> Callable[[int], str]:
+def _decoder(model: Bridge) -> Callable[[int], str]:
     """Token id → its text (a byte without one as ``<0xC3>``: :func:`token_text`), cached (one
     decode per distinct id)."""
     tokenizer = model.tokenizer

@@ -39,6 +39,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from lensdiv.core.analyzer import Step
+from lensdiv.core.bridge import Bridge
 from lensdiv.core.errors import HookError
 from lensdiv.ops.norms import FinalNorm, ModuleNorm, NoNorm, declared_norm
 from lensdiv.ops.translators import LOGIT, Lens
@@ -202,7 +203,7 @@ _READOUTS: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], FinalReadout]] 
 )
 
 
-def final_readout(model: Any) -> FinalReadout:
+def final_readout(model: Bridge) -> FinalReadout:
     """The model's :class:`FinalReadout`, built and verified once per model (and again if its
     weights change: folding, a move to another dtype or device).
 
@@ -217,7 +218,7 @@ def final_readout(model: Any) -> FinalReadout:
     return cached[1]
 
 
-def _readout_key(model: Any) -> tuple[Any, ...]:
+def _readout_key(model: Bridge) -> tuple[Any, ...]:
     weight = _unembed_weight(model)
     ptr = weight.data_ptr() if weight.device.type != "meta" else id(weight)
     return (
@@ -228,7 +229,7 @@ def _readout_key(model: Any) -> tuple[Any, ...]:
     )
 
 
-def _unembed_module(model: Any) -> torch.nn.Module:
+def _unembed_module(model: Bridge) -> torch.nn.Module:
     unembed = getattr(model, "unembed", None)
     if not isinstance(unembed, torch.nn.Module):
         raise HookError(
@@ -239,7 +240,7 @@ def _unembed_module(model: Any) -> torch.nn.Module:
     return inner if isinstance(inner, torch.nn.Module) else unembed
 
 
-def _unembed_weight(model: Any) -> Tensor:
+def _unembed_weight(model: Bridge) -> Tensor:
     unembed = getattr(model, "unembed", None)
     processed = getattr(unembed, "_parameters", {}).get("_processed_W_U")
     if isinstance(processed, Tensor):
@@ -251,7 +252,7 @@ def _unembed_weight(model: Any) -> Tensor:
     return weight
 
 
-def _name(model: Any) -> str:
+def _name(model: Bridge) -> str:
     return str(getattr(getattr(model, "cfg", None), "model_name", "this model"))
 
 
@@ -269,7 +270,7 @@ def onloaded(module: torch.nn.Module) -> Iterator[None]:
         yield
 
 
-def _build(model: Any) -> FinalReadout:
+def _build(model: Bridge) -> FinalReadout:
     name = _name(model)
     mounted = [c for c in _READOUT_TRANSFORMS if c in getattr(model, "_modules", {})]
     if mounted:
@@ -386,7 +387,7 @@ def _verify_norm(
 
 
 def _output_transform(
-    model: Any, d_vocab: int, device: torch.device, model_dtype: torch.dtype
+    model: Bridge, d_vocab: int, device: torch.device, model_dtype: torch.dtype
 ) -> tuple[float, Callable[[Tensor], Tensor] | None]:
     """The adapter's post-unembedding transform: ``(scale, None)`` when it is a scalar multiple
     (1.0 when there is none), else ``(1.0, transform)``."""

@@ -29,6 +29,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from lensdiv.core.analyzer import Step
+from lensdiv.core.bridge import Bridge
 from lensdiv.core.errors import HookError
 from lensdiv.ops.capture import halt_keeping, stop_hook_name, stopping
 from lensdiv.ops.readout import final_readout
@@ -57,7 +58,7 @@ class Resumer:
     """
 
     def __init__(
-        self, model: Any, *, check: bool = True, tolerance: float = 1e-4, fast: bool = True
+        self, model: Bridge, *, check: bool = True, tolerance: float = 1e-4, fast: bool = True
     ) -> None:
         self.model = model
         self.fast = fast
@@ -263,7 +264,7 @@ def resumer_for(step: Step, *, fast: bool = True) -> Resumer:
 
 
 @contextmanager
-def stubbed_blocks(model: Any, start: int, resid: Tensor, *, tuple_output: bool | None) -> Any:
+def stubbed_blocks(model: Bridge, start: int, resid: Tensor, *, tuple_output: bool | None) -> Any:
     """Blocks ``0..start-1`` of ``model`` return ``resid`` without computing anything (a pass
     resumed at block ``start``; ``tuple_output``: the blocks return a tuple)."""
     value: Any = (resid,) if tuple_output else resid

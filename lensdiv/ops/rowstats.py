@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from lensdiv.core.bridge import Bridge
 from lensdiv.ops.readout import BLOCK_ELEMENTS, FinalReadout, Workspace, block_rows
 from lensdiv.ops.translators import LOGIT, Lens
 
@@ -168,7 +168,7 @@ def lens_statistics(
     workspace: Workspace | None = None,
     block_elements: int = BLOCK_ELEMENTS,
     translator: Lens | None = None,
-    model: Any = None,
+    model: Bridge | None = None,
     tokens: Int[Tensor, "batch pos"] | None = None,
 ) -> LensRows:
     """The lens of every state at the given rows, against the reference state's output.

@@ -12,7 +12,8 @@ from __future__ import annotations
 import codecs
 import re
 from functools import cache
-from typing import Any
+
+from lensdiv.core.bridge import Tokenizer
 
 REPLACEMENT = "\ufffd"
 _HEX = "lensdiv-hex"
@@ -41,7 +42,7 @@ def _byte_of() -> dict[str, int]:
     return {chr(c): b for b, c in zip(keep, chars, strict=True)}
 
 
-def token_text(tokenizer: Any, token: int) -> str:
+def token_text(tokenizer: Tokenizer, token: int) -> str:
     """The text of ``token``; where that has a "�", its bytes written ``<0xNN>`` (see the
     module's description). A tokenizer that cannot name the token's piece keeps the "�"."""
     text = str(tokenizer.decode([token]))

@@ -55,6 +55,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from lensdiv.core.analyzer import Analyzer, ModelInfo
+from lensdiv.core.bridge import Bridge
 from lensdiv.core.entrypoints import LENS_KINDS_GROUP, load_group
 from lensdiv.core.errors import LensError, PluginWarning
 from lensdiv.ops.lens_files import (
@@ -130,7 +131,7 @@ class Lens(ABC):
         """The residual indices the prompt view shows (``h_0..h_L``; fewer where two coincide)."""
         return range(n_layers + 1)
 
-    def check(self, info: ModelInfo, model: Any = None) -> None:  # noqa: B027 - most fit any
+    def check(self, info: ModelInfo, model: Bridge | None = None) -> None:  # noqa: B027 - most fit any
         """Refuse a model this lens cannot read (raises :class:`LensError`), before any work:
         ``model``, where given, for what needs its tokenizer."""
 
@@ -140,7 +141,12 @@ class Lens(ABC):
 
     @abstractmethod
     def reader(
-        self, model: Any, tokens: Tensor | None, *, dtype: torch.dtype, device: torch.device
+        self,
+        model: Bridge | None,
+        tokens: Tensor | None,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> Reader:
         """The reader of one batch: ``tokens`` ``[batch, pos]`` are the batch's (what a lens
         that runs blocks over the sequence needs); ``dtype`` and ``device`` are the readout's."""
@@ -183,7 +189,12 @@ class Translator(Lens):
         return index in self.maps
 
     def reader(
-        self, model: Any, tokens: Tensor | None, *, dtype: torch.dtype, device: torch.device
+        self,
+        model: Bridge | None,
+        tokens: Tensor | None,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> Reader:
         """The rows of ``h_index``, through ``T_index`` where it has one."""
 
@@ -216,7 +227,7 @@ class Translator(Lens):
         out = torch.addmm(x, x, weight_t) if found.residual else x @ weight_t
         return out if bias is None else out.add_(bias)
 
-    def check(self, info: ModelInfo, model: Any = None) -> None:
+    def check(self, info: ModelInfo, model: Bridge | None = None) -> None:
         """Refuse a lens fitted for another shape of model.
 
         Raises:

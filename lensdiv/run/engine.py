@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from lensdiv.core.analyzer import Analyzer, Batch, ModelInfo, RunContext, Step
+from lensdiv.core.bridge import Bridge
 from lensdiv.core.devices import input_device
 from lensdiv.core.errors import HookError
 from lensdiv.core.results import Result
@@ -104,7 +105,7 @@ class Engine:
 
     def __init__(
         self,
-        model: Any,
+        model: Bridge,
         info: ModelInfo,
         analyzers: Sequence[Analyzer],
         *,

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from lensdiv.core.bridge import Bridge
 from lensdiv.core.errors import ResultError
 from lensdiv.core.results import Result, write_json_atomic
 from lensdiv.data.sources import DataSpec, documents
@@ -50,7 +51,7 @@ class Run(Protocol):
 
 def write_report(
     run: Run,
-    model: Any = None,
+    model: Bridge | None = None,
     *,
     path: str | Path | None = None,
     prompts: Sequence[str] | None = None,
@@ -93,7 +94,9 @@ def write_report(
     return target
 
 
-def example_views(run: Run, model: Any, prompts: Sequence[str] | None = None) -> list[PromptView]:
+def example_views(
+    run: Run, model: Bridge, prompts: Sequence[str] | None = None
+) -> list[PromptView]:
     """Logit-lens views of the example prompts (plus the run's fitted lens, if any, and the
     last-block lens when ``dynamics`` ran, of the first one), with the ``lens`` analyzer's
     ``top_k`` (at most 5)."""
@@ -112,7 +115,7 @@ def example_views(run: Run, model: Any, prompts: Sequence[str] | None = None) ->
     return views
 
 
-def example_prompts(run: Run, model: Any) -> list[str]:
+def example_prompts(run: Run, model: Bridge) -> list[str]:
     """The first ``EXAMPLE_TOKENS`` tokens of the first ``EXAMPLES`` documents of the run's data."""
     known = {f.name for f in dataclasses.fields(DataSpec)}
     spec = DataSpec(**{k: v for k, v in run.manifest.get("data", {}).items() if k in known})

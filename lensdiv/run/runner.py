@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from lensdiv.core.analyzer import Analyzer, Batch, ModelInfo
+from lensdiv.core.bridge import Bridge
 from lensdiv.core.devices import device_map_of
 from lensdiv.core.errors import (
     LensdivError,
@@ -424,7 +425,7 @@ def _engine(
     )
 
 
-def _report(run: Run, model: Any) -> None:
+def _report(run: Run, model: Bridge | None) -> None:
     """report.html (and the example prompt views when lens ran), after every result: a report
     that cannot be written is one line, never the loss of a result."""
     with shielded():

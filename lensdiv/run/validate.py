@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from lensdiv.core.analyzer import Analyzer, Batch, DataFacts, ModelInfo
+from lensdiv.core.bridge import Bridge, Tokenizer
 from lensdiv.core.devices import check_device, input_device
 from lensdiv.core.errors import (
     DataError,
@@ -191,7 +192,7 @@ def _plain_name(name: str) -> bool:
 
 
 # -- after the model loads, before any batch --------------------------------------------------------
-def check_model(model: Any, info: ModelInfo, spec: DataSpec) -> None:
+def check_model(model: Bridge, info: ModelInfo, spec: DataSpec) -> None:
     """The data fits the model: ``seq_len`` (or a token tensor's width) within the context,
     a usable tokenizer whose ids (and the BOS/EOS/pad ids packing uses) the model can embed.
 
@@ -249,7 +250,7 @@ def check_model(model: Any, info: ModelInfo, spec: DataSpec) -> None:
             )
 
 
-def check_runs(model: Any, info: ModelInfo) -> None:
+def check_runs(model: Bridge, info: ModelInfo) -> None:
     """The model runs: one forward pass over a few tokens, reading every residual state and the
     logits as a run does. TransformerLens boots some architectures it cannot run (a component
     adapter that does not match the installed ``transformers``): that is said once, here, not
@@ -298,7 +299,7 @@ def check_runs(model: Any, info: ModelInfo) -> None:
 _PROBED: weakref.WeakKeyDictionary[Any, tuple[Any, ...]] = weakref.WeakKeyDictionary()
 
 
-def _probe_key(model: Any) -> tuple[Any, ...]:
+def _probe_key(model: Bridge) -> tuple[Any, ...]:
     """What the probe's success depends on, beyond the model object: its first weight's dtype,
     device and storage, and the compatibility mode."""
     weight = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
@@ -356,7 +357,7 @@ class Prepared:
 
 
 def prepare(
-    analyzers: Sequence[Analyzer], model: Any, info: ModelInfo, data: DataFacts | None = None
+    analyzers: Sequence[Analyzer], model: Bridge, info: ModelInfo, data: DataFacts | None = None
 ) -> Prepared:
     """Each analyzer's hooks, examples, check of the corpus (``data``, for those that read it)
     and setup, in that order for all (so a bad task file or an option the data cannot serve
@@ -408,7 +409,7 @@ def prepare(
     return done
 
 
-def corpus_facts(spec: DataSpec, tokenizer: Any) -> DataFacts:
+def corpus_facts(spec: DataSpec, tokenizer: Tokenizer) -> DataFacts:
     """What :meth:`Analyzer.check_data` may know of the corpus of ``spec``; the length of its
     first row is read (the start of the data tokenised) only if an analyzer asks."""
 
@@ -466,7 +467,7 @@ def short_data_warning(analyzer: Analyzer, info: ModelInfo, tokens: int) -> str 
     )
 
 
-def _own_examples(analyzer: Analyzer, model: Any, info: ModelInfo) -> list[Batch] | None:
+def _own_examples(analyzer: Analyzer, model: Bridge, info: ModelInfo) -> list[Batch] | None:
     own = analyzer.examples(model, info)
     if own is None:
         return None

@@ -39,6 +39,7 @@ import torch
 from rich.console import Console
 
 from lensdiv.core.analyzer import Analyzer, Batch, ModelInfo
+from lensdiv.core.bridge import Bridge
 from lensdiv.core.errors import LensdivError, StateError, UnsupportedModelError
 from lensdiv.core.results import Result
 from lensdiv.core.stats import COLLECTIVES, Stats, plan_reduce
@@ -154,7 +155,7 @@ def _as_text(value: Any) -> str | None:
 
 
 def check_merge(
-    analyzer: Analyzer, model: Any, *, data: DataSpec = DEFAULT_DATA, rtol: float = 1e-6
+    analyzer: Analyzer, model: Bridge, *, data: DataSpec = DEFAULT_DATA, rtol: float = 1e-6
 ) -> int:
     """Run ``analyzer`` on all batches and on two halves, pass by pass; compare. Returns the
     number of passes."""
@@ -230,7 +231,7 @@ def reduce_like_ranks(states: Sequence[Stats]) -> list[Stats]:
     return ranks
 
 
-def check_padding(analyzer: Analyzer, model: Any, *, data: DataSpec = DEFAULT_DATA) -> None:
+def check_padding(analyzer: Analyzer, model: Bridge, *, data: DataSpec = DEFAULT_DATA) -> None:
     """Pad positions never enter a statistic: for an analyzer that reads the corpus, a batch
     whose last row is padded gives the same state whatever sits at its pad positions, and the
     result of its rows cut to their real tokens (fed as separate batches)."""
@@ -290,7 +291,7 @@ def check_padding(analyzer: Analyzer, model: Any, *, data: DataSpec = DEFAULT_DA
     )
 
 
-def _states_after_every_pass(analyzer: Analyzer, model: Any, batches: list[Batch]) -> Stats:
+def _states_after_every_pass(analyzer: Analyzer, model: Bridge, batches: list[Batch]) -> Stats:
     engine = Engine(model, ModelInfo.from_model(model), [analyzer])
     states = engine.init()
     for index in range(engine.n_passes):
@@ -300,7 +301,7 @@ def _states_after_every_pass(analyzer: Analyzer, model: Any, batches: list[Batch
     return states[analyzer.name]
 
 
-def _finalize(analyzer: Analyzer, state: Stats, model: Any, info: ModelInfo) -> Result:
+def _finalize(analyzer: Analyzer, state: Stats, model: Bridge, info: ModelInfo) -> Result:
     engine = Engine(model, info, [analyzer])
     result = engine.finalize({analyzer.name: state})
     _no_failure(engine)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from lensdiv.core.analyzer import ModelInfo
+from lensdiv.core.bridge import Bridge
 from lensdiv.ops.attention import pattern_hook
 from lensdiv.ops.blocklens import PatchscopeLens, inspection
 from lensdiv.ops.capture import capture
@@ -25,7 +26,7 @@ SINK_EPS = 0.3  # a head whose weight on the sink exceeds this is marked (the ``
 
 
 def attention(
-    model: Any, info: ModelInfo, tokens: torch.Tensor, ask: AttentionAsk
+    model: Bridge, info: ModelInfo, tokens: torch.Tensor, ask: AttentionAsk
 ) -> dict[str, Any]:
     """Where the query at ``ask.position`` attends in block ``ask.block``: each head's weights
     over the keys ``0..position`` and their mean over heads, with the sink (the first
@@ -59,7 +60,7 @@ def attention(
 
 
 def says(
-    model: Any, info: ModelInfo, lenses: dict[str, Lens], tokens: torch.Tensor, ask: SaysAsk
+    model: Bridge, info: ModelInfo, lenses: dict[str, Lens], tokens: torch.Tensor, ask: SaysAsk
 ) -> dict[str, Any]:
     """The greedy continuation of a patchscope's inspection prompt with ``h_row`` at
     ``ask.position`` patched in (docs/science.md P1): ``ask.tokens`` tokens and their

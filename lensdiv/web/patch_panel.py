@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 import torch
 
 from lensdiv.core.analyzer import ModelInfo
+from lensdiv.core.bridge import Bridge
 from lensdiv.data.pairs import builtin_pairs, is_byte_tokenizer
 from lensdiv.ops.capture import capture
 from lensdiv.ops.patching import last_position, rows_per_pass
@@ -83,7 +84,9 @@ class PatchPanel:
         tokens: A prompt's tokens, its length checked against the context (the session's).
     """
 
-    def __init__(self, model: Any, info: ModelInfo, tokens: Callable[[str], torch.Tensor]) -> None:
+    def __init__(
+        self, model: Bridge, info: ModelInfo, tokens: Callable[[str], torch.Tensor]
+    ) -> None:
         self.model, self.info, self.tokens = model, info, tokens
         self._resumer: Resumer | None = None
         self._captured: _States | None = None  # the last clean/corrupt pair's states
@@ -267,7 +270,7 @@ class PatchPanel:
         return int(ids[0])
 
 
-def patch_example(model: Any) -> dict[str, str]:
+def patch_example(model: Bridge) -> dict[str, str]:
     """The patch tab's example pair ``{clean, corrupt, target, about}`` for ``model``: the
     agreement case :data:`TOY_EXAMPLE` for the toy models' byte tokenizer, else the first
     built-in pair (:func:`lensdiv.data.pairs.builtin_pairs`: a capital city) with its answer as

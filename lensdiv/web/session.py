@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from lensdiv.core.analyzer import ModelInfo
+from lensdiv.core.bridge import Bridge
 from lensdiv.core.errors import DataError, LensdivError
 from lensdiv.ops.cells import products_of
 from lensdiv.ops.lens_specs import parse_lens
@@ -70,7 +71,7 @@ class Session:
 
     def __init__(
         self,
-        model: Any,
+        model: Bridge,
         lenses: Sequence[str] = (),
         runs: Path | None = None,
         products: str = "auto",

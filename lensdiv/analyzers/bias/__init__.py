@@ -59,6 +59,7 @@ from lensdiv.analyzers.bias.decomposition import (
 )
 from lensdiv.analyzers.bias.present import present
 from lensdiv.core.analyzer import Analyzer, Batch, ModelInfo, Step
+from lensdiv.core.bridge import Bridge, Tokenizer
 from lensdiv.core.errors import DataError
 from lensdiv.core.results import Result
 from lensdiv.core.stats import Stats
@@ -151,7 +152,7 @@ class BiasDiversity(Analyzer):
         return member_hooks(info)
 
     # -- examples (label-set mode) -------------------------------------------------------------
-    def examples(self, model: Any, info: ModelInfo) -> list[Batch] | None:
+    def examples(self, model: Bridge, info: ModelInfo) -> list[Batch] | None:
         if self.members == "sublayers":  # an undecomposable final norm fails here, at once
             member_readout(model)
         if not self.tasks:
@@ -224,7 +225,7 @@ class BiasDiversity(Analyzer):
         return words
 
     @staticmethod
-    def _label_ids(tokenizer: Any, words: tuple[str, ...], info: ModelInfo) -> list[int]:
+    def _label_ids(tokenizer: Tokenizer, words: tuple[str, ...], info: ModelInfo) -> list[int]:
         ids: list[int] = []
         for word in words:
             tokens = tokenizer(word, add_special_tokens=False)["input_ids"]

@@ -54,7 +54,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 import torch
 from jaxtyping import Bool, Float, Int
@@ -63,6 +63,7 @@ from torch import Tensor
 from lensdiv.analyzers.patch.maps import EPS, Aligned, PairMetrics, PatchingMaps
 from lensdiv.analyzers.patch.present import present
 from lensdiv.core.analyzer import Analyzer, Batch, ModelInfo, Step
+from lensdiv.core.bridge import Bridge
 from lensdiv.core.devices import stack_on
 from lensdiv.core.errors import DataError
 from lensdiv.core.results import Result
@@ -154,7 +155,7 @@ class Patching(Analyzer):
         return names
 
     # -- examples --------------------------------------------------------------------------------
-    def examples(self, model: Any, info: ModelInfo) -> list[Batch]:
+    def examples(self, model: Bridge, info: ModelInfo) -> list[Batch]:
         tokenizer = model.tokenizer
         if self.pairs == "builtin":
             pairs, source = builtin_pairs(tokenizer), "built-in pair"

@@ -52,7 +52,7 @@ The package: this module is the analyzer (options, plan, the measured sums);
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from lensdiv.analyzers.submod.curves import SubmodCurves
 from lensdiv.analyzers.submod.present import present
@@ -69,6 +69,7 @@ from lensdiv.analyzers.submod.setfunction import (
     units_mask,
 )
 from lensdiv.core.analyzer import Analyzer, ModelInfo, Step
+from lensdiv.core.bridge import Bridge
 from lensdiv.core.results import Result
 from lensdiv.core.stats import Stats
 from lensdiv.ops.members import member_hooks, member_names, member_readout
@@ -158,7 +159,7 @@ class Submodularity(Analyzer):
             return member_hooks(info)
         return [info.resid(layer) for layer in range(info.n_layers + 1)]
 
-    def setup(self, model: Any, info: ModelInfo) -> None:
+    def setup(self, model: Bridge, info: ModelInfo) -> None:
         if self.mode == "direct":  # member sums cannot add up past a final logit soft-cap
             member_readout(model)  # (Gemma 2): UnsupportedModelError, so the run skips submod
 

@@ -8,7 +8,6 @@ import abc
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -16,6 +15,7 @@ from torch import Tensor
 from lensdiv.analyzers.depth_score import DepthScore
 from lensdiv.analyzers.positions import FirstPosition
 from lensdiv.core.analyzer import Batch, ModelInfo, Step
+from lensdiv.core.bridge import Bridge
 from lensdiv.core.stats import Stats
 from lensdiv.ops.resume import Resumer
 from lensdiv.ops.surgery import answered
@@ -44,7 +44,7 @@ class Surgery(FirstPosition):
         if self.per_grade < 1:
             raise ValueError(f"per_grade must be positive, got {self.per_grade}")
 
-    def examples(self, model: Any, info: ModelInfo) -> list[Batch] | None:
+    def examples(self, model: Bridge, info: ModelInfo) -> list[Batch] | None:
         """With ``task``: ``depth-score``'s examples of that task (else the run's corpus)."""
         if not self.task.strip():
             return None

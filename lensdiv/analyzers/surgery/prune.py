@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -31,6 +30,7 @@ from lensdiv.analyzers.surgery.base import (
 from lensdiv.analyzers.surgery.numbers import PruneNumbers, greedy_chosen
 from lensdiv.analyzers.surgery.present import present
 from lensdiv.core.analyzer import ModelInfo, Step
+from lensdiv.core.bridge import Bridge
 from lensdiv.core.progress import note
 from lensdiv.core.results import Result
 from lensdiv.core.stats import Stats
@@ -122,7 +122,7 @@ class Prune(Surgery):
         ]
         return [grid, *curve]
 
-    def setup(self, model: Any, info: ModelInfo) -> None:
+    def setup(self, model: Bridge, info: ModelInfo) -> None:
         """Say what the run will cost before it starts (a time follows the first batch)."""
         note(plan_line(self, info))
 
