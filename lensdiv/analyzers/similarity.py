@@ -517,7 +517,7 @@ def _summary(numbers: SimilarityNumbers, nxt: np.ndarray, L: int) -> str:
 
 
 def _plots(L: int) -> tuple[Plot, ...]:
-    def heat(source: str, title: str, clabel: str, **kw: object) -> Plot:
+    def heat(source: str, title: str, clabel: str, **kw: Any) -> Plot:
         return Plot(
             "heatmap",
             f"similarity_{source}",
@@ -527,7 +527,7 @@ def _plots(L: int) -> tuple[Plot, ...]:
             ylabel="relative depth l/L of h_l",
             clabel=clabel,
             depth=L,
-            **kw,  # type: ignore[arg-type]
+            **kw,
         )
 
     fixed = "fixed scale 0–1"

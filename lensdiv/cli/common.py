@@ -66,7 +66,7 @@ def run_settings(
 
         # typer reads the options from the signature and the annotations
         # (a function's __signature__ is read by inspect but not declared on its type)
-        command.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        command.__signature__ = signature.replace(  # type: ignore[attr-defined]  # see above
             parameters=params, return_annotation=None
         )
         command.__annotations__ = {p.name: p.annotation for p in params}

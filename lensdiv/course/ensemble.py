@@ -69,7 +69,8 @@ def _ce_mean_of_softmax(f: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def _ce_log2(f: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    return tuple(t / math.log(2) for t in ce_terms(f, y))  # type: ignore[return-value]
+    ens, bias, kl = ce_terms(f, y)
+    return ens / math.log(2), bias / math.log(2), kl / math.log(2)
 
 
 # -- the inputs ----------------------------------------------------------------------------------------

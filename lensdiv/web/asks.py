@@ -122,7 +122,7 @@ def parse(kind: type[Ask], request: dict[str, Any]) -> Ask:
     """
     hints = get_type_hints(kind)
     given: dict[str, Any] = {}
-    for one in fields(kind):  # type: ignore[arg-type]
+    for one in fields(kind):  # type: ignore[arg-type]  # kind is a dataclass type (every Ask is)
         value = request.get(one.name)
         if value is None:
             if one.default is MISSING:

@@ -115,7 +115,7 @@ class Bounded(H11Protocol):
 
     limits: Limits
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # uvicorn's own signature (a Transport), narrower than asyncio's BaseTransport
         self.deadline: asyncio.TimerHandle | None = None
         super().connection_made(transport)
         limits = self.limits
