@@ -8,9 +8,10 @@ vocabulary). On the same tokens, interleaved, best of ``--repeats``:
   as the runner calls it), batch by batch;
 - ``floor_similarity``: the float64 cross-products of every pair of states (one
   ``(L+1)d × (L+1)d`` ``addmm`` per batch, on the cached states) — linear CKA's streamed work;
-- ``floor_spectrum``: the float64 ``d × d`` moments of every state (one batched product) and
-  each row's Gram eigenvalues per state for the three variants (one batched ``eigvalsh`` each)
-  — the spectra's streamed work;
+- ``floor_spectrum``: the float64 ``d × d`` moments of every state (one batched product),
+  each row's Gram eigenvalues per state for the three variants (one batched ``eigvalsh`` each),
+  the curvature of the two feature sets by the cheapest formula (``acos`` of the cosine) and the
+  largest ``|x|`` of every dimension — the spectra's streamed work;
 - ``similarity``, ``spectrum``, ``similarity,spectrum``: ``analyze`` runs (reading the corpus,
   checks, manifest, finalize) — each also reported against ``cache`` plus its floor(s);
 - ``update_*``: the analyzer's ``update`` alone on the cached states, and ``finalize_*`` alone on
@@ -82,6 +83,15 @@ def main() -> None:
             batched_gram_eigenvalues(x)
             batched_gram_eigenvalues(x[:, :, 1:])
             batched_gram_eigenvalues(x[..., 1:])
+            # The curvature of the two sets of features (all dimensions; without some), by the
+            # cheapest formula (acos of the cosine), and the largest |x| of every dimension
+            # (what finding the massive dimensions must read at least).
+            for feats in (x, x[..., 1:]):
+                v = feats[..., 1:, :] - feats[..., :-1, :]
+                n = torch.linalg.vector_norm(v, dim=-1)
+                cos = (v[..., :-1, :] * v[..., 1:, :]).sum(-1) / (n[..., :-1] * n[..., 1:])
+                torch.acos(cos.clamp(-1.0, 1.0))
+            x.abs().amax((1, 2))
 
     timings: dict[str, dict[str, float]] = {}
 

@@ -32,6 +32,7 @@ from lensdiv.ops.geometry import (
     RANK_TOL,
     batched_gram_eigenvalues,
     covariance_eigenvalues,
+    curvature_angles,
     curvature_sums,
     effective_rank,
     jackknife,
@@ -158,6 +159,7 @@ class Spectrum(Analyzer):
         sums = torch.zeros(len(VARIANTS), len(MEASURES), 2, L1, dtype=torch.float64, device=device)
         rows = torch.zeros(len(VARIANTS), dtype=torch.float64, device=device)
         curve = torch.zeros(len(VARIANTS), 3, L1, dtype=torch.float64, device=device)
+        angles = curvature_angles(h)  # every variant but no_massive: the same states
         for v, variant in enumerate(VARIANTS):
             mask = keep.clone()
             if variant == "no_sink":
@@ -168,14 +170,15 @@ class Spectrum(Analyzer):
                 same = (lengths == n).nonzero()[:, 0]
                 if n < 2:
                     continue
-                # Each row's real positions, in order: [L+1, rows, n, d].
-                z = feats[:, same][:, mask[same]].reshape(L1, len(same), n, -1)
+                z = _real_positions(feats, mask, same, n)
                 eig = batched_gram_eigenvalues(z, self.center)
                 for m, value in enumerate(spectral_measures(eig, self.alpha)):
                     sums[v, m, 0] += value.sum(1)
                     sums[v, m, 1] += (value**2).sum(1)
                 rows[v] += len(same)
-            total, squares, count = curvature_sums(feats, mask)
+            total, squares, count = curvature_sums(
+                feats, mask, None if variant == "no_massive" else angles
+            )
             curve[v, 0], curve[v, 1], curve[v, 2] = total, squares, float(count)
         state.add("prompt_sums", sums)
         state.add("prompt_rows", rows)
@@ -185,6 +188,18 @@ class Spectrum(Analyzer):
         if float(state.get("n_rest", 0.0)) + float(state.get("n_first", 0.0)) == 0:
             raise ValueError("no real position was seen")
         return present(SpectrumNumbers.from_state(state, self, info), self, info)
+
+
+def _real_positions(feats: Tensor, mask: Tensor, same: Tensor, n: int) -> Tensor:
+    """The real positions of rows ``same`` (each has ``n``), in order: ``[L+1, rows, n, d]``; a
+    view, not a copy, when the rows are all rows and their positions all or all but the first."""
+    rows = feats if len(same) == feats.shape[1] else feats[:, same]
+    real = mask[same]
+    if n == real.shape[1]:
+        return rows
+    if n == real.shape[1] - 1 and not bool(real[:, 0].any()):
+        return rows[:, :, 1:]
+    return rows[:, real].reshape(feats.shape[0], len(same), n, -1)
 
 
 def _measures(eig: Tensor, alpha: float) -> tuple[float, float, float]:

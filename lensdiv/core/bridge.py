@@ -5,9 +5,11 @@ A model lensdiv analyses is a TransformerLens 4 ``TransformerBridge`` (a Hugging
 wrapped with hooks), a ``HookedTransformer`` (TransformerLens' own models, the toys), or anything
 else with the same surface. These protocols name that surface, so a signature says ``model:
 Bridge`` instead of ``model: Any`` and a type checker catches a call to something no model has.
-They are structural (:class:`typing.Protocol`): nothing has to inherit from them, and no check is
-made at run time (what a run needs of a model is checked with one-line errors by
-``lensdiv.run.validate``).
+They are structural (:class:`typing.Protocol`): nothing has to inherit from them. They are for the
+type checker only: at run time both names are :data:`typing.Any`, so a run-time type checker
+(beartype, in lensdiv's tests) lets every model through, a ``HookedTransformer`` without
+``original_model`` and a test's stand-in included; what a run needs of a model is checked with
+one-line errors by ``lensdiv.run.validate``.
 
 The members are those lensdiv's own code uses. ``cfg`` is TransformerLens' config
 (``n_layers``, ``d_model``, ``d_vocab``, ``n_heads``, ``default_prepend_bos``, ``dtype``,
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from torch import Tensor
 
@@ -83,6 +85,10 @@ class Bridge(Protocol):
     def eval(self) -> Any: ...
 
     def to(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+if not TYPE_CHECKING:  # for the type checker only (see the module's docstring)
+    Bridge = Tokenizer = Any  # noqa: F811
 
 
 __all__ = ["Bridge", "Tokenizer"]

@@ -278,19 +278,31 @@ def batched_gram_eigenvalues(z: Float[Tensor, "*batch n d"], center: bool = True
     return torch.linalg.eigvalsh((small + small.transpose(-1, -2)) / 2).flip(-1).clamp_min(0.0)
 
 
-def curvature_sums(
-    h: Float[Tensor, "*lead batch pos d"], mask: Bool[Tensor, "batch pos"]
-) -> tuple[Tensor, Tensor, int]:
-    """Sum and sum of squares (per leading index, e.g. per layer) and count of the angles
-    (radians) between consecutive token-to-token differences ``v_t = h_{t+1} − h_t`` within each
-    row (Skean et al.'s curvature), over triples of real positions."""
+def curvature_angles(h: Float[Tensor, "*lead batch pos d"]) -> Float[Tensor, "*lead batch pos2"]:
+    """The angle (radians) between consecutive token-to-token differences ``v_t = h_{t+1} − h_t``
+    at every triple of positions ``t, t+1, t+2`` (Skean et al.'s curvature; ``pos − 2`` of them
+    per row), as ``2 atan2(‖û_a − û_b‖, ‖û_a + û_b‖)`` of the unit differences: exact at small
+    angles, where ``acos`` of a dot product is not. Two ``[..., pos, d]`` temporaries."""
     h = h.double()
-    v = h[..., 1:, :] - h[..., :-1, :]
-    a, b = v[..., :-1, :], v[..., 1:, :]
+    u = h[..., 1:, :] - h[..., :-1, :]
+    u.div_(torch.linalg.vector_norm(u, dim=-1, keepdim=True).clamp_min(1e-300))
+    ua, ub = u[..., :-1, :], u[..., 1:, :]
+    diff = ua - ub
+    apart = torch.linalg.vector_norm(diff, dim=-1)
+    together = torch.linalg.vector_norm(diff.add_(ub, alpha=2.0), dim=-1)  # ua + ub
+    return 2 * torch.atan2(apart, together)
+
+
+def curvature_sums(
+    h: Float[Tensor, "*lead batch pos d"],
+    mask: Bool[Tensor, "batch pos"],
+    angles: Tensor | None = None,
+) -> tuple[Tensor, Tensor, int]:
+    """Sum and sum of squares (per leading index, e.g. per layer) and count of the
+    :func:`curvature_angles` within each row, over triples of real positions (``angles``: those of
+    ``h`` computed already, for several masks of the same states)."""
+    angle = curvature_angles(h) if angles is None else angles
     valid = mask[:, :-2] & mask[:, 1:-1] & mask[:, 2:]
-    ua = a / a.norm(dim=-1, keepdim=True).clamp_min(1e-300)
-    ub = b / b.norm(dim=-1, keepdim=True).clamp_min(1e-300)
-    angle = 2 * torch.atan2((ua - ub).norm(dim=-1), (ua + ub).norm(dim=-1))
     angle = torch.where(valid, angle, torch.zeros_like(angle))
     return angle.sum((-2, -1)), (angle**2).sum((-2, -1)), int(valid.sum())
 
