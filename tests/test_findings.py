@@ -171,3 +171,45 @@ def test_outlier_rules(findings: ModuleType) -> None:
     assert f.massive_verdict(None, 0.0, 0.0) == f.NOT
     assert f.massive_verdict(2, 5.0, 0.01) == f.REPRODUCED
     assert f.massive_verdict(2, 0.05, 0.01) == f.PARTLY
+
+
+def test_geometry_rules() -> None:
+    """docs/findings_geometry.py: each rule accepts what it claims and refuses what it does not,
+    on made-up matrices and curves."""
+    import numpy as np
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    import findings_geometry as G
+
+    # a late block: states 4..8 of 9 alike; the early ones not
+    cka = np.full((9, 9), 0.3)
+    cka[4:, 4:] = 0.95
+    np.fill_diagonal(cka, 1.0)
+    assert G.longest_block(cka) == (4, 8)
+    assert G.block_verdict(cka)[0] == G.REPRODUCED
+    assert G.block_verdict(cka[::-1, ::-1].copy())[0] == G.PARTLY  # as long, but early
+    short = np.full((9, 9), 0.3)
+    np.fill_diagonal(short, 1.0)
+    short[6:8, 6:8] = 0.95
+    assert G.block_verdict(short)[0] == G.NOT  # two states are no block
+    # one pair below the threshold inside the run breaks it (every pair must be alike)
+    broken = cka.copy()
+    broken[4, 8] = broken[8, 4] = 0.5
+    assert G.longest_block(broken) in ((4, 7), (5, 8))
+    # the entropy dip: in the middle and significantly below both ends
+    dip = [2.0, 1.8, 1.2, 1.0, 1.3, 1.9, 2.1]
+    assert G.dip_verdict(dip, [0.01] * 7)[0] == G.REPRODUCED
+    assert G.dip_verdict(dip, [0.5] * 7)[0] == G.PARTLY  # within the errors of the ends
+    assert G.dip_verdict([2.0, 1.8, 1.6, 1.5, 1.4, 1.2, 1.0], [0.01] * 7)[0] == G.NOT  # at h_L
+    assert G.dip_verdict([0.5, 1.8, 1.6, 1.5, 1.4, 1.2, 1.0], [0.01] * 7)[0] == G.NOT  # at h_0
+    # outliers: untestable without massive dimensions, graded by the largest change
+    change = np.zeros((5, 5))
+    assert G.outlier_verdict(change, [])[0] == G.NOT_TESTABLE
+    assert G.outlier_verdict(change, [7])[0] == G.NOT
+    change[1, 3] = -0.05
+    assert G.outlier_verdict(change, [7])[0] == G.PARTLY
+    change[2, 4] = 0.4
+    assert G.outlier_verdict(change, [7])[0] == G.REPRODUCED
+    assert G.combined([G.REPRODUCED, G.NOT_TESTABLE]) == G.REPRODUCED
+    assert G.combined([G.NOT_TESTABLE]) == G.NOT_TESTABLE
+    assert G.combined([G.REPRODUCED, G.NOT]) == G.PARTLY

@@ -36,6 +36,9 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "reorder": {"start": 1, "stop": 4, "shuffles": 1, "loops": (2,)},
     "patch": {"sites": ("resid_pre",), "ig_steps": 2, "erasure": False, "metric": "prob"},
     "depth-score": {"per_grade": 1, "batch_size": 4},
+    # SmolLM2's exact moments would take 4.8 GiB: the sketch (CKA(X, X) = 1 holds in it too)
+    "similarity": {"sketch": 64, "sample": 32, "per_batch": 16, "groups": 2},
+    "spectrum": {"sample": 32, "per_batch": 16, "per_row": 8, "groups": 2},
 }
 # Two clean/corrupt pairs of one token length in both tokenizers (the built-in set is long).
 PAIRS = [
@@ -44,7 +47,7 @@ PAIRS = [
 ]
 ANALYZERS = (
     "lens,contrib,skip,bias,submod,dynamics,sinks,massive,patchscope,prune,reorder,patch,"
-    "depth-score"
+    "depth-score,similarity,spectrum"
 )
 
 
@@ -131,6 +134,45 @@ def test_interventions_are_divergences(run: Any) -> None:
     if "massive_truth" in run["massive"].tables:  # zero and the data's mean, where they appear
         assert (column(run, "massive", "massive_truth", "kl") >= -1e-6).all()
     assert run["prune"].tables and run["reorder"].tables
+
+
+def test_similarity_and_spectrum_identities(run: Any) -> None:
+    """CKA(h, h) = 1 and symmetric; the block influence is prune's (one code path); the
+    spectra are within their bounds (a prompt's entropy ≤ log of its tokens; the token-level
+    effective rank ≤ the run's tokens)."""
+    cka = np.asarray(run["similarity"].arrays["linear_all"], dtype=float)
+    assert np.allclose(np.diag(cka), 1.0, atol=1e-9) and np.allclose(cka, cka.T, atol=1e-9)
+    # in [0, 1] up to the sketch's stated error (each squared norm within √(2/sketch) relative)
+    slack = 3 * math.sqrt(2 / OPTIONS["similarity"]["sketch"])
+    assert np.nanmin(cka) >= -slack and np.nanmax(cka) <= 1 + slack
+    ours = column(run, "similarity", "similarity_blocks", "block_influence")
+    assert np.allclose(ours, column(run, "prune", "blocks", "block_influence"), rtol=1e-6)
+    rows = BUDGET["seq_len"]
+    entropy = column(run, "spectrum", "spectrum", "prompt_entropy")
+    assert (entropy >= -1e-9).all() and (entropy <= math.log(rows) + 1e-9).all()
+    erank = column(run, "spectrum", "spectrum", "token_erank")  # over every token of the run
+    assert ((erank >= 1 - 1e-9) & (erank <= BUDGET["max_tokens"] + 1e-9)).all()
+
+
+def test_a_study_of_both_real_models(real_cache: Path, tmp_path: Path) -> None:
+    """``study`` over the two real models (pydoc, their default data): a profile of each at
+    relative depth, from one ordinary run each."""
+    from lensdiv import load_study, run_study
+
+    for name in REAL:
+        real(name)  # fetched (or skipped) before the study loads them by name
+    done = run_study(",".join(REAL), plugins="spectrum", out=tmp_path / "study",
+                     options={"spectrum": OPTIONS["spectrum"]}, progress=False, **BUDGET)
+    assert done.ok and [m.status for m in done.models] == ["complete", "complete"]
+    data = load_study(tmp_path / "study")
+    rows = data[(data["table"] == "spectrum") & (data["metric"] == "prompt_entropy")]
+    assert rows["profile"].all()  # a declared depth profile
+    depths = {m: sorted(rows[rows["model"] == m]["rel_depth"]) for m in set(rows["model"])}
+    assert set(depths) == set(REAL), depths
+    for name, values in depths.items():
+        n_layers = int(data[data["model"] == name]["n_layers"].iloc[0])
+        assert values == [layer / n_layers for layer in range(n_layers + 1)]  # h_0 … h_L
+    assert (tmp_path / "study" / "study.html").is_file()
 
 
 def test_report_written(run: Any) -> None:

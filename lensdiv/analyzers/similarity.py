@@ -506,11 +506,13 @@ def _summary(numbers: SimilarityNumbers, nxt: np.ndarray, L: int) -> str:
         f"CKA(h_0, h_{L}) = {numbers.matrices['linear.all'][0, L]:.3f}, over {numbers.tokens} "
         f"positions. Leaving out the sink moves linear CKA by up to {np.nanmax(np.abs(sink)):.3f}"
     )
-    if numbers.massive_dims:
+    if numbers.massive_dims and np.isfinite(change).any():
         dims = ", ".join(map(str, numbers.massive_dims[:4]))
         text += (
             f"; removing the massive dimension(s) {dims} by up to {np.nanmax(np.abs(change)):.3f}."
         )
+    elif numbers.massive_dims:  # a sketch mixes every dimension into every column
+        text += "; the massive dimensions cannot be removed from a sketch (-O similarity.sketch=0)."
     else:
         text += "; no massive dimension was found."
     return text
