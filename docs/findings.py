@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -33,6 +34,9 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+import findings_geometry as G  # noqa: E402  (the geometry rows' rules, shared with the real models)
 
 REPRODUCED, PARTLY, NOT = "reproduced", "partly", "not reproduced"
 # A row that compares lensdiv's readings rather than testing a claim of a paper.
@@ -75,6 +79,8 @@ class Sizes:
         surgery_tokens: Tokens each of those runs reads.
         outlier_models: The toys ``sinks`` and ``massive`` run on.
         outlier_tokens: Tokens each of those runs reads.
+        geometry_models: The toys ``similarity`` and ``spectrum`` run on.
+        geometry_tokens: Tokens each of those runs reads.
     """
 
     shallow: str = "toy:d4"
@@ -103,6 +109,8 @@ class Sizes:
     surgery_tokens: int = 4096
     outlier_models: tuple[str, ...] = ("toy:d2", "toy:d4")
     outlier_tokens: int = 4096
+    geometry_models: tuple[str, ...] = ("toy:d4", "toy:d8")
+    geometry_tokens: int = 4096
 
 
 FULL = Sizes()
@@ -134,6 +142,8 @@ TINY = Sizes(
     study_tokens=256,
     outlier_models=("toy:d2",),
     outlier_tokens=256,
+    geometry_models=("toy:d2",),
+    geometry_tokens=256,
     surgery_models=("toy:d2", "toy:d4"),
     surgery_tokens=256,
 )
@@ -215,6 +225,7 @@ RULES = {
     "the middle half against 3 of as many blocks from block 0: reproduced if the middle costs "
     "less on every model, partly on some, not reproduced on none",
 }
+RULES.update(G.RULES)  # the geometry rows (docs/findings_geometry.py)
 
 
 @dataclass
@@ -1810,6 +1821,60 @@ def massive_bias(sizes: Sizes, out: Path) -> Finding:
     )
 
 
+@functools.cache
+def _geometry(models: tuple[str, ...], tokens: int) -> dict[str, dict[str, Any]]:
+    """``similarity`` and ``spectrum`` of each toy, one run each, read by the three rows."""
+    found = {}
+    for model in models:
+        run = _analyze(model, "similarity,spectrum", tokens)
+        found[model] = G.numbers(run["similarity"], run["spectrum"])
+    return found
+
+
+def _geometry_finding(key: str, sizes: Sizes, out: Path) -> Finding:
+    found = _geometry(sizes.geometry_models, sizes.geometry_tokens)
+    judged = {m: G.verdicts(v)[key] for m, v in found.items()}
+    verdict = G.combined([v for v, _ in judged.values()])
+    name = "g1_geometry.png"
+    if key == "block_structure":  # one figure for the three rows
+        _save(G.figure(found), out, name)
+    toy = "; ".join(f"{m}: " + G.cell(key, found[m], v, info) for m, (v, info) in judged.items())
+    per_model = ", ".join(f"{v} on {m}" for m, (v, _) in judged.items())
+    why = (
+        "the toys have no massive dimension to remove"
+        if verdict == G.NOT_TESTABLE
+        else f"{per_model} (the numbers are in the toy column)"
+    )
+    return Finding(
+        key=key,
+        title=G.TITLES[key],
+        paper=G.PAPERS[key],
+        toy=toy,
+        scaling="—",
+        command=f"lensdiv analyze {sizes.geometry_models[-1]} --plugins similarity,spectrum "
+        f"--max-tokens {sizes.geometry_tokens}",
+        verdict=verdict,
+        why=why,
+        figure=f"findings/{name}",
+        values={"models": {m: info for m, (_, info) in judged.items()}},
+    )
+
+
+def block_structure(sizes: Sizes, out: Path) -> Finding:
+    """The block structure of the layer × layer linear CKA."""
+    return _geometry_finding("block_structure", sizes, out)
+
+
+def entropy_dip(sizes: Sizes, out: Path) -> Finding:
+    """Skean et al.'s mid-depth dip of the prompt-level matrix entropy."""
+    return _geometry_finding("entropy_dip", sizes, out)
+
+
+def cka_outliers(sizes: Sizes, out: Path) -> Finding:
+    """How much the massive dimensions drive linear CKA."""
+    return _geometry_finding("cka_outliers", sizes, out)
+
+
 def _depth(model: str) -> int:
     """Blocks of a toy zoo spec (``toy:d8`` → 8; ``toy`` → the default depth)."""
     from lensdiv.models.toy import DEFAULT_DEPTH
@@ -1840,6 +1905,9 @@ MEASUREMENTS: dict[str, Callable[[Sizes, Path], Finding]] = {
     "reorder_shuffle": reorder_shuffle,
     "sinks_form": sinks_form,
     "massive_bias": massive_bias,
+    "block_structure": block_structure,
+    "entropy_dip": entropy_dip,
+    "cka_outliers": cka_outliers,
 }
 # Each finding's analysis in docs/science.md (its anchor there).
 DEFINITIONS = {
@@ -1864,6 +1932,9 @@ DEFINITIONS = {
     "reorder_shuffle": "reorder",
     "sinks_form": "sinks",
     "massive_bias": "massive",
+    "block_structure": "similarity",
+    "entropy_dip": "spectrum",
+    "cka_outliers": "similarity",
 }
 
 

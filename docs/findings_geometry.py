@@ -208,8 +208,8 @@ def figure(found_by_model: dict[str, dict[str, Any]], styles: dict[str, str] | N
     entropy_ax.set_ylim(bottom=0)
     entropy_ax.set(xlabel="relative depth ℓ/L", ylabel="prompt matrix entropy (nats)",
                    title="entropy by depth (± SE; 0.2–0.8 shaded)")
-    change_ax.axhline(DRIVES, color="grey", lw=0.8, ls=":")
-    change_ax.axhline(VISIBLE, color="grey", lw=0.8, ls="--")
+    change_ax.axhline(DRIVES, color="grey", lw=0.8, ls=":", label=f"{DRIVES}: drives CKA")
+    change_ax.axhline(VISIBLE, color="grey", lw=0.8, ls="--", label=f"{VISIBLE}: visible")
     change_ax.set(xlabel="relative depth ℓ/L of h_l", ylabel="max |Δ linear CKA| of row l",
                   ylim=(0, 1), title="massive dimensions removed")
     for ax in (entropy_ax, change_ax):

@@ -36,6 +36,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import findings as F  # noqa: E402  (docs/findings.py: the rules, verdict helpers and figures)
+import findings_geometry as G  # noqa: E402  (the geometry rows' rules, shared with the toys)
 
 SMOL, GEMMA, REQ = "smollm2-135m", "gemma3-270m", "smollm2-135m@Q4_0"
 LABELS = {
@@ -47,6 +48,9 @@ SOURCE_GGUF = "gguf-files/SmolLM2-135M-Instruct.Q4_1.gguf"
 REQ_FILE = "requantized/SmolLM2-135M-Instruct.Q4_0-of-Q4_1.gguf"
 
 ONE = "lens,contrib,dynamics,sinks,massive,bias"
+#: patch on the built-in capital-city pairs: activation patching of the residual stream only
+#: (the question of the row), no erasure, integrated gradients with few steps.
+PATCH_OPTIONS = {"sites": ("resid_pre",), "erasure": False, "ig_steps": 8}
 #: (model, group) -> (plugins, tokens, options): every run the document reads.
 RUNS: dict[str, tuple[str, str, int, dict[str, Any]]] = {
     f"{SMOL}:one": (SMOL, ONE, 256, {"bias": {"ce_depth": True}}),
@@ -56,8 +60,19 @@ RUNS: dict[str, tuple[str, str, int, dict[str, Any]]] = {
     f"{SMOL}:surgery": (SMOL, "prune,reorder", 128, {"prune": {"curves": False}}),
     f"{GEMMA}:surgery": (GEMMA, "prune,reorder", 128, {"prune": {"curves": False}}),
     f"{REQ}:surgery": (REQ, "prune,reorder", 128, {"prune": {"curves": False}}),
+    f"{GEMMA}:skip": (GEMMA, "skip", 128, {}),
     f"{SMOL}:submod": (SMOL, "submod", 128, {}),
+    f"{GEMMA}:submod": (GEMMA, "submod", 128, {}),
     f"{SMOL}:patchscope": (SMOL, "patchscope-lens", 128, {}),
+    f"{GEMMA}:patchscope": (GEMMA, "patchscope-lens", 128, {}),
+    # the built-in clean/corrupt pairs of real tokenizers: capital cities
+    f"{SMOL}:patch": (SMOL, "patch", 4096, {"patch": PATCH_OPTIONS}),
+    f"{GEMMA}:patch": (GEMMA, "patch", 4096, {"patch": PATCH_OPTIONS}),
+    # the representation's geometry (issue 44)
+    # SmolLM2's exact moments take 4.8 GiB (2 (L+1)² d², L = 30, d = 576): over the default cap
+    f"{SMOL}:geometry": (SMOL, "similarity,spectrum", 256, {"similarity": {"max_state_gb": 6}}),
+    f"{GEMMA}:geometry": (GEMMA, "similarity,spectrum", 256, {}),
+    f"{REQ}:geometry": (REQ, "similarity,spectrum", 256, {"similarity": {"max_state_gb": 6}}),
     # massive alone: its mean edit takes the data's mean in a second pass over the same tokens
     f"{SMOL}:massive": (SMOL, "massive", 256, {}),
     f"{GEMMA}:massive": (GEMMA, "massive", 128, {}),
@@ -131,6 +146,9 @@ def measure(key: str) -> dict[str, Any]:
                      "meta": {k: v for k, v in result.meta.items()
                               if k not in ("model", "data", "versions")},
                      "main": result.table().name}
+        if name == "similarity":  # the matrices the geometry rows read ((L+1)² each)
+            raw[name]["arrays"] = {k: np.asarray(result.arrays[k]).tolist() for k in
+                                   ("linear_all", "linear_no_sink", "linear_outlier_change")}
     return {"raw": raw, "seconds": time.time() - t0, "tokens": tokens, "plugins": plugins}
 
 
@@ -139,6 +157,7 @@ class _Result:
 
     def __init__(self, raw: dict[str, Any]) -> None:
         self.meta = raw["meta"]
+        self.arrays = raw.get("arrays", {})
         self.tables = {t: _Table(c) for t, c in raw["tables"].items()}
         self._main = raw["main"]
 
@@ -201,6 +220,12 @@ def extract(record: dict[str, Any]) -> dict[str, Any]:
         values["reorder"] = {**_cols(sw, "block", "kl_swap", "kl_remove"),
                              "variants": _cols(var, "variant", "kl"),
                              "middle": r.meta.get("middle")}
+    if "similarity" in names and "spectrum" in names:
+        values["geometry"] = G.numbers(run["similarity"], run["spectrum"])
+    if "patch" in names:
+        t = run["patch"].table("patching")
+        values["patch"] = {**_cols(t, "site", "layer", "pos", "score", "stderr"),
+                           "pairs": len(run["patch"].table("pairs")["line"])}
     if "submod" in names:
         blocks = run["submod"].table("blocks")
         fit = run["submod"].table("fit")
@@ -521,8 +546,93 @@ def row_massive(runs: dict[str, Any], out: Path) -> Row:
                values=vals)
 
 
+def _geometry_row(key: str, runs: dict[str, Any], out: Path) -> Row:
+    found = _models(runs, "geometry", "geometry")
+    cells, vals, verdicts = {}, {}, {}
+    for m, numbers in found.items():
+        verdict, info = G.verdicts(numbers)[key]
+        verdicts[m], vals[m] = verdict, info
+        cells[m] = f"{_tok(runs, m, 'geometry')}: " + G.cell(key, numbers, verdict, info)
+    name = "real_geometry.png"
+    if found and key == "block_structure":  # one figure for the three rows
+        styles = {m: "o--" if m == REQ else "o-" for m in found}
+        F._save(G.figure({LABELS[m]: v for m, v in found.items()},
+                         {LABELS[m]: st for m, st in styles.items()}), out, name)
+    combined = G.combined([verdicts[m] for m in (SMOL, GEMMA) if m in verdicts])
+    return Row(key=key, title=G.TITLES[key], cells=cells,
+               command=f"lensdiv analyze {SMOL} --plugins similarity,spectrum --max-tokens 256 "
+               "-O similarity.max_state_gb=6",
+               verdict=combined if verdicts else "not run", rule=G.RULES[key],
+               figure=f"findings/{name}", values=vals)
+
+
+def row_block_structure(runs: dict[str, Any], out: Path) -> Row:
+    return _geometry_row("block_structure", runs, out)
+
+
+def row_entropy_dip(runs: dict[str, Any], out: Path) -> Row:
+    return _geometry_row("entropy_dip", runs, out)
+
+
+def row_cka_outliers(runs: dict[str, Any], out: Path) -> Row:
+    return _geometry_row("cka_outliers", runs, out)
+
+
+def patch_handoff(p: dict[str, Any]) -> dict[str, Any]:
+    """Where patching the clean residual stream restores the clean answer: per layer, the score
+    at the answer position (offset 0) and the best earlier position."""
+    layers = sorted(set(p["layer"]))
+    last, best, where = [], [], []
+    for layer in layers:
+        rows = [i for i, (lay, site) in enumerate(zip(p["layer"], p["site"], strict=True))
+                if lay == layer and site == "resid_pre"]
+        at = {p["pos"][i]: p["score"][i] for i in rows}
+        earlier = {k: v for k, v in at.items() if k < 0 and v == v}
+        last.append(at.get(0, math.nan))
+        w = max(earlier, key=earlier.get) if earlier else 0
+        where.append(w)
+        best.append(earlier.get(w, math.nan))
+    first = next((i for i, v in enumerate(last) if v >= 0.5), None)
+    return {"last": last, "earlier_best": best, "earlier_pos": where, "answer_from": first}
+
+
+def row_patch(runs: dict[str, Any], out: Path) -> Row:
+    cells, vals = {}, {}
+    fig, (ax,) = F._figure(1, 6)
+    for m, p in _models(runs, "patch", "patch").items():
+        h = patch_handoff(p)
+        L = len(h["last"])
+        vals[m] = h
+        frm = h["answer_from"]
+        early = max(range(L), key=lambda i: h["earlier_best"][i])
+        cells[m] = (f"{p['pairs']} capital-city pairs (`The capital of France is` → ` Paris`): "
+                    f"patching h_l at the answer position restores ≥ half of the clean logit "
+                    f"difference from h_{frm} (ℓ/L {frm / L:.2f}) on" if frm is not None else
+                    f"{p['pairs']} capital-city pairs: patching h_l at the answer position "
+                    "never restores half of the clean logit difference")
+        cells[m] += (f"; an earlier position restores most at h_{early} (offset "
+                     f"{h['earlier_pos'][early]}, score {h['earlier_best'][early]:.2f})")
+        depth = np.arange(L) / L
+        ax.plot(depth, h["last"], "o-", ms=3, label=f"{LABELS[m]}: answer position")
+        ax.plot(depth, h["earlier_best"], "s:", ms=3, label=f"{LABELS[m]}: best earlier position")
+    ax.axhline(0.5, color="grey", lw=0.8, ls=":")
+    ax.set(xlabel="relative depth ℓ/L of the patched h_l", ylabel="share of the clean logit "
+           "difference restored", ylim=(-0.2, 1.2), title="activation patching, clean → corrupt")
+    ax.legend(fontsize=6)
+    return Row(key="patch_handoff", title="Patching: where the answer moves to the last position",
+               cells=cells, command=f"lensdiv analyze {SMOL} --plugins patch "
+               "-O patch.erasure=false -O patch.ig_steps=8",
+               verdict=F.COMPARED,
+               rule="a comparison (verdict: compared), as causal tracing reads it (Meng et al. "
+               "2022): the residual stream of the clean prompt patched into the corrupt run one "
+               "(layer, position) at a time; per layer, the share of the clean logit difference "
+               "restored at the answer position and at the best earlier position (the subject)",
+               figure=F._save(fig, out, "real_patch.png"), values=vals)
+
+
 ROWS = [row_contribution, row_skip, row_bias, row_submod, row_dynamics, row_prune, row_reorder,
-        row_patchscope, row_sinks, row_massive]
+        row_patch, row_patchscope, row_sinks, row_massive, row_block_structure, row_entropy_dip,
+        row_cka_outliers]
 
 
 def quantization(runs: dict[str, Any]) -> dict[str, Any]:

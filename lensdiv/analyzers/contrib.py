@@ -175,7 +175,9 @@ _PLOTS = (
         x="layer",
         y=RATIOS,
         xlabel="block l",
-        ylabel="‖write‖ / ‖residual‖ (ratio)",
+        ylabel="‖write‖ / ‖residual‖ (ratio, log scale)",
+        logy=True,
+        labels=("attention: ‖a‖ / ‖h‖", "MLP: ‖m‖ / ‖h + a‖", "block: ‖a + m‖ / ‖h‖"),
         caption="r_attn = ‖a_l‖/‖h_l‖, r_mlp = ‖m_l‖/‖h_l + a_l‖, "
         "r_block = ‖a_l + m_l‖/‖h_l‖; means over positions.",
     ),
@@ -189,6 +191,8 @@ _PLOTS = (
         xlabel="block l",
         ylabel="cosine (−1 to 1)",
         signed=True,
+        ylim=(-1.0, 1.0),
+        labels=("attention write, h", "MLP write, h + a", "block update, h", "h, next h"),
         caption="Cosine of each write with the residual it is added to "
         "(< 0: the write erases part of the residual).",
     ),
@@ -202,5 +206,6 @@ _PLOTS = (
         xlabel="block l",
         ylabel="mean L2 norm (log scale)",
         logy=True,
+        labels=("residual h", "attention write a", "MLP write m"),
     ),
 )

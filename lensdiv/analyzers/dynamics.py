@@ -478,6 +478,9 @@ def _line_plots(fitted: Any = None) -> tuple[Plot, ...]:
             y=("theta", "theta_update"),
             xlabel="block l",
             ylabel="angle (rad; π/2 = orthogonal)",
+            labels=("θ_l: h_l to h_{l+1}", "θΔ_l: update l to update l+1"),
+            ylim=(0.0, math.pi),
+            thresholds=((math.pi / 2, "π/2: orthogonal"),),
             caption="theta: θ_l = ∠(h_l, h_{l+1}); theta_update: ∠(Δ_l, Δ_{l+1}) (π/2 = "
             "uncorrelated updates). Means over tokens.",
         ),
@@ -511,6 +514,8 @@ def _line_plots(fitted: Any = None) -> tuple[Plot, ...]:
             y=("to_final",),
             xlabel=state_axis,
             ylabel="∠(h_l, h_L) (rad)",
+            ylim=(0.0, math.pi),
+            thresholds=((math.pi / 2, "π/2: orthogonal"),),
         ),
         Plot(
             "line",

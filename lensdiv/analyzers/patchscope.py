@@ -138,6 +138,7 @@ def _present(means: dict[str, np.ndarray], L: int, n: int, lens: Any, readout: A
             xlabel="target block ℓ* (where the state enters)",
             ylabel="source state h_ℓ",
             clabel=clabel,
+            limits=(0.0, 1.0) if key == "top1" else None,
             caption="Each cell: h_ℓ of the data patched into the inspection prompt's last "
             "position as block ℓ*'s input, read at the prompt's last position; mean over "
             "positions.",

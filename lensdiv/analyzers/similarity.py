@@ -568,6 +568,12 @@ def _plots(L: int) -> tuple[Plot, ...]:
             "similarity_blocks",
             x="block",
             y=("cka_next", "cka_next_no_sink", "cka_next_no_massive", "block_influence"),
+            labels=(
+                "linear CKA(h_l, h_l+1)",
+                "the same, position 0 left out",
+                "the same, massive dimensions removed",
+                "block influence 1 − cos",
+            ),
             xlabel="block l",
             ylabel="CKA(h_l, h_l+1); 1 − cos",
         ),

@@ -294,8 +294,9 @@ def _plots(aggregate: str) -> tuple[Plot, ...]:
             f"effect_{aggregate}",
             xlabel="layer l (whose update Δ_l is measured)",
             ylabel="skipped block s",
-            clabel="E[s, l] (relative change of Δ_l)",
+            clabel="E[s, l] (relative change of Δ_l, log scale)",
             mask="col<=row",
+            logc=True,
             caption="E[s, l] = ‖Δ_l − Δ̃_l‖ / ‖Δ_l‖. Hatched cells (l ≤ s) are undefined: "
             "skipping block s cannot change the updates of blocks before it, and its own "
             "is the one removed.",
@@ -309,6 +310,8 @@ def _plots(aggregate: str) -> tuple[Plot, ...]:
             y=("output_max", "output_mean"),
             xlabel="skipped block s",
             ylabel="O[s] = ‖p − p̃‖₂ (0 to √2)",
+            ylim=(0.0, 2**0.5),
+            labels=("max over prompts", "mean over prompts"),
             caption="L2 distance between the output distributions with and without "
             "block s; max and mean over prompts.",
         ),
@@ -320,6 +323,7 @@ def _plots(aggregate: str) -> tuple[Plot, ...]:
             x="skipped",
             y=("later_max", "later_mean"),
             xlabel="skipped block s",
+            labels=("max over prompts", "mean over prompts"),
             ylabel="mean over l > s of E[s, l] (relative)",
             caption="How much skipping block s changes the updates of the blocks after "
             "it; the last block has none.",

@@ -469,6 +469,12 @@ def _plots() -> tuple[Plot, ...]:
             y=("token_entropy", "dataset_entropy", "prompt_entropy"),
             xlabel="residual state h_l",
             ylabel="entropy (nats)",
+            labels=(
+                "token level (every token)",
+                "dataset level (last tokens)",
+                "prompt level (mean over prompts)",
+            ),
+            ylim=(0.0, None),
         ),
         Plot(
             "line",
@@ -478,7 +484,8 @@ def _plots() -> tuple[Plot, ...]:
             x="layer",
             y=("token_erank", "token_pr", "twonn"),
             xlabel="residual state h_l",
-            ylabel="dimensions",
+            ylabel="dimensions (log scale)",
+            labels=("effective rank", "participation ratio", "TwoNN intrinsic dimension"),
             logy=True,
         ),
         Plot(
@@ -490,6 +497,12 @@ def _plots() -> tuple[Plot, ...]:
             y=("token_entropy", "dataset_entropy", "prompt_entropy"),
             xlabel="residual state h_l",
             ylabel="entropy (nats)",
+            labels=(
+                "token level (every token)",
+                "dataset level (last tokens)",
+                "prompt level (mean over prompts)",
+            ),
+            ylim=(0.0, None),
         ),
         Plot(
             "heatmap",

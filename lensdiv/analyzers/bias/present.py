@@ -194,10 +194,22 @@ def _line(
     ylabel: str,
     caption: str = "",
     states: bool = False,
+    labels: tuple[str, ...] = (),
 ) -> Plot:
     """A line plot of ``table``'s ``y`` columns along depth or along the members."""
     x, xlabel = (_STATE_AXES if states else _AXES)[table]
-    return Plot("line", name, title, table, x=x, y=y, xlabel=xlabel, ylabel=ylabel, caption=caption)
+    return Plot(
+        "line",
+        name,
+        title,
+        table,
+        x=x,
+        y=y,
+        xlabel=xlabel,
+        ylabel=ylabel,
+        caption=caption,
+        labels=labels,
+    )
 
 
 def _plots(ce_depth: bool, states: bool = False, lens: str = "") -> tuple[Plot, ...]:
@@ -209,6 +221,7 @@ def _plots(ce_depth: bool, states: bool = False, lens: str = "") -> tuple[Plot, 
             "depth",
             ("bias", "diversity", "ensemble_loss"),
             "squared error (logits²)",
+            labels=("bias", "diversity", "ensemble loss"),
             caption="Ensemble loss = bias − diversity (Krogh–Vedelsby), for the members "
             + (f"h_0 .. h_l read through the {lens}." if states else "written before h_l."),
             states=states,
@@ -219,6 +232,7 @@ def _plots(ce_depth: bool, states: bool = False, lens: str = "") -> tuple[Plot, 
             "members",
             ("sq_bias", "sq_diversity"),
             "squared error (logits²)",
+            labels=("bias (squared error)", "diversity (squared)"),
             states=states,
         ),
         _line(
@@ -227,6 +241,7 @@ def _plots(ce_depth: bool, states: bool = False, lens: str = "") -> tuple[Plot, 
             "members",
             ("ce_bias", "ce_diversity"),
             "cross-entropy, KL (nats)",
+            labels=("bias: cross-entropy", "diversity: KL to the ensemble"),
             states=states,
         ),
     ]
@@ -238,6 +253,7 @@ def _plots(ce_depth: bool, states: bool = False, lens: str = "") -> tuple[Plot, 
                 "depth",
                 ("ce_bias", "ce_diversity", "ce_loss"),
                 "cross-entropy, KL (nats)",
+                labels=("bias: cross-entropy", "diversity: KL", "ensemble loss"),
                 states=states,
             )
         )

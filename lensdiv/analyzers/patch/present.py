@@ -205,7 +205,8 @@ def _heatmaps(maps: PatchingMaps, metric: str) -> tuple[Plot, ...]:
                 "Residual erasure: h_l(t) replaced by its mean",
                 L + 1,
                 ylabel="residual state h_l",
-                clabel="‖p − p̃‖₂ (0 to √2)",
+                clabel="‖p − p̃‖₂ (fixed scale 0 to √2)",
+                limits=(0.0, 2**0.5),
                 caption="Change of the output distribution at the answer position; mean over "
                 f"pairs. {COLUMNS}",
             )

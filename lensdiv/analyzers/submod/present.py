@@ -148,6 +148,7 @@ def _plots(options: Submodularity) -> tuple[Plot, ...]:
             "prefix",
             x="k",
             y=("F", "fit"),
+            labels=("F(k)", "a + b log k (least squares)"),
             xlabel=f"k ({word} in depth order)",
             ylabel=label,
         ),

@@ -15,12 +15,20 @@ from lensdiv.core.results import Plot, Result, Table
 if TYPE_CHECKING:  # the analyzers import this module; their types are only annotations here
     from lensdiv.analyzers.surgery import Prune, Reorder
 
+# Colour-bar labels (short: a long one is cut at the figure's edge); what they mean is in
+# _SIGNAL_MEANING, the caption.
 _SIGNAL_LABELS = {
-    "block_influence": "Σ block influence 1 − cos(h_j, h_{j+1}) over the range (ShortGPT)",
-    "angular_last": "angular distance arccos(cos(h_ℓ, h_{ℓ+n}))/π, last token (Gromov et al.)",
-    "angular_all": "angular distance arccos(cos(h_ℓ, h_{ℓ+n}))/π, all tokens",
-    "nonlinearity": "Σ (1 − R²) over the range: the linearity score's complement "
-    "(Razzhigaev et al.)",
+    "block_influence": "Σ block influence (1 − cos)",
+    "angular_last": "angular distance / π (last token)",
+    "angular_all": "angular distance / π (all tokens)",
+    "nonlinearity": "Σ (1 − R²)",
+}
+_SIGNAL_MEANING = {
+    "block_influence": "Σ over the range of 1 − cos(h_j, h_{j+1}), ShortGPT's block influence",
+    "angular_last": "arccos(cos(h_ℓ, h_{ℓ+n}))/π at the last token, Gromov et al.'s distance",
+    "angular_all": "arccos(cos(h_ℓ, h_{ℓ+n}))/π over all tokens",
+    "nonlinearity": "Σ over the range of 1 − R², the complement of Razzhigaev et al.'s "
+    "linearity score",
 }
 
 
@@ -167,12 +175,18 @@ def _plots(numbers: PruneNumbers) -> tuple[Plot, ...]:
                 extent=extent,
                 ylabel="first removed block ℓ",
                 clabel=_SIGNAL_LABELS[name],
-                caption="Lower = predicted more removable; compare with the true KL heatmap. "
+                caption=f"{_SIGNAL_MEANING[name]}. "
+                "Lower = predicted more removable; compare with the true KL heatmap. "
                 "Gromov et al. remove the range of least angular distance, ShortGPT the blocks "
                 "of least block influence.",
             )
         )
     curves = tuple(k for k in numbers.curves)
+    names = {
+        "contiguous_best": "best range of k blocks",
+        "greedy": "greedy: the cheapest block, one at a time",
+        "block_influence_order": "the k blocks of least influence (ShortGPT)",
+    }
     return (
         *heat,
         Plot(
@@ -184,6 +198,7 @@ def _plots(numbers: PruneNumbers) -> tuple[Plot, ...]:
             y=curves,
             xlabel="blocks removed k",
             ylabel="KL to the full output (nats)",
+            labels=tuple(names.get(k, k) for k in curves),
             caption="contiguous_best: the best range of k blocks; block_influence_order: the "
             "k blocks of least influence (ShortGPT's claim: close to the best); greedy: one "
             "block at a time, each the truly cheapest. No healing (fine-tuning) afterwards.",
@@ -195,6 +210,7 @@ def _plots(numbers: PruneNumbers) -> tuple[Plot, ...]:
             "blocks",
             x="block",
             y=("kl_remove", "block_influence"),
+            labels=("true KL of removing it (nats)", "block influence 1 − cos (its signal)"),
             xlabel="removed block ℓ",
             ylabel="KL (nats); 1 − cos",
             caption="The sources claim deeper blocks are more removable than early ones, and "
@@ -237,6 +253,7 @@ def present_reorder(numbers: ReorderNumbers, options: Reorder) -> Result:
                 "swaps",
                 x="block",
                 y=("kl_swap", "kl_remove"),
+                labels=("blocks ℓ and ℓ+1 swapped", "block ℓ removed"),
                 xlabel="block ℓ",
                 ylabel="KL(p ‖ p_out) (nats)",
                 caption="kl_swap: blocks ℓ and ℓ+1 exchanged; kl_remove: block ℓ removed. "
