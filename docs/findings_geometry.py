@@ -134,7 +134,11 @@ def numbers(similarity: Any, spectrum: Any) -> dict[str, Any]:
     """What the three rows read from a ``similarity`` and a ``spectrum`` result (a
     :class:`lensdiv.Result`), as plain lists."""
     table = spectrum.table("spectrum")
+    clean = spectrum.tables.get("spectrum_no_massive")
     return {
+        "prompt_entropy_no_massive": None
+        if clean is None
+        else [float(x) for x in clean["prompt_entropy"]],
         "cka": np.asarray(similarity.arrays["linear_all"], float).tolist(),
         "cka_no_sink": np.asarray(similarity.arrays["linear_no_sink"], float).tolist(),
         "change": np.asarray(similarity.arrays["linear_outlier_change"], float).tolist(),
@@ -164,9 +168,15 @@ def cell(key: str, found: dict[str, Any], verdict: str, info: dict[str, Any]) ->
                 f"{info['next_mean']:.2f}, all pairs' {info['mean_off']:.2f} → **{verdict}**")
     if key == "entropy_dip":
         e, L = info["entropy"], len(info["entropy"]) - 1
-        return (f"prompt entropy lowest at h_{info['lowest']} (ℓ/L {info['relative_depth']:.2f}):"
-                f" {e[info['lowest']]:.3f} against h_0 {e[0]:.3f} and h_{L} {e[L]:.3f} → "
-                f"**{verdict}**")
+        text = (f"prompt entropy lowest at h_{info['lowest']} (ℓ/L "
+                f"{info['relative_depth']:.2f}): {e[info['lowest']]:.3f} against h_0 {e[0]:.3f} "
+                f"and h_{L} {e[L]:.3f} nats")
+        clean = found.get("prompt_entropy_no_massive")
+        if clean and found.get("massive_dims"):
+            low = int(np.nanargmin(clean))
+            text += (f"; with the massive dimensions removed, lowest at h_{low} ({clean[low]:.3f}"
+                     f" nats, h_0 {clean[0]:.3f}, h_{L} {clean[L]:.3f})")
+        return f"{text} → **{verdict}**"
     dims = ", ".join(map(str, info["massive_dims"][:4])) or "none"
     sink = np.asarray(found["cka_no_sink"], float) - np.asarray(found["cka"], float)
     return (f"massive dimensions {dims}; removing them moves linear CKA by up to "
