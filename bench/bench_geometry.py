@@ -48,8 +48,29 @@ from lensdiv.ops.geometry import batched_gram_eigenvalues
 def main() -> None:
     parser = model_parser(__doc__, tokens=1024, batch_size=4, repeats=2)
     parser.set_defaults(layers=12, d_model=768)
+    parser.add_argument(
+        "--model",
+        help="a catalog or hub model instead of the random one (e.g. smollm2-135m, read on "
+        "Python's documentation)",
+    )
+    parser.add_argument(
+        "--streamed",
+        action="store_true",
+        help="only the streamed part: the forward, the floors and the updates (no finalize, no "
+        "analyze runs: what a large model's figure needs)",
+    )
     args = parser.parse_args()
-    model, spec = model_and_data(args)
+    if args.model:
+        from lensdiv.data.sources import DataSpec
+        from lensdiv.models.load import load_model
+
+        torch.set_grad_enabled(False)
+        model = load_model(args.model, progress=False)
+        spec = DataSpec(
+            source="pydoc", max_tokens=args.tokens, seq_len=args.seq_len, batch_size=args.batch_size
+        )
+    else:
+        model, spec = model_and_data(args)
     info = ModelInfo.from_model(model)
     hooks = [info.resid(layer) for layer in range(info.n_layers + 1)]
     device = model_device(model)
@@ -100,7 +121,7 @@ def main() -> None:
         assert result.ok, result.errors
         timings[",".join(a.name for a in analyzers)] = dict(result.manifest["timings"])
 
-    similarity, spectrum = Similarity(), Spectrum()
+    similarity, spectrum = Similarity(max_state_gb=16.0), Spectrum()
     steps = [
         Step(
             Batch(tokens, torch.ones_like(tokens, dtype=torch.bool), index=i),
@@ -131,6 +152,35 @@ def main() -> None:
         "spectrum": lambda: run(spectrum),
         "similarity,spectrum": lambda: run(similarity, spectrum),
     }
+    if args.streamed:
+        cases = {k: v for k, v in cases.items() if k.startswith(("update_", "cache", "floor_"))}
+        for case in cases.values():  # warm-up
+            case()
+        best, cpu = best_of_both(cases, args.repeats)
+        base = best["cache"]
+        report(
+            {
+                **describe(args),
+                "model": args.model or describe(args).get("model"),
+                "state_gib": {
+                    a.name: round(a.state_bytes(info) / 2**30, 3) for a in (similarity, spectrum)
+                },
+                "seconds": {k: round(v, 3) for k, v in best.items()},
+                "forward_and_update_over_cache_plus_floor": {
+                    a: round((base + best[f"update_{a}"]) / (base + best[f"floor_{a}"]), 3)
+                    for a in ("similarity", "spectrum")
+                },
+                "cpu_seconds": {k: round(v, 3) for k, v in cpu.items()},
+                "cpu_forward_and_update_over_cache_plus_floor": {
+                    a: round(
+                        (cpu["cache"] + cpu[f"update_{a}"]) / (cpu["cache"] + cpu[f"floor_{a}"]), 3
+                    )
+                    for a in ("similarity", "spectrum")
+                },
+            },
+            args.json,
+        )
+        return
     run(similarity, spectrum)  # warm-up
     best, cpu = best_of_both(cases, args.repeats)
     base = best["cache"]

@@ -29,21 +29,22 @@ import torch
 from torch import Tensor
 
 from lensdiv.core.analyzer import Analyzer, ModelInfo, Step
-from lensdiv.core.errors import OptionError
 from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
 from lensdiv.ops.geometry import (
     Basis,
     center_gram,
+    first_positions,
     hsic_unbiased,
     jackknife,
     procrustes,
     pwcca,
     rbf_gram,
+    refuse_large_state,
     sketch_matrix,
     svcca,
 )
-from lensdiv.ops.outliers import massive_entries
+from lensdiv.ops.outliers import massive_counts
 from lensdiv.ops.surgery import last_positions, signal_sums
 
 VARIANTS = ("all", "no_sink", "no_massive")
@@ -118,14 +119,14 @@ class Similarity(Analyzer):
         return 8 * (moments + self.sample * L1 * info.d_model)
 
     def setup(self, model: object, info: ModelInfo) -> None:
-        size = self.state_bytes(info) / 2**30
-        if size > self.max_state_gb:
-            raise OptionError(
-                f"similarity's moments would hold {size:.1f} GiB (2·(L+1)²·d·d' float64 with "
-                f"L={info.n_layers}, d={info.d_model}, d'={self.width(info)}), over "
-                f"max_state_gb={self.max_state_gb}",
-                hint="-O similarity.sketch=256 projects the states first (or raise max_state_gb)",
-            )
+        refuse_large_state(
+            "similarity",
+            self.state_bytes(info),
+            self.max_state_gb,
+            f" (2·(L+1)²·d·d' float64 with L={info.n_layers}, d={info.d_model}, "
+            f"d'={self.width(info)})",
+            "-O similarity.sketch=256 projects the states first (or raise max_state_gb)",
+        )
 
     def update(self, state: Stats, step: Step) -> None:
         keep = step.batch.mask
@@ -134,8 +135,7 @@ class Similarity(Analyzer):
         info, device = step.info, keep.device
         L = info.n_layers
         h = [step.resid(layer).to(device) for layer in range(L + 1)]
-        first = torch.zeros_like(keep)
-        first[:, 0] = keep[:, 0]
+        first = first_positions(keep)
         rest = keep & ~first
         last = last_positions(keep) & keep
         for name, where in (("all", keep), ("no_sink", rest)):
@@ -143,11 +143,8 @@ class Similarity(Analyzer):
             state.add(f"n_{name}", where.sum())
             state.add(f"bi_{name}", signals["bi"])
             state.add(f"ang_{name}", signals["ang_all"][:, 0])
-        counts = []
-        for x in h:
-            massive, *_ = massive_entries(x, keep, self.absolute, self.ratio, self.bins_per_decade)
-            counts.append(massive.sum((0, 1)).double())
-        state.add("massive", torch.stack(counts))
+        counts, _ = massive_counts(h, keep, self.absolute, self.ratio, self.bins_per_decade)
+        state.add("massive", counts)
         P = None
         if self.sketch:
             P = step.cached(

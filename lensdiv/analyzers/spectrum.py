@@ -25,7 +25,6 @@ from torch import Tensor
 
 from lensdiv.analyzers.similarity import VARIANTS, Z, row_keys, write_sample
 from lensdiv.core.analyzer import Analyzer, ModelInfo, Step
-from lensdiv.core.errors import OptionError
 from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
 from lensdiv.ops.geometry import (
@@ -35,13 +34,15 @@ from lensdiv.ops.geometry import (
     curvature_angles,
     curvature_sums,
     effective_rank,
+    first_positions,
     jackknife,
     matrix_entropy,
     participation_ratio,
+    refuse_large_state,
     spectral_measures,
     twonn,
 )
-from lensdiv.ops.outliers import massive_entries
+from lensdiv.ops.outliers import massive_counts
 from lensdiv.ops.surgery import last_positions
 
 MEASURES = ("entropy", "erank", "pr")
@@ -106,13 +107,13 @@ class Spectrum(Analyzer):
         return 8 * ((2 + self.groups) * L1 * d * d + self.sample * L1 * d)
 
     def setup(self, model: object, info: ModelInfo) -> None:
-        size = self.state_bytes(info) / 2**30
-        if size > self.max_state_gb:
-            raise OptionError(
-                f"spectrum's moments would hold {size:.1f} GiB, over max_state_gb="
-                f"{self.max_state_gb}",
-                hint="lower -O spectrum.groups or raise max_state_gb",
-            )
+        refuse_large_state(
+            "spectrum",
+            self.state_bytes(info),
+            self.max_state_gb,
+            "",
+            "lower -O spectrum.groups or raise max_state_gb",
+        )
 
     def update(self, state: Stats, step: Step) -> None:
         keep = step.batch.mask
@@ -121,16 +122,10 @@ class Spectrum(Analyzer):
         info, device = step.info, keep.device
         L1, d = info.n_layers + 1, info.d_model
         h = torch.stack([step.resid(layer).to(device).double() for layer in range(L1)])
-        first = torch.zeros_like(keep)
-        first[:, 0] = keep[:, 0]
+        first = first_positions(keep)
         last = last_positions(keep) & keep
-        dims = torch.zeros(d, dtype=torch.bool, device=device)
-        counts = []
-        for x in h:
-            massive, *_ = massive_entries(x, keep, self.absolute, self.ratio, self.bins_per_decade)
-            counts.append(massive.sum((0, 1)).double())
-            dims |= massive.any(0).any(0)
-        state.add("massive", torch.stack(counts))
+        counts, dims = massive_counts(h, keep, self.absolute, self.ratio, self.bins_per_decade)
+        state.add("massive", counts)
         for part, where in (("rest", keep & ~first), ("first", first)):
             x = h[:, where]  # [L+1, n, d]
             state.add(f"n_{part}", float(where.sum()))

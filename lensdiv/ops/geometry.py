@@ -17,6 +17,8 @@ import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
+from lensdiv.core.errors import OptionError
+
 # Singular values below this fraction of the largest are the numerical null space.
 RANK_TOL = 1e-10
 
@@ -322,3 +324,27 @@ def sketch_matrix(d: int, k: int, seed: int, device: torch.device | str = "cpu")
     so every process makes the same): ``E[P Pᵀ] = I``."""
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(d, k, generator=g, dtype=torch.float64) / math.sqrt(k)).to(device)
+
+
+def first_positions(keep: Bool[Tensor, "batch pos"]) -> Bool[Tensor, "batch pos"]:
+    """Position 0 of every row that keeps it: the attention sink's place, which the
+    outlier-aware variants leave out."""
+    first = torch.zeros_like(keep)
+    first[:, 0] = keep[:, 0]
+    return first
+
+
+def refuse_large_state(
+    name: str, size_bytes: int, max_state_gb: float, what: str, hint: str
+) -> None:
+    """Refuse (before any work) moments of ``size_bytes`` over ``max_state_gb`` GiB.
+
+    Raises:
+        OptionError: Over the cap; says how large (``what``: of what) and what to change.
+    """
+    size = size_bytes / 2**30
+    if size > max_state_gb:
+        raise OptionError(
+            f"{name}'s moments would hold {size:.1f} GiB{what}, over max_state_gb={max_state_gb}",
+            hint=hint,
+        )

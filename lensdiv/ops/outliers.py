@@ -12,6 +12,7 @@ statistic falls outside ``[10^LO, 10^HI)``.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from jaxtyping import Bool, Float
@@ -74,3 +75,23 @@ def massive_entries(
     median = histogram_median(hist, bins_per_decade)
     threshold = max(absolute, ratio * median)
     return (x.abs() > threshold) & keep[..., None], hist, median, threshold
+
+
+def massive_counts(
+    states: Sequence[Tensor] | Float[Tensor, "states batch pos d"],
+    keep: Bool[Tensor, "batch pos"],
+    absolute: float,
+    ratio: float,
+    bins_per_decade: int,
+) -> tuple[Float[Tensor, "states d"], Bool[Tensor, " d"]]:
+    """Per residual state of one batch, how many of its kept positions are massive in each
+    dimension (:func:`massive_entries`; float64, a sum that merges), and which dimensions are
+    massive in any state (what an analysis leaves out to be outlier-aware)."""
+    counts, dims = [], None
+    for x in states:
+        massive, *_ = massive_entries(x, keep, absolute, ratio, bins_per_decade)
+        counts.append(massive.sum((0, 1)).double())
+        found = massive.any(0).any(0)
+        dims = found if dims is None else dims | found
+    assert dims is not None, "no states"
+    return torch.stack(counts), dims
