@@ -208,6 +208,43 @@ def test_affine_lens_fit_and_read(name: str, real_cache: Path, tmp_path: Path) -
     assert abs(kl[-1]) < 1e-5 and np.isfinite(kl).all()  # h_L is read as it is
 
 
+# The other fitted kinds at the smallest budgets that run their whole path: a tuned lens of two
+# SGD steps (through the 262k-vocabulary readout on Gemma), a Jacobian lens of one prompt's
+# exact Jacobians (d_model / dim_batch backward passes per position).
+FITS = {
+    "tuned": {
+        "preset": "toy",
+        "options": {"steps": 2, "tokens_per_step": 64},
+        "max_tokens": 128,
+        "batch_size": 2,  # 2 rows of 32: a step's 64 tokens
+    },
+    "jacobian": {"options": {"skip_first": 28, "dim_batch": 64}, "max_tokens": 32},
+}
+
+
+@pytest.mark.parametrize("kind", sorted(FITS))
+@pytest.mark.parametrize("name", REAL)
+def test_tuned_and_jacobian_lens_fit_and_read(
+    name: str, kind: str, real_cache: Path, tmp_path: Path
+) -> None:
+    """Fit, write in its layout, read back by ``--lens KIND:PATH``: h_L is the output, every
+    state finite; the tuned lens starts as the logit lens and moves."""
+    import lensdiv
+    from lensdiv.lenses.fit import fit_lens
+
+    model = real(name)
+    how = dict(FITS[kind])
+    fit = fit_lens(model, kind, out=tmp_path / kind, seq_len=32, eval_tokens=32, progress=False,
+                   **how)
+    assert fit.lens is not None and fit.lens.exists(), fit.warnings
+    through = lensdiv.analyze(
+        model, plugins="lens", lens=f"{kind}:{tmp_path / kind}", progress=False, **BUDGET
+    )
+    kl = np.asarray(through["lens"].table("lens")["kl"], dtype=float)
+    assert abs(kl[-1]) < 1e-5 and np.isfinite(kl).all()
+    assert through.manifest["lens"]["kind"] == kind
+
+
 @pytest.mark.parametrize("name", REAL[:1])  # d_model + 2 tokens at least: one model suffices
 def test_linmap_onto_itself(name: str, real_cache: Path) -> None:
     """Each layer mapped onto the same model: the map of ``h_l`` onto itself is exact."""

@@ -12,8 +12,13 @@ Design:
 
 - **Moments, not activations.** Pass 0 streams ``Σ x̃ x̃ᵀ`` per source state (``x̃ = [x; 1]``,
   ``[S, d_src+1, d_src+1]``) and ``Σ x̃ yᵀ`` with every target state side by side
-  (``[S, d_src+1, J·d_tgt]``), in float64, updated in place. Memory is fixed by the two models'
-  shapes, never by the token count, and two shards' states merge (``Stats.merge``).
+  (``[S, d_src+1, J·d_tgt]``), and each target's ``Σ y yᵀ`` (``[J, d_tgt, d_tgt]``), in float64,
+  updated in place. Memory is fixed by the two models' shapes, never by the token count, and two
+  shards' states merge (``Stats.merge``).
+- **Linear CKA across the models** comes from the same moments before the fit (no second pass):
+  ``‖C_xy‖²_F / (‖C_xx‖_F ‖C_yy‖_F)`` for every source and target state, on the training
+  positions — the layer × layer similarity of two models (``compare``), as ``similarity`` gives
+  it within one.
 - **One solve per source state** gives the maps to all target states at once. The fit uses the
   centred form of the same equations, ``(Σ_xx + λI) W = Σ_xy``, ``b = ȳ - Wᵀx̄``, which is ridge
   with an unregularised bias; ``λ = ridge × trace(Σ_xx)/d_src`` (the mean eigenvalue of the source
@@ -54,6 +59,7 @@ from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
 from lensdiv.models.load import load_model
 from lensdiv.ops.capture import capture
+from lensdiv.ops.geometry import cka_from_covariances, covariance
 from lensdiv.ops.ridge import augment, fit_affine
 
 SELF = "self"
@@ -122,8 +128,10 @@ def heldout_mask(batch: Batch, seed: int, fraction: float) -> Bool[Tensor, "batc
 
 
 def moment_gb(n_source: int, d_source: int, n_target: int, d_target: int) -> float:
-    """GiB of the float64 moment state: ``Σ x̃x̃ᵀ`` plus the cross-moments to every target."""
-    return 8 * n_source * (d_source + 1) * (d_source + 1 + n_target * d_target) / _GB
+    """GiB of the float64 moment state: ``Σ x̃x̃ᵀ``, the cross-moments to every target and the
+    targets' own ``Σ yyᵀ`` (for CKA)."""
+    source = n_source * (d_source + 1) * (d_source + 1 + n_target * d_target)
+    return 8 * (source + n_target * d_target * d_target) / _GB
 
 
 def target_layers(n_layers: int, stride: int) -> tuple[int, ...]:
@@ -317,6 +325,10 @@ class LinearMaps(Analyzer):
         xty = state.zeros("xty", (n_src, d, ys.shape[1]), xa.device)
         for s in range(xa.shape[0]):
             xty[s].addmm_(xa[s].T, ys)
+        per_target = y.double().transpose(0, 1)  # [n_target, n, d_target]
+        state.zeros("yty", (y.shape[1], y.shape[2], y.shape[2]), xa.device).baddbmm_(
+            per_target.transpose(1, 2), per_target
+        )
 
     @staticmethod
     def _score(
@@ -349,6 +361,8 @@ class LinearMaps(Analyzer):
             )
         xtx = state["xtx"]
         maps = state["xty"]
+        state.fix("cka", cross_cka(xtx, maps, state["yty"]))  # before the fit overwrites them
+        state.drop("yty")
         state.drop("xty")
         lambdas, inexact = [], []
         for s in range(maps.shape[0]):
@@ -381,6 +395,8 @@ class LinmapNumbers:
         target: What the state recorded of the target (``label``, ``n_layers``, ``layers``,
             ``stride``, ``d_model``, ...).
         r2: ``R²`` per ``[source state, target state]`` (NaN where a target was not fitted).
+        cka: Linear CKA per ``[source state, target state]`` on the training positions (NaN
+            likewise).
         rel_error: Mean relative error, likewise.
         best: Per source state, the fitted target state of highest ``R²``.
         same: Per source state, the fitted target state nearest the same relative depth.
@@ -398,6 +414,7 @@ class LinmapNumbers:
     n_src: int
     target: dict[str, Any]
     r2: np.ndarray
+    cka: np.ndarray
     rel_error: np.ndarray
     best: list[int]
     same: list[int]
@@ -424,6 +441,8 @@ class LinmapNumbers:
         rel_error = np.full_like(r2, np.nan)
         cols = list(target["layers"])
         r2[:, cols], rel_error[:, cols] = fitted_r2, fitted_err
+        cka = np.full_like(r2, np.nan)
+        cka[:, cols] = np.asarray(state["cka"].cpu(), dtype=float)
         best = [cols[int(np.argmax(row))] for row in fitted_r2]
         rel_src = [s / n_src for s in range(n_src + 1)]
         same = [cols[int(np.argmin([abs(j / n_tgt - r) for j in cols]))] for r in rel_src]
@@ -432,6 +451,7 @@ class LinmapNumbers:
             n_src=n_src,
             target=dict(target),
             r2=r2,
+            cka=cka,
             rel_error=rel_error,
             best=best,
             same=same,
@@ -459,6 +479,29 @@ class LinmapNumbers:
     def best_r2(self) -> list[float]:
         """``R²`` of each source state onto its best target."""
         return [self.r2[s, j] for s, j in enumerate(self.best)]
+
+
+def cross_cka(
+    xtx: Float[Tensor, "n_source d_aug d_aug"],
+    xty: Float[Tensor, "n_source d_aug n_target_d"],
+    yty: Float[Tensor, "n_target d_target d_target"],
+) -> Float[Tensor, "n_source n_target"]:
+    """Linear CKA of every source state with every target state, from pass 0's moments of
+    ``[x; 1]`` (its last row and column hold ``Σx`` and the count) and the targets' own
+    ``Σ y yᵀ``: the same positions the maps are fitted on, centred as
+    :func:`~lensdiv.ops.geometry.covariance` centres them."""
+    n_src, d = xtx.shape[0], xtx.shape[1] - 1
+    n_tgt, e = yty.shape[0], yty.shape[1]
+    out = torch.full((n_src, n_tgt), math.nan, dtype=torch.float64)
+    for s in range(n_src):
+        n, s_x = float(xtx[s, d, d]), xtx[s, :d, d]
+        c_xx = covariance(n, s_x, s_x, xtx[s, :d, :d])
+        for j in range(n_tgt):
+            cols = slice(j * e, (j + 1) * e)
+            s_y = xty[s, d, cols]
+            c_xy = covariance(n, s_x, s_y, xty[s, :d, cols])
+            out[s, j] = cka_from_covariances(c_xy, c_xx, covariance(n, s_y, s_y, yty[j]))
+    return out
 
 
 def _documents(state: Stats, options: LinearMaps) -> dict[str, Any]:
@@ -515,7 +558,7 @@ def present(numbers: LinmapNumbers, options: LinearMaps) -> Result:
         analyzer=options.name,
         summary=_summary(numbers),
         tables={"linmap": table},
-        arrays={"r2": r2, "rel_error": rel_error},
+        arrays={"r2": r2, "rel_error": rel_error, "cka": numbers.cka},
         plots=(
             *(
                 Plot(
@@ -529,6 +572,18 @@ def present(numbers: LinmapNumbers, options: LinearMaps) -> Result:
                     caption=hatched,
                 )
                 for array, title, clabel in _HEATMAPS
+            ),
+            Plot(
+                "heatmap",
+                "linmap_cka",
+                f"Linear CKA of {numbers.source} with {target['label']}",
+                "cka",
+                xlabel="target residual state j",
+                ylabel="source residual state s",
+                clabel="linear CKA (fixed scale 0–1)",
+                limits=(0.0, 1.0),
+                caption="Linear CKA of every pair of states on the training positions, from the "
+                f"maps' own moments (no fit). {hatched}".strip(),
             ),
             Plot(
                 "line",
