@@ -555,9 +555,9 @@ def _geometry_row(key: str, runs: dict[str, Any], out: Path) -> Row:
         cells[m] = f"{_tok(runs, m, 'geometry')}: " + G.cell(key, numbers, verdict, info)
     name = "real_geometry.png"
     if found and key == "block_structure":  # one figure for the three rows
-        styles = {m: "o--" if m == REQ else "o-" for m in found}
-        F._save(G.figure({LABELS[m]: v for m, v in found.items()},
-                         {LABELS[m]: st for m, st in styles.items()}), out, name)
+        short = {SMOL: "SmolLM2 (Q4_1)", GEMMA: "Gemma 3 (Q4_K_M)", REQ: "SmolLM2 (Q4_0)"}
+        styles = {short[m]: "o--" if m == REQ else "o-" for m in found}
+        F._save(G.figure({short[m]: v for m, v in found.items()}, styles), out, name)
     combined = G.combined([verdicts[m] for m in (SMOL, GEMMA) if m in verdicts])
     return Row(key=key, title=G.TITLES[key], cells=cells,
                command=f"lensdiv analyze {SMOL} --plugins similarity,spectrum --max-tokens 256 "
