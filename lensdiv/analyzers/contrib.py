@@ -13,11 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 from jaxtyping import Float
 from torch import Tensor
 
 from lensdiv.core.analyzer import Analyzer, ModelInfo, Step
-from lensdiv.core.devices import masked_stack
 from lensdiv.core.results import Plot, Result, Table
 from lensdiv.core.stats import Stats
 from lensdiv.ops.readout import readout_dtype
@@ -63,33 +63,40 @@ class Contribution(Analyzer):
         if not keep.any():
             return
         L = info.n_layers
-        # Layers of a model split across devices: rows gathered on the batch's device, in the
-        # readout dtype (float32; float64 for a float64 model): norms never in half precision.
-        h = masked_stack([step.resid(layer) for layer in range(L + 1)], keep)
-        dtype = readout_dtype(h.dtype)
-        h = h.to(dtype)
-        a = masked_stack([step.cache[f"blocks.{i}.hook_attn_out"] for i in range(L)], keep).to(
-            dtype
-        )
-        m = masked_stack([step.cache[f"blocks.{i}.hook_mlp_out"] for i in range(L)], keep).to(dtype)
-        h_in, h_next = h[:-1], h[1:]
-        mlp_in = h_in if info.parallel_residual else h_in + a
-        norms = {"resid": _norm(h_in), "attn": _norm(a), "mlp": _norm(m)}
-        values = {
-            "r_attn": norms["attn"] / norms["resid"].clamp_min(EPS),
-            "r_mlp": norms["mlp"] / _norm(mlp_in).clamp_min(EPS),
-            "r_block": _norm(a + m) / norms["resid"].clamp_min(EPS),
-            "cos_attn": _cos(a, h_in),
-            "cos_mlp": _cos(m, mlp_in),
-            "cos_update": _cos(h_next - h_in, h_in),
-            "cos_next": _cos(h_next, h_in),
-        }
-        state.add("n", h.shape[1])
-        for key, value in values.items():
-            state.add(key, value.sum(1))
-        for key, value in norms.items():
-            state.add(f"norm_{key}", value.sum(1))
-            state.max(f"norm_{key}_max", value.amax(1))
+        # Layer by layer where each layer's tensors live (a model split across devices), in the
+        # readout dtype (float32; float64 for a float64 model: norms never in half precision),
+        # the positions weighted by the mask instead of gathered: no copy of the states.
+        sums: dict[str, list[Tensor]] = {}
+        maxima: dict[str, list[Tensor]] = {}
+        for layer in range(L):
+            h_in = step.resid(layer)
+            dtype = readout_dtype(h_in.dtype)
+            h_in = h_in.to(dtype)
+            h_next = step.resid(layer + 1).to(h_in.device, dtype)
+            a = step.cache[f"blocks.{layer}.hook_attn_out"].to(h_in.device, dtype)
+            m = step.cache[f"blocks.{layer}.hook_mlp_out"].to(h_in.device, dtype)
+            mask = keep.to(h_in.device)
+            mlp_in = h_in if info.parallel_residual else h_in + a
+            norms = {"resid": _norm(h_in), "attn": _norm(a), "mlp": _norm(m)}
+            values = {
+                "r_attn": norms["attn"] / norms["resid"].clamp_min(EPS),
+                "r_mlp": norms["mlp"] / _norm(mlp_in).clamp_min(EPS),
+                "r_block": _norm(a + m) / norms["resid"].clamp_min(EPS),
+                "cos_attn": _cos(a, h_in),
+                "cos_mlp": _cos(m, mlp_in),
+                "cos_update": _cos(h_next - h_in, h_in),
+                "cos_next": _cos(h_next, h_in),
+            }
+            for key, value in values.items():
+                sums.setdefault(key, []).append(value[mask].sum().to(keep.device))
+            for key, value in norms.items():
+                sums.setdefault(f"norm_{key}", []).append(value[mask].sum().to(keep.device))
+                maxima.setdefault(f"norm_{key}_max", []).append(value[mask].amax().to(keep.device))
+        state.add("n", int(keep.sum()))
+        for key, parts in sums.items():
+            state.add(key, torch.stack(parts))
+        for key, parts in maxima.items():
+            state.max(key, torch.stack(parts))
 
     def finalize(self, state: Stats, info: ModelInfo) -> Result:
         return present(ContribNumbers.from_state(state, info), self)
