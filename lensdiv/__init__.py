@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from lensdiv.core.analyzer import Step as Step
     from lensdiv.core.bridge import Bridge as Bridge
     from lensdiv.core.bridge import Tokenizer as Tokenizer
+    from lensdiv.core.errors import DataError as DataError
     from lensdiv.core.errors import LensdivError as LensdivError
     from lensdiv.core.errors import UnsupportedModelError as UnsupportedModelError
     from lensdiv.core.registry import get_analyzer as get_analyzer
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from lensdiv.core.settings import RunSettings as RunSettings
     from lensdiv.core.stats import Stats as Stats
     from lensdiv.data.sources import DataSpec as DataSpec
+    from lensdiv.data.sources import Source as Source
     from lensdiv.lenses.fit import LensFit as LensFit
     from lensdiv.lenses.fit import evaluate_lens as evaluate_lens
     from lensdiv.lenses.fit import fit_lens as fit_lens
@@ -56,6 +58,8 @@ _EXPORTS = {
     "Bridge": "lensdiv.core.bridge",
     "Tokenizer": "lensdiv.core.bridge",
     "DataSpec": "lensdiv.data.sources",
+    "Source": "lensdiv.data.sources",
+    "DataError": "lensdiv.core.errors",
     "LensdivError": "lensdiv.core.errors",
     "UnsupportedModelError": "lensdiv.core.errors",
     "load_model": "lensdiv.models.load",

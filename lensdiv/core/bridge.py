@@ -23,7 +23,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
-from torch import Tensor
+if TYPE_CHECKING:  # no torch at import: `lensdiv --help` reads modules that name these types
+    from torch import Tensor
 
 
 class Tokenizer(Protocol):

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from lensdiv.core.errors import DataError
-from lensdiv.data.spec import DataSpec, Source
+from lensdiv import DataError, DataSpec, Source
 
 PREFIX = "lines:"
 
