@@ -9,8 +9,9 @@ with Hugging Face's own modules, nothing of lensdiv's:
 - ``stack``: the model's decoder stack on the rows (``model.model(ids)``: embedding and every
   block, no unembedding), the unit every pass pays; ``stack_attn``: the same returning every
   layer's attention weights (eager attention: what ``sinks`` reads);
-- ``readout``: one state of every row read out — the final norm, the unembedding product into
-  a preallocated buffer and one log-partition per row, in place —, and ``readout_kl``: the same
+- ``readout``: one state of every row read out — the final norm, the unembedding product (with
+  the ``[d_model, vocab]`` matrix made contiguous once) into a preallocated buffer and one
+  log-partition per row, in place —, and ``readout_kl``: the same
   plus the KL to the clean output's distribution (one dot product per row more); each timed in
   row blocks of 64, 256 and 512, the fastest taken.
 
@@ -96,6 +97,9 @@ def pieces(hf: Any, rows: torch.Tensor, batch: int) -> dict[str, Any]:
     p = [torch.softmax(norm(h) @ W.T, -1).reshape(-1, W.shape[0]) for h in hidden]
 
     V = W.shape[0]
+    # The unembedding also as a contiguous [d_model, vocab] matrix (TransformerLens' W_U layout):
+    # the product with it, not with the transposed view, is what a readout can do at best.
+    WT = W.T.contiguous()
 
     def readout(kl: bool, block: int) -> Any:
         """Per row: logits, their log-partition and, for the KL to the clean output,
@@ -110,7 +114,7 @@ def pieces(hf: Any, rows: torch.Tensor, batch: int) -> dict[str, Any]:
                 for i in range(0, flat.shape[0], block):
                     x = norm(flat[i : i + block])
                     logits = buffer[: x.shape[0]]
-                    torch.matmul(x, W.T, out=logits)
+                    torch.mm(x, WT, out=logits)
                     if kl:  # Σ p · logits, one dot product per row
                         torch.bmm(ref[i : i + block, None, :], logits[:, :, None])
                     top = logits.amax(-1, keepdim=True)
