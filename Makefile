@@ -28,7 +28,8 @@ demo: setup
 	$(BIN)/lensdiv analyze toy --plugins lens,contrib --out $(OUT)
 
 test: setup check
-	HF_HUB_OFFLINE=1 MPLBACKEND=Agg $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	HF_HUB_OFFLINE=1 MPLBACKEND=Agg $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile \
+		--durations=25
 
 # The same tests against the newest transformers and TransformerLens on the index (everything else
 # pinned, torch first): a change upstream is caught the day it ships. CI runs it after `make test`.

@@ -167,7 +167,7 @@ def test_the_mean_edit_uses_the_data_mean_not_the_batch(planted: Any) -> None:
                                         pass_index=index))
     at = 1  # the planted entry appears at h_1
     h = torch.cat([s.cache[info.resid(at)] for s in steps])  # both rows: the data
-    massive = torch.cat([analyzer._found(s)[at] for s in steps])
+    massive = torch.cat([list(analyzer._found(s))[at] for s in steps])
     want = (h * massive).sum((0, 1)) / massive.sum((0, 1)).clamp_min(1)
     torch.testing.assert_close(state["mass_mean"][at], want, rtol=1e-12, atol=0)
     one_row = (h[:1] * massive[:1]).sum((0, 1)) / massive[:1].sum((0, 1)).clamp_min(1)

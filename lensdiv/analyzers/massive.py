@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,19 +139,13 @@ class Massive(Analyzer):
                     sums[layer] += (h * massive).sum((0, 1))
                     counts[layer] += massive.sum((0, 1)).double()
 
-    def _found(self, step: Step) -> list[Tensor]:
-        """The massive entries of each residual state of this batch (as pass 0 found them)."""
+    def _found(self, step: Step) -> Iterator[Tensor]:
+        """The massive entries of each residual state of this batch (as pass 0 found them),
+        lazily: the edit needs only the first state that has any."""
         keep = step.batch.mask
-        return [
-            massive_entries(
-                step.cache[name].to(keep.device),
-                keep,
-                self.absolute,
-                self.ratio,
-                self.bins_per_decade,
-            )[0]
-            for name in self.sites(step.info)["resid"]
-        ]
+        for name in self.sites(step.info)["resid"]:
+            x = step.cache[name].to(keep.device)
+            yield massive_entries(x, keep, self.absolute, self.ratio, self.bins_per_decade)[0]
 
     def _tokens(self, state: Stats, step: Step, carrier: Tensor) -> None:
         """Tokens at positions that carry a massive entry in some residual state."""
@@ -162,17 +157,17 @@ class Massive(Analyzer):
             text = tokenizer.decode([token]) if tokenizer is not None else ""
             state.include("token_text", json.dumps([token, text]))
 
-    def _truth(self, state: Stats, step: Step, found: list[Tensor]) -> None:
+    def _truth(self, state: Stats, step: Step, found: Iterable[Tensor]) -> None:
         """At the first residual state of this batch with massive entries: set them to zero, and
         to the data's mean of that state and dimension (pass 0); resume; compare the outputs."""
-        at = next((layer for layer, m in enumerate(found) if m.any()), None)
+        first = next(((layer, m) for layer, m in enumerate(found) if m.any()), None)
         L = step.info.n_layers
-        if at is None:
+        if first is None:
             state.add("truth_none", 1.0)
             return
+        at, massive = first
         tokens = step.batch.tokens
         h = step.resid(at).to(tokens.device)
-        massive = found[at]
         mean = state["mass_mean"][at].to(h.device)
         edited = {
             "zero": torch.where(massive, torch.zeros_like(h), h),

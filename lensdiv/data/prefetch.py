@@ -13,7 +13,7 @@ the item in hand and closes the data.
 The thread tokenises with a private copy of the tokenizer, so that nothing the caller does with
 the model's own tokenizer meanwhile (encoding with truncation or padding changes the settings a
 fast tokenizer keeps) reaches the data; a tokenizer that cannot be copied is used in the
-caller's thread, without reading ahead. The copy is kept for the next run while the tokenizer
+caller's thread, without reading ahead, as are token rows already in memory. The copy is kept for the next run while the tokenizer
 stays the same (see :func:`_private_copy`).
 """
 
@@ -27,7 +27,7 @@ from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from lensdiv.data.cache import backend_state, fix_identity
-from lensdiv.data.sources import DataSpec, token_batches
+from lensdiv.data.sources import DataSpec, source_of, token_batches
 
 if TYPE_CHECKING:
     from lensdiv.core.analyzer import Batch
@@ -57,6 +57,8 @@ def ready_batches(
     reaches the end (not if the data fails or the stream is closed first).
     """
     depth = DEPTH if depth is None else depth
+    if not source_of(spec).tokenizes:  # rows in memory: nothing to read ahead, nothing to copy
+        depth = 0
     private = _private_copy(tokenizer) if depth > 0 else None
     if private is None:
         yield from _tallied(token_batches(spec, tokenizer), on_end)

@@ -304,6 +304,7 @@ class TokenRows(Source):
     syntax = "tensor[batch, pos]"
     summary = "token rows in memory"
     command_line = False
+    tokenizes = False
 
     @classmethod
     def claims(cls, spec: DataSpec) -> bool:

@@ -235,6 +235,8 @@ class Source(abc.ABC):
             order: Where the ``--data`` help lists it among the entry points; a source of higher
                 order is asked first whether it claims a spec (the file sources, which claim any
                 string, have the lowest). A package's source keeps the default, after lensdiv's.
+            tokenizes: ``False`` for a source of tokens that :meth:`batches` reads without the
+                tokenizer's encoder (a run then neither reads ahead nor copies the tokenizer).
     """
 
     spec: DataSpec
@@ -243,6 +245,7 @@ class Source(abc.ABC):
     summary: ClassVar[str]
     command_line: ClassVar[bool] = True
     order: ClassVar[int] = 1000
+    tokenizes: ClassVar[bool] = True
 
     @classmethod
     @abc.abstractmethod

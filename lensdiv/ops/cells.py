@@ -47,6 +47,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from lensdiv.core.errors import OptionError
+from lensdiv.core.numerics import exp
 from lensdiv.ops.derived import derived
 from lensdiv.ops.readout import BLOCK_ELEMENTS, FinalReadout, Workspace, block_rows
 
@@ -354,7 +355,7 @@ def _stats(
     t = z.gather(1, following[:, None]) if exact is None else exact.next[:, None].to(z.dtype)
     rank = torch.gt(z, t, out=e).sum(-1).long()
     y = z.sub_(peak)
-    torch.exp(y, out=e)
+    exp(y, out=e)
     norm = e.sum(-1).double()
     ey = torch.mul(e, y, out=prod).sum(-1).double()
     ed = None if ref_y is None else torch.sub(y, ref_y, out=prod).mul_(e).sum(-1).double()

@@ -27,6 +27,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from lensdiv.core.numerics import exp, exp_
 from lensdiv.ops.derived import derived
 from lensdiv.ops.readout import Workspace, block_rows
 
@@ -122,7 +123,7 @@ def target_probabilities(
     for start in range(0, n, rows):
         stop = min(n, start + rows)
         z = logits.centered(x[start:stop])
-        block = torch.exp(z, out=p[start:stop])
+        block = exp(z, out=p[start:stop])
         total = block.sum(-1, keepdim=True)
         block.div_(total)  # Σ p log p = Σ p (z − max) − log Σ exp(z − max)
         neg_entropy += _dot_sum(block, z, logits.scratch) - total.log().sum(dtype=torch.float64)
@@ -172,7 +173,7 @@ def fused_kl(
                 _dot_sum(z[lo - start : hi - start], p[a:b], logits.scratch)
                 for _, lo, hi, a, b in segments
             ]
-            total = z.exp_().sum(-1, keepdim=True)
+            total = exp_(z).sum(-1, keepdim=True)
             log_total = total.log().squeeze(-1)
             for (group, lo, hi, a, b), dot in zip(segments, cross, strict=True):
                 here = slice(lo - start, hi - start)  # p − q in place: q and − p in one pass

@@ -23,6 +23,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from lensdiv.core.analyzer import Step
+from lensdiv.core.numerics import exp
 from lensdiv.ops.readout import FinalReadout, final_readout
 from lensdiv.ops.resume import Resumer
 
@@ -268,7 +269,7 @@ def _one_skip(
         hi = lo + _READOUT_ROWS
         if with_kl:
             log_q, log_p = _log_probs(readout, vectors[lo:hi]), clean_p[lo:hi]
-            probs, clean = log_q.exp(), log_p.exp()
+            probs, clean = exp(log_q), exp(log_p)
             kls[lo:hi] = (probs * (log_q - log_p)).sum(-1).double().to(dist.device)
         else:
             probs, clean = readout.probabilities(vectors[lo:hi]), clean_p[lo:hi]
