@@ -52,9 +52,11 @@ class RowStats:
     top: Tensor | None = None
 
 
-# Rows whose statistics are taken together: a few rows' logits and buffers stay in the cores'
-# caches across the passes of :func:`row_stats` (on SmolLM2's 49k vocabulary with 2 threads, 32
-# rows take 0.82x the time of one 512-row block; a block of 8 pays for its many small calls).
+# Logits whose statistics are taken together (at least 32 rows): a few rows' logits and buffers
+# stay in the cores' caches across the passes of :func:`row_stats` (on SmolLM2's 49k vocabulary
+# with 2 threads, 32 rows take 0.82x the time of one 512-row block; 8 rows pay for their many
+# small calls, as would rows of a small vocabulary cut 32 at a time).
+STATS_ELEMENTS = 1 << 21
 STATS_ROWS = 32
 
 # ``exp(z)`` without subtracting the row's largest logit first (one full-vocabulary pass fewer)
@@ -83,7 +85,8 @@ def row_stats(
     largest logit, or 0 when no row's is far from 0) and its sum, then the expectations
     ``E_p[x] = Σ e·x / Σ e``. ``E_p[z − z_ref]`` is summed from the elementwise differences, so
     a small KL is not the difference of two large expectations. The rows are taken
-    :data:`STATS_ROWS` at a time, so that their passes run in cache; once a process has read
+    :data:`STATS_ELEMENTS` logits (and at least :data:`STATS_ROWS` rows) at a time, so that their
+    passes run in cache; once a process has read
     enough logits, every sum after the top-k comes from one fused pass instead
     (:mod:`lensdiv.ops.fused`).
 
@@ -101,21 +104,22 @@ def row_stats(
     """
     n = z.shape[0]
     fused = fuse(z.numel())
-    if n <= STATS_ROWS or fused:
+    step = max(STATS_ROWS, STATS_ELEMENTS // max(1, z.shape[1]))
+    if n <= step or fused:
         return _row_stats(z, scratch, targets, k, expect, rank, reference, product, fused)
     parts = [
         _row_stats(
-            z[lo : lo + STATS_ROWS],
-            scratch[lo : lo + STATS_ROWS],
-            None if targets is None else targets[lo : lo + STATS_ROWS],
+            z[lo : lo + step],
+            scratch[lo : lo + step],
+            None if targets is None else targets[lo : lo + step],
             k,
             expect,
             rank,
-            None if reference is None else reference[lo : lo + STATS_ROWS],
-            None if product is None else product[lo : lo + STATS_ROWS],
+            None if reference is None else reference[lo : lo + step],
+            None if product is None else product[lo : lo + step],
             False,
         )
-        for lo in range(0, n, STATS_ROWS)
+        for lo in range(0, n, step)
     ]
 
     def cat(name: str) -> Tensor | None:
@@ -177,7 +181,8 @@ def _row_stats(
         torch.gt(z, target_logit, out=scratch)  # 0/1 in the logits' dtype: exact, and fast
         ranks = scratch.sum(-1).double()
     low, high = _DIRECT_EXP
-    if z.dtype == torch.float32 and low < float(peak.min()) and float(peak.max()) < high:
+    direct = z.dtype == torch.float32 and z.device.type == "cpu"  # no device sync for it
+    if direct and low < float(peak.min()) and float(peak.max()) < high:
         exp(z, out=scratch)
         offset = torch.zeros_like(peak[:, 0], dtype=torch.float64)
     else:
