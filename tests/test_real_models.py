@@ -222,8 +222,9 @@ FITS = {
 }
 
 
-@pytest.mark.parametrize("kind", sorted(FITS))
-@pytest.mark.parametrize("name", REAL)
+# Each kind on one model (CI's time): the tuned lens through Gemma's 262k-vocabulary readout,
+# the Jacobian lens on SmolLM2 (GQA, tied embeddings).
+@pytest.mark.parametrize(("name", "kind"), [(REAL[-1], "tuned"), (REAL[0], "jacobian")])
 def test_tuned_and_jacobian_lens_fit_and_read(
     name: str, kind: str, real_cache: Path, tmp_path: Path
 ) -> None:
