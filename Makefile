@@ -9,7 +9,7 @@ TEST_WORKERS ?= 2
 # The test files that exercise transformers' and TransformerLens' internals (models, caches,
 # hooks, GGUF): what `make test-latest` runs against their newest releases (TESTS= for all).
 LATEST_TESTS ?= tests/test_architectures.py tests/test_patchscope.py tests/test_sinks.py \
-	tests/test_gguf.py tests/test_device_map.py
+	tests/test_gguf.py tests/test_device_map.py tests/test_purelayers.py
 LATEST := .venv-latest
 
 .PHONY: setup demo test test-latest check bench bench-gpu bench-gpu-smoke findings findings-real lint clean ship-toy toy-reproduce

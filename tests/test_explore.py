@@ -639,7 +639,8 @@ def test_what_the_model_says_is_the_patchscope_continuation(client: TestClient,
                                                             native_model: Any) -> None:
     """A pinned cell's state read by the model itself: the inspection prompt's greedy
     continuation with that state patched in, as :meth:`Inspection.generate` gives it."""
-    from lensdiv.ops.blocklens import DEFAULT_PROMPT, inspection
+    from lensdiv.ops.blocklens import DEFAULT_PROMPT
+    from lensdiv.ops.inspection import inspection
 
     grid = client.post("/api/grid", json={"text": TEXT}).json()
     position = len(grid["tokens"]) - 1

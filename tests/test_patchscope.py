@@ -19,14 +19,9 @@ from typer.testing import CliRunner
 from lensdiv.cli import app
 from lensdiv.core.analyzer import ModelInfo
 from lensdiv.core.errors import LensError, OptionError
-from lensdiv.ops.blocklens import (
-    DEFAULT_PROMPT,
-    Inspection,
-    LastBlockLens,
-    PatchscopeLens,
-    inspection,
-)
+from lensdiv.ops.blocklens import DEFAULT_PROMPT, LastBlockLens, PatchscopeLens
 from lensdiv.ops.capture import capture
+from lensdiv.ops.inspection import Inspection, inspection
 from lensdiv.ops.lens_specs import parse_lens
 from lensdiv.ops.prompt import prompt_view
 from lensdiv.ops.resume import Resumer

@@ -16,8 +16,9 @@ import torch
 from lensdiv.core.analyzer import ModelInfo
 from lensdiv.core.bridge import Bridge
 from lensdiv.ops.attention import pattern_hook
-from lensdiv.ops.blocklens import PatchscopeLens, inspection
+from lensdiv.ops.blocklens import PatchscopeLens
 from lensdiv.ops.capture import capture
+from lensdiv.ops.inspection import inspection
 from lensdiv.ops.token_text import token_text
 from lensdiv.ops.translators import Lens
 from lensdiv.web.asks import AttentionAsk, RequestError, SaysAsk, finite
