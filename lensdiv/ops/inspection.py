@@ -160,19 +160,41 @@ class Inspection:
         if start >= L:  # no block runs: the patch is the output (or does not reach the end)
             last = self.clean[L][-1]
             return h.to(last) if j == m - 1 else last.expand(h.shape[0], -1).clone()
-        if self.mode == "rerun":
-            per_row = m * 3 * h.shape[-1] * (L - start + 1)
-        else:  # the prefix's buffers, kept, and one call's activations (its MLP's the widest)
-            kv = sum(keys.shape[1] * keys.shape[3] for keys, _ in self.prefix)
-            per_row = (0 if self._shared else 2 * m * kv) + (m - j) * h.shape[-1] * 8
-        parts_n = -(-h.shape[0] // max(1, _call_elements(h.device, h.element_size()) // per_row))
-        step = -(-h.shape[0] // parts_n)  # equal parts, not a ragged last one
-        parts = [h[lo : lo + step] for lo in range(0, h.shape[0], step)]
+        parts = _equal_parts(h, self._parts(h, L - start))
         if self.mode == "cache":
             out = self._continue(start, parts)
         else:
             out = [self._rerun(start, part) for part in parts]
         return out[0] if len(out) == 1 else torch.cat(out)
+
+    def _parts(self, h: Tensor, blocks: int) -> int:
+        """How many equal parts ``h``'s rows run in, for :func:`_call_elements`."""
+        j, m = self.position, self.clean[0].shape[0]
+        if self.mode == "rerun":
+            per_row = m * 3 * h.shape[-1] * (blocks + 1)
+        else:  # the prefix's buffers, kept, and one call's activations (its MLP's the widest)
+            kv = sum(keys.shape[1] * keys.shape[3] for keys, _ in self.prefix)
+            per_row = (0 if self._shared else 2 * m * kv) + (m - j) * h.shape[-1] * 8
+        return -(-h.shape[0] // max(1, _call_elements(h.device, h.element_size()) // per_row))
+
+    def _resid(self, start: int, h: Tensor) -> Tensor:
+        """The continuation's input at block ``start``: ``h`` at the patch position, the
+        prompt's clean states after it."""
+        j, at = self.position, self.clean[start]
+        n = h.shape[0]
+        return torch.cat([h.to(at)[:, None], at[None, j + 1 :].expand(n, -1, -1)], dim=1)
+
+    def _recorded(self, n: int) -> LayerCalls:
+        """The layers' arguments for ``n`` rows, recorded on first use by a forward of the
+        bridge with every block stubbed (no attention runs, nothing is cached)."""
+        calls = self._calls.get(n)
+        if calls is None:
+            cache = self._shared_cache() if self._shared else self._cache(n)
+            resid = self.clean[0][self.position :][None].expand(n, -1, -1)
+            self._bridged(self.n_layers, resid, cache, calls := LayerCalls())
+            if not calls.ok:
+                raise RuntimeError("the layers' arguments could not be recorded")
+        return calls
 
     def generate(
         self, start: int, h: Float[Tensor, " d_model"], n_tokens: int
@@ -236,17 +258,12 @@ class Inspection:
         (:mod:`~lensdiv.ops.purelayers`) with the arguments the model gave them on a call of
         the same number of rows, else one forward of the bridge (the blocks before ``start``
         returning the patched residual), which records those arguments."""
-        j, at = self.position, self.clean[start]
         final: list[Tensor] = []
         for h in parts:
             n = h.shape[0]
-            resid = torch.cat([h.to(at)[:, None], at[None, j + 1 :].expand(n, -1, -1)], dim=1)
+            resid = self._resid(start, h)
             use = pure and self._pure is not None and bool(self.prefix)
-            if use and n not in self._calls:  # record the layers' arguments for n rows: a
-                # forward with every block stubbed (no attention runs, nothing is cached)
-                cache = self._shared_cache() if self._shared else self._cache(n)
-                self._bridged(self.n_layers, resid, cache, LayerCalls())
-            calls = self._calls.get(n) if use else None
+            calls = self._recorded(n) if use else None
             if calls is not None and self._pure is not None:  # every answer from one path
                 cache = self._shared_cache() if self._shared else self._cache(n)
                 with torch.no_grad(), shared_prefix(cache):
@@ -427,6 +444,12 @@ class Inspection:
         finally:
             handle.remove()
         return isinstance(seen.get("out"), tuple)
+
+
+def _equal_parts(h: Tensor, n_parts: int) -> list[Tensor]:
+    """``h``'s rows in ``n_parts`` equal parts (not a ragged last one)."""
+    step = -(-h.shape[0] // max(1, n_parts))
+    return [h[lo : lo + step] for lo in range(0, h.shape[0], step)]
 
 
 __all__ = ["Inspection", "inspection", "prompt_tokens"]

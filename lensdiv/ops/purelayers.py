@@ -114,17 +114,22 @@ class LayerCalls:
         """``resid`` (``[n, t, d_model]``) through ``layers[start:]`` with the recorded
         arguments, ``cache`` in place of the recorded one: the last layer's output."""
         x = resid
-        for layer, call in zip(layers[start:], self.calls[start:], strict=True):
-            args, kwargs = list(call.args), dict(call.kwargs)
-            for slot in (call.resid, *call.cache):
-                value = x if slot == call.resid else cache
-                if isinstance(slot, int):
-                    args[slot] = value
-                else:
-                    kwargs[slot] = value
-            out = layer(*args, **kwargs)
-            x = out[0] if isinstance(out, tuple) else out
+        for index in range(start, len(layers)):
+            x = self.step(layers, index, x, cache)
         return x
+
+    def step(self, layers: Sequence[nn.Module], index: int, x: Tensor, cache: Any) -> Tensor:
+        """``x`` through ``layers[index]`` alone with its recorded arguments."""
+        call = self.calls[index]
+        args, kwargs = list(call.args), dict(call.kwargs)
+        for slot in (call.resid, *call.cache):
+            value = x if slot == call.resid else cache
+            if isinstance(slot, int):
+                args[slot] = value
+            else:
+                kwargs[slot] = value
+        out = layers[index](*args, **kwargs)
+        return out[0] if isinstance(out, tuple) else out
 
 
 class _Recording:
