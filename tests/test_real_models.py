@@ -264,6 +264,22 @@ def test_linmap_onto_itself(name: str, real_cache: Path) -> None:
     assert len(same) == model.cfg.n_layers + 1 and np.nanmin(same[1:]) > 0.99
 
 
+def test_compare_says_the_two_real_models_read_different_tokens(real_cache: Path) -> None:
+    """``lensdiv compare smollm2-135m gemma3-270m``: a cross-model map needs one tokenizer, so
+    the two real models (49152 and 262144 tokens) are refused in one line naming both (the
+    check ``compare`` makes once both models are loaded, before any data is read)."""
+    from lensdiv.analyzers.linmap import check_same_tokenizer
+    from lensdiv.core.errors import OptionError
+
+    small, gemma = real(REAL[0]), real(REAL[1])
+    with pytest.raises(OptionError) as caught:
+        check_same_tokenizer(small, gemma, REAL[0], REAL[1])
+    message = str(caught.value)
+    assert "\n" not in message and REAL[0] in message and REAL[1] in message
+    assert "49152" in message and "262144" in message
+    check_same_tokenizer(small, small, REAL[0], REAL[0])  # the same model: no complaint
+
+
 @pytest.mark.parametrize("name", REAL)
 def test_explorer_session(name: str, real_cache: Path) -> None:
     """The explorer's computations without a server: the grid (the top row is the output, a
