@@ -314,36 +314,68 @@ def lens_statistics(
         if block_elements is not None
         else max(block_rows(V), LENS_MIN_ROWS)
     )
-    order = [reference] + [i for i in range(n_states) if i != reference]
+    others = [i for i in range(n_states) if i != reference]
     read = (translator or LOGIT).reader(model, tokens, dtype=dtype, device=device)
     for lo in range(0, n, step):
         idx = rows[lo : lo + step]
         r, t, block = int(idx.numel()), targets[lo : lo + step], slice(lo, lo + step)
         z_ref = ws.get("lens.reference", (r, V), dtype, device)
-        z = ws.get("lens.logits", (r, V), dtype, device)
         scratch = ws.get("lens.scratch", (r, V), dtype, device)
-        ref: RowStats | None = None
-        for i in order:
-            h = read(flat, i, idx)
-            if i == reference:
-                logits = readout.logits(h, out=z_ref)
-                s = ref = row_stats(logits, scratch, targets=t, k=k, expect=True, product=z)
-                kl = torch.zeros_like(s.lse)
-            else:
-                assert ref is not None  # read first
-                logits = readout.logits(h, out=z)
-                s = row_stats(logits, scratch, targets=t, k=k, expect=True, reference=z_ref)
-                assert s.shift is not None
-                kl = (s.shift - s.lse + ref.lse).clamp_min(0.0)
-            assert s.expect is not None and s.target is not None and s.rank is not None
-            assert s.top is not None and ref.top is not None
-            out["kl"][i, block] = kl
-            out["entropy"][i, block] = s.lse - s.expect
-            same = (s.top.unsqueeze(-1) == ref.top.unsqueeze(-2)).any(-1)
-            out["overlap"][i, block] = same.sum(-1).double() / k
-            out["target_logp"][i, block] = s.target - s.lse
-            out["rank"][i, block] = s.rank
+        ref = row_stats(
+            readout.logits(read(flat, reference, idx), out=z_ref),
+            scratch,
+            targets=t,
+            k=k,
+            expect=True,
+            product=ws.get("lens.logits", (r, V), dtype, device),
+        )
+        _put(out, [reference], block, ref, ref, k, torch.zeros_like(ref.lse))
+        # a block of few rows (a small vocabulary) reads several states in one call: fewer,
+        # larger products and passes, the same numbers row by row
+        per_call = max(1, step // r)
+        for first in range(0, len(others), per_call):
+            group = others[first : first + per_call]
+            g = len(group)
+            h = (
+                torch.cat([read(flat, i, idx) for i in group])
+                if g > 1
+                else read(flat, group[0], idx)
+            )
+            s = row_stats(
+                readout.logits(h, out=ws.get("lens.logits", (g * r, V), dtype, device)),
+                ws.get("lens.scratch", (g * r, V), dtype, device),  # the reference's is done
+                targets=t if g == 1 else t.repeat(g),
+                k=k,
+                expect=True,
+                reference=z_ref if g == 1 else z_ref.repeat(g, 1),
+            )
+            assert s.shift is not None
+            kl = (s.shift.view(g, r) - s.lse.view(g, r) + ref.lse).clamp_min(0.0)
+            _put(out, group, block, s, ref, k, kl)
     return LensRows(**{key: value.to(rows.device) for key, value in out.items()})
+
+
+def _put(
+    out: dict[str, Tensor],
+    states: list[int],
+    block: slice,
+    s: RowStats,
+    ref: RowStats,
+    k: int,
+    kl: Tensor,
+) -> None:
+    """Write the statistics ``s`` of ``states`` (their rows one after another) at ``block``."""
+    assert s.expect is not None and s.target is not None and s.rank is not None
+    assert s.top is not None and ref.top is not None
+    g = len(states)
+    top = s.top.view(g, -1, s.top.shape[-1])
+    same = (top.unsqueeze(-1) == ref.top.unsqueeze(-2)).any(-1)
+    at = torch.tensor(states, device=kl.device)
+    out["kl"][at, block] = kl.view(g, -1)
+    out["entropy"][at, block] = (s.lse - s.expect).view(g, -1)
+    out["overlap"][at, block] = same.sum(-1).double() / k
+    out["target_logp"][at, block] = (s.target - s.lse).view(g, -1)
+    out["rank"][at, block] = s.rank.double().view(g, -1)
 
 
 def cross_entropy(
