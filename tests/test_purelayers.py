@@ -231,3 +231,59 @@ def test_layers_that_fail_the_identity_leave_the_bridge(
         found = Inspection(model, DEFAULT_PROMPT, -1)
     assert found.mode == "cache" and found.layers == "bridge" and found._calls == {}
     assert_continuations_exact(found, model)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_resuming_through_the_pure_layers_equals_the_bridge(models64: dict[str, Any],
+                                                            arch: str) -> None:
+    """A resumed pass whose hooks all sit between blocks runs the pure layers (the model's own
+    KV cache, which its forward makes, not kept from one call to the next): the same logits
+    and hooked states as the bridge's resumed pass (float32); a hook inside a block, or a
+    float64 model, keeps the bridge."""
+    from lensdiv.ops.resume import Resumer
+
+    model = models64[arch].to(torch.float32)  # float64 keeps the bridge (below)
+    L = int(model.cfg.n_layers)
+    tokens = model.to_tokens(["The happy dog ran to the", "A cat sat on a mat there"])
+    info = ModelInfo.from_model(model)
+    names = [info.resid(layer) for layer in range(L + 1)]
+    with torch.no_grad():
+        _, cache = capture(model, tokens, names, need_logits=False)
+    pure, bridge = Resumer(model), Resumer(model)
+    pure.prepare(tokens)
+    bridge.prepare(tokens)
+    assert pure.mode == "resume" and pure.pure is not None
+    bridge.pure = None
+    shift = torch.randn(model.cfg.d_model,
+                        generator=torch.Generator().manual_seed(0))
+
+    def edit(tensor: torch.Tensor, *, hook: Any) -> torch.Tensor:
+        return tensor + shift
+
+    for start in (0, 1):
+        kept: dict[str, list[torch.Tensor]] = {"pure": [], "bridge": []}
+        outs = {}
+        for key, resumer in (("pure", pure), ("bridge", bridge)):
+            def keep(tensor: torch.Tensor, *, hook: Any, into: list = kept[key]) -> torch.Tensor:
+                into.append(tensor.clone())
+                return tensor
+
+            hooks = [(f"blocks.{start}.hook_resid_post", edit),
+                     (f"blocks.{L - 1}.hook_resid_post", keep)]
+            outs[key] = [resumer.run(tokens, start, cache[names[start]], hooks)
+                         for _ in range(2)]  # twice: nothing kept from the first call
+        for got, want in zip(outs["pure"] + kept["pure"], outs["bridge"] + kept["bridge"],
+                             strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * float(want.abs().max()))
+    model.to(torch.float64)
+    exact = Resumer(model)
+    exact.prepare(tokens)
+    assert exact.mode == "resume" and exact.pure is None  # float64: the bridge, exact
+    model.to(torch.float32)
+    inside = [(f"blocks.{L - 1}.attn.hook_pattern", lambda t, hook: t)]
+    assert (pure.pure is not None) and pure.run(tokens, 1, cache[names[1]], inside) is not None
+    assert pure._calls is not None  # recorded by the between-block runs above...
+    calls = pure._calls
+    pure.run(tokens, 1, cache[names[1]], inside)  # ...and not used by a hook inside a block
+    assert pure._calls is calls
+    model.to(torch.float64)  # the shared fixture as it was

@@ -74,7 +74,9 @@ def test_removing_nothing_and_the_identity_order_are_the_full_model(model: Any) 
     resumer = Resumer(model)
     for a, b in [(0, L), (L // 4, L - L // 4), (1, 2)]:
         same = program_final(step, Program(a, b, tuple(range(a, b))), resumer)
-        assert torch.equal(same, clean), (a, b)
+        # the resumed blocks run as Hugging Face wrote them (ops/purelayers): the bridge's
+        # clean pass to float rounding
+        torch.testing.assert_close(same, clean, atol=1e-5, rtol=1e-5, msg=str((a, b)))
     sums = output_sums(step, [nothing], step.batch.mask)
     assert float(sums["kl"][0]) == 0.0 and float(sums["dce"][0]) == 0.0
     assert float(sums["agree"][0]) == float(sums["n"][0])
@@ -288,7 +290,8 @@ def test_reorder_variants_are_their_definitions(model: Any) -> None:
     resumer = Resumer(model)
     clean = step.resid(L)
     # A loop of one is the block itself; parallel of one block is that block.
-    assert torch.equal(program_final(step, Program(1, 2, (1,)), resumer), clean)
+    torch.testing.assert_close(program_final(step, Program(1, 2, (1,)), resumer), clean,
+                               atol=1e-5, rtol=1e-5)
     one = program_final(step, Program(0, 1, (0,), mode="parallel"), resumer)
     torch.testing.assert_close(one, clean, atol=1e-5, rtol=1e-5)
     # An empty program is prune's removal.

@@ -104,10 +104,11 @@ class LayerCalls:
         self.calls: list[_Call] = []
         self.ok = False
 
-    def recording(self, model: Bridge, cache: Any) -> Any:
+    def recording(self, model: Bridge, cache: Any = None) -> Any:
         """A context manager: while open, each block's Hugging Face layer records its call;
-        on exit :attr:`ok` says whether every layer was called once with ``cache`` handed to it
-        and its residual first."""
+        on exit :attr:`ok` says whether every layer was called once with its residual first
+        and ``cache`` handed to it. With ``cache=None`` any cache the model made itself is
+        replaced on replay (by ``None``: no keys and values kept)."""
         return _Recording(self, model, cache)
 
     def run(self, layers: Sequence[nn.Module], start: int, resid: Tensor, cache: Any) -> Tensor:
@@ -148,6 +149,13 @@ class _Recording:
             self.handles.append(layer.register_forward_pre_hook(record, with_kwargs=True))
         return self.owner
 
+    def _cache(self, value: Any) -> bool:
+        """Whether ``value`` is the cache handed over (or, with none, any KV cache the model
+        made itself: a replay without a cache must not keep it)."""
+        if self.cache is not None:
+            return value is self.cache
+        return hasattr(value, "update") and hasattr(value, "get_seq_length")
+
     def __exit__(self, *exc: Any) -> None:
         for handle in self.handles:
             handle.remove()
@@ -156,15 +164,15 @@ class _Recording:
         for want, (index, args, kwargs) in enumerate(self.seen):
             if index != want:
                 break
-            cache: list[int | str] = [i for i, a in enumerate(args) if a is self.cache]
-            cache += [k for k, v in kwargs.items() if v is self.cache]
+            cache: list[int | str] = [i for i, a in enumerate(args) if self._cache(a)]
+            cache += [k for k, v in kwargs.items() if self._cache(v)]
             if args and isinstance(args[0], Tensor):
                 resid: int | str = 0
             elif isinstance(kwargs.get("hidden_states"), Tensor):
                 resid = "hidden_states"
             else:
                 break
-            if not cache:
+            if self.cache is not None and not cache:
                 break
             call = _Call(list(args), kwargs, resid, cache)
             for slot in (resid, *cache):  # not kept: replaced on every replay

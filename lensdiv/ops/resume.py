@@ -9,9 +9,18 @@ tables, causal and padding masks, position ids — so positions and masks are ri
 architecture family without lensdiv reimplementing any of them. The hooks of later blocks fire as
 usual; hooks of the stubbed blocks see the stub's output and should not be used.
 
+A pass whose hooks all sit between blocks (a block's residual input or output, the final
+residual) needs nothing inside a block, so it runs the model's Hugging Face layers without the
+bridge's components (:mod:`lensdiv.ops.purelayers`: the same weights, the arguments the model
+gives each layer recorded once per batch of tokens by a forward with every block stubbed), each
+hook applied between them (:attr:`Resumer.pure`; ``massive`` and ``skip`` on SmolLM2, 512
+tokens: 96 s against 121 s). A float64 model keeps the bridge (several families' own attention
+takes its softmax in float32), as does a pass with a hook inside a block.
+
 On first use :class:`Resumer` checks itself on the real batch: resuming at ``L // 2`` from the
-clean residual must reproduce the clean logits. Where it does not (a family whose layers do not
-run as a plain sequence), it falls back to an exact but slower full re-run that overwrites the
+clean residual must reproduce the clean logits, through the bridge and then through the pure
+layers (a failure of the latter is said once and the bridge kept). Where the bridge's does not
+(a family whose layers do not run as a plain sequence), it falls back to an exact but slower full re-run that overwrites the
 residual with a hook (``mode == "rerun"``); the mode is recorded in results. The decision is a
 property of the model, so it is kept per model (and its readout, which is rebuilt when the
 weights change) and the next run on the same model does not pay the check again.
@@ -32,6 +41,8 @@ from lensdiv.core.analyzer import Step
 from lensdiv.core.bridge import Bridge
 from lensdiv.core.errors import HookError
 from lensdiv.ops.capture import halt_keeping, stop_hook_name, stopping
+from lensdiv.ops.kvcache import warn_fallback
+from lensdiv.ops.purelayers import LayerCalls, pure_layers
 from lensdiv.ops.readout import final_readout
 
 # The plugin API of this module (see :mod:`lensdiv`): analyzers with extra forward passes use it.
@@ -70,6 +81,10 @@ class Resumer:
         self._tuple_output: bool | None = None
         self.readout_error: float | None = None  # the readout against the model's logits
         self.blocks_run = 0  # block executions, for cost accounting
+        #: The model's Hugging Face layers run alone (:mod:`lensdiv.ops.purelayers`) when every
+        #: hook of a pass sits between blocks: decided with the mode (``None``: the bridge).
+        self.pure: list[Any] | None = None
+        self._calls: tuple[Tensor, LayerCalls] | None = None  # the last tokens' layer calls
 
     # -- public --------------------------------------------------------------------------------
     def run(
@@ -98,6 +113,10 @@ class Resumer:
         if self.mode is None:
             self._decide(tokens)
         self.blocks_run += (self.n_layers - start) * tokens.shape[0]
+        if self.mode == "resume" and self.pure is not None and not grad:
+            between = _between_blocks(fwd_hooks, start, self.n_layers)
+            if between is not None and stop_hook_name(self.model.hook_dict) == "ln_final.hook_in":
+                return self._run_pure(tokens, start, resid, between, logits)
         if self.mode == "resume" and start > 0:
             with stubbed_blocks(self.model, start, resid, tuple_output=self._tuple_output):
                 return self._forward(tokens, fwd_hooks, logits, grad)
@@ -160,18 +179,70 @@ class Resumer:
             flat = final_readout(self.model).logits(h.reshape(-1, h.shape[-1]))
         return flat.to(h.device).view(*h.shape[:-1], -1)
 
+    def _run_pure(
+        self,
+        tokens: Tensor,
+        start: int,
+        resid: Tensor,
+        between: dict[str, list[Callable[..., Any]]],
+        logits: bool,
+    ) -> Tensor | None:
+        """:meth:`run` through the pure layers: each hook applied between them, the final
+        residual read out as :meth:`_forward` reads it."""
+        assert self.pure is not None
+        calls = self._layer_calls(tokens, resid)
+
+        def hooked(name: str, x: Tensor) -> Tensor:
+            for fn in between.get(name, ()):
+                out = fn(x, hook=_Site(name))
+                x = x if out is None else out
+            return x
+
+        x = resid
+        with torch.no_grad():
+            for k in range(start, self.n_layers):
+                x = hooked(f"blocks.{k}.hook_resid_pre", x)
+                x = calls.step(self.pure, k, x, None)
+                x = hooked(f"blocks.{k}.hook_resid_post", x)
+            if not logits:
+                return None
+            h = hooked("unembed.hook_in", x)
+            flat = final_readout(self.model).logits(h.reshape(-1, h.shape[-1]))
+        return flat.to(h.device).view(*h.shape[:-1], -1)
+
+    def _layer_calls(self, tokens: Tensor, resid: Tensor) -> LayerCalls:
+        """The arguments the model gives each layer on ``tokens`` (recorded by a forward of
+        the bridge with every block stubbed to return ``resid``, stopped before the final
+        norm; kept for the next call on the same tokens)."""
+        if self._calls is not None and torch.equal(self._calls[0], tokens):
+            return self._calls[1]
+        calls = LayerCalls()
+        with (
+            torch.no_grad(),
+            self.model.hooks(fwd_hooks=[("ln_final.hook_in", halt_keeping({}))]),
+            stubbed_blocks(self.model, self.n_layers, resid, tuple_output=self._tuple_output),
+            calls.recording(self.model),
+            stopping(),
+        ):
+            self.model(tokens)
+        if not calls.ok:
+            raise HookError("the layers' arguments could not be recorded")
+        self._calls = (tokens.clone(), calls)
+        return calls
+
     def _decide(self, tokens: Tensor) -> None:
         """Probe the block output structure and check the fast path against a full pass, once
         per model, readout and settings."""
         readout, settings = final_readout(self.model), (self.fast, self.check, self.tolerance)
         known = _DECISIONS.setdefault(self.model, {})
         if settings in known and known[settings][0] is readout:
-            self.mode, self.reason, self._tuple_output, self.readout_error = known[settings][1]
+            decided = known[settings][1]
+            self.mode, self.reason, self._tuple_output, self.readout_error, self.pure = decided
             return
         self._probe(tokens)
         known[settings] = (
             readout,
-            (self.mode, self.reason, self._tuple_output, self.readout_error),
+            (self.mode, self.reason, self._tuple_output, self.readout_error, self.pure),
         )
 
     def _probe(self, tokens: Tensor) -> None:
@@ -237,7 +308,32 @@ class Resumer:
         if error > self.tolerance:
             self.mode = "rerun"
             self.reason = f"resumed logits differ from a full pass ({error:.2g} relative)"
+        else:
+            self._probe_pure(probe, middle, store["h"], clean, scale)
         self.blocks_run = 0
+
+    def _probe_pure(
+        self, probe: Tensor, middle: int, h: Tensor, clean: Tensor, scale: Tensor
+    ) -> None:
+        """Take the pure layers if resuming through them reproduces the full pass too; not
+        for a float64 model, whose exactness several families' own attention would lose (its
+        softmax in float32 whatever the dtype: NeoX, Llama)."""
+        self.pure = pure_layers(self.model) if h.dtype != torch.float64 else None
+        if self.pure is None:
+            return
+        try:
+            resumed = self.run(probe, middle, h)
+            assert resumed is not None
+            error = float(((resumed - clean).abs().max() / scale).item())
+            if error > self.tolerance:
+                raise ValueError(f"resumed logits differ from a full pass ({error:.2g} relative)")
+        except Exception as err:  # the bridge's forward, which passed, then runs the blocks
+            self.pure, self._calls = None, None
+            warn_fallback(
+                "resuming through Hugging Face's own layers",
+                f"{type(err).__name__}: {err}",
+                "each resumed pass runs through the bridge's components",
+            )
 
     def _check_readout(self, final: Tensor, clean: Tensor) -> None:
         """Measure how far the readout of the final residual is from the model's own logits."""
@@ -249,6 +345,34 @@ class Resumer:
             return
         scale = want.abs().max().clamp_min(1e-6)
         self.readout_error = float((ours - want).abs().max() / scale)
+
+
+class _Site:
+    """What a hook run between the pure layers is told of its site (its ``name``)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def _between_blocks(
+    fwd_hooks: Sequence[Hook], start: int, n_layers: int
+) -> dict[str, list[Callable[..., Any]]] | None:
+    """The hooks by site if every one sits between blocks ``start..L-1`` (a block's residual
+    input or output, or the final residual), else ``None``."""
+    out: dict[str, list[Callable[..., Any]]] = {}
+    for name, fn in fwd_hooks:
+        parts = name.split(".")
+        between = name == "unembed.hook_in" or (
+            len(parts) == 3
+            and parts[0] == "blocks"
+            and parts[1].isdigit()
+            and start <= int(parts[1]) < n_layers
+            and parts[2] in ("hook_resid_pre", "hook_resid_post")
+        )
+        if not between:
+            return None
+        out.setdefault(name, []).append(fn)
+    return out
 
 
 def _readout_tolerance(dtype: torch.dtype) -> float:
