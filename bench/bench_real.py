@@ -48,6 +48,7 @@ from common import best_of, report
 
 from lensdiv import analyze
 from lensdiv.models.load import load_model
+from lensdiv.ops.readout import TILE_ELEMENTS
 
 
 def parse() -> argparse.Namespace:
@@ -78,8 +79,10 @@ def pydoc_rows(tokenizer: Any, tokens: int, seq_len: int) -> torch.Tensor:
     return torch.cat([torch.full((rows, 1), bos), body], 1)
 
 
-#: Row blockings of the floor's readout; the floor takes the fastest.
+#: Row blockings of the floor's readout, whole rows and in vocabulary tiles; the floor takes the
+#: fastest.
 READOUT_BLOCKS = (64, 256, 512)
+TILED_BLOCKS = (256, 512)
 
 
 def pieces(hf: Any, rows: torch.Tensor, batch: int) -> dict[str, Any]:
@@ -131,12 +134,42 @@ def pieces(hf: Any, rows: torch.Tensor, batch: int) -> dict[str, Any]:
 
         return run
 
+    def tiled(kl: bool, block: int) -> Any:
+        """:func:`readout` with the vocabulary in tiles of ``TILE_ELEMENTS / block`` columns
+        (each tile's logits read back from the cache, as lensdiv's readout reads them): per
+        tile the product into one buffer, its part of ``Σ p · logits`` and of the
+        log-partition (its own maximum, merged across tiles by ``logaddexp``)."""
+        width = max(64, TILE_ELEMENTS // block)
+        buffer = torch.empty(block, width, dtype=W.dtype)
+        product = torch.empty(block, width, dtype=W.dtype)
+
+        def run() -> None:
+            for h, ref in zip(hidden, p, strict=True):
+                flat = h.reshape(-1, h.shape[-1])
+                for i in range(0, flat.shape[0], block):
+                    x = norm(flat[i : i + block])
+                    lse = None
+                    for c in range(0, V, width):
+                        logits = buffer[: x.shape[0], : min(width, V - c)]
+                        torch.mm(x, WT[:, c : c + width], out=logits)
+                        if kl:
+                            part = ref[i : i + block, c : c + width]
+                            torch.mul(part, logits, out=product[: x.shape[0], : part.shape[1]])
+                            product[: x.shape[0], : part.shape[1]].sum(-1)
+                        top = logits.amax(-1, keepdim=True)
+                        z = logits.sub_(top).clamp_min_(-87.0).exp_().sum(-1).log_().add_(top[:, 0])
+                        lse = z if lse is None else torch.logaddexp(lse, z)
+
+        return run
+
     # The floor's readout is the fastest of these blockings (what the machine's caches like).
     return {
         "stack": stack,
         "stack_attn": stack_attn,
         **{f"readout_{b}": readout(False, b) for b in READOUT_BLOCKS},
         **{f"readout_kl_{b}": readout(True, b) for b in READOUT_BLOCKS},
+        **{f"readout_tiled_{b}": tiled(False, b) for b in TILED_BLOCKS},
+        **{f"readout_kl_tiled_{b}": tiled(True, b) for b in TILED_BLOCKS},
     }
 
 
@@ -184,8 +217,8 @@ def main() -> None:
         case()
     best = best_of(cases, args.repeats)
     stack = best["stack"]
-    readout = min(best[f"readout_{b}"] for b in READOUT_BLOCKS)
-    readout_kl = min(best[f"readout_kl_{b}"] for b in READOUT_BLOCKS)
+    readout = min(best[key] for key in best if key.startswith("readout_") and "_kl" not in key)
+    readout_kl = min(best[key] for key in best if key.startswith("readout_kl_"))
     per_block = stack / L
     resumed = sum(L - layer for layer in range(L)) * per_block
     at = _appears(seen.get("massive", {}).get("at"))

@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lensdiv.ops import readout as readout_module
 from lensdiv.ops.norms import NoNorm
 from lensdiv.ops.readout import FinalReadout
-from lensdiv.ops.rowstats import TOPK_CHUNK, lens_statistics, top_k
+from lensdiv.ops.rowstats import TOPK_CHUNK, lens_statistics, merge_stats, row_stats, top_k
 
 
 @pytest.mark.parametrize("vocab", [50257, 4 * 5 * TOPK_CHUNK, 3000, 700])
@@ -54,15 +55,25 @@ def test_logits_without_a_bias_pass_are_the_product_and_a_bias_set_later_counts(
     assert readout.logits(h, out=out).data_ptr() == out.data_ptr()
 
 
+@pytest.mark.parametrize("tiles", [1, 10])
 @pytest.mark.parametrize("bias", [False, True])
-def test_lens_statistics_on_a_wide_vocabulary_equal_a_float64_reference(bias: bool) -> None:
+def test_lens_statistics_on_a_wide_vocabulary_equal_a_float64_reference(
+    bias: bool, tiles: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if tiles > 1:
+        monkeypatch.setattr(readout_module, "TILE_COLUMNS", 640)
     vocab, d, n, k = 6000, 24, 40, 5
     readout = _readout(vocab, d, bias)
     gen = torch.Generator().manual_seed(4)
     states = [torch.randn(2, n // 2, d, generator=gen) * (1 + i) for i in range(4)]
     rows = torch.arange(0, n, 3)
     targets = torch.randint(0, vocab, (rows.numel(),), generator=gen)
-    got = lens_statistics(readout, states, rows, targets, k=k, block_elements=7 * vocab)
+    # 7 rows a block; ten tiles: 9 of 640 columns and one of 240, each target in one of them
+    tile = 7 * 640 if tiles > 1 else 7 * vocab
+    assert len(range(0, vocab, readout.tile_columns(7, tile))) == tiles
+    got = lens_statistics(
+        readout, states, rows, targets, k=k, block_elements=7 * vocab, tile_elements=tile
+    )
     W, b = readout.W_U.double(), readout.b_U.double()
     logp = [torch.log_softmax(s.reshape(-1, d)[rows].double() @ W + b, dim=-1) for s in states]
     ref_top = logp[-1].topk(k, dim=-1).indices
@@ -77,6 +88,66 @@ def test_lens_statistics_on_a_wide_vocabulary_equal_a_float64_reference(bias: bo
         top = lp.topk(k, dim=-1).indices
         same = (top[:, :, None] == ref_top[:, None, :]).any(-1).sum(-1).double() / k
         assert torch.equal(got.overlap[i], same)
+
+
+@pytest.mark.parametrize("fused", ["0", "1"])
+def test_merged_parts_of_the_vocabulary_are_the_whole_rows_statistics(
+    fused: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LENSDIV_FUSED", fused)  # the eager passes and the fused kernel
+    gen = torch.Generator().manual_seed(6)
+    z = torch.randn(30, 3000, generator=gen) * 6
+    z[0] -= 500  # a row far below exp's normal range, in every part
+    ref = z + torch.randn(30, 3000, generator=gen)
+    threshold = z[:, 11:12].clone()  # a target of column 11, in the first part
+    whole = row_stats(
+        z.clone(), torch.empty_like(z), k=5, expect=True, reference=ref, threshold=threshold
+    )
+    merged = None
+    for lo, hi in [(0, 1000), (1000, 1984), (1984, 3000)]:
+        part = z[:, lo:hi].clone()
+        got = row_stats(
+            part,
+            torch.empty_like(part),
+            k=5,
+            expect=True,
+            reference=ref[:, lo:hi].contiguous(),
+            threshold=threshold,
+        )
+        merged = merge_stats(merged, got, lo)
+    assert merged is not None
+    for name in ("lse", "expect", "shift"):
+        torch.testing.assert_close(
+            getattr(merged, name), getattr(whole, name), rtol=1e-6, atol=1e-6
+        )
+    for name in ("rank", "top", "top_values"):
+        assert torch.equal(getattr(merged, name), getattr(whole, name)), name
+
+
+@pytest.mark.parametrize("rounding", [-1, 1])
+def test_a_tiled_rank_never_counts_the_target_itself(
+    rounding: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ranks of a tiled lens are counted against each row's target logit from a dot
+    product, which may round an ulp off the product's: the target is not above itself."""
+    vocab, d = 2000, 16
+    readout = _readout(vocab, d, bias=False)
+    gen = torch.Generator().manual_seed(8)
+    states = [torch.randn(12, d, generator=gen) for _ in range(2)]
+    rows, targets = torch.arange(12), torch.randint(0, vocab, (12,), generator=gen)
+    want = lens_statistics(readout, states, rows, targets, k=3)
+    exact = readout.target_logits
+
+    def off(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:  # as far off as rounding can be
+        z = exact(x, t)
+        return torch.nextafter(z, z + rounding * torch.inf)
+
+    monkeypatch.setattr(readout, "target_logits", off)
+    monkeypatch.setattr(readout_module, "TILE_COLUMNS", 320)
+    assert readout.tile_columns(12) == 320
+    got = lens_statistics(readout, states, rows, targets, k=3)
+    assert torch.equal(got.rank, want.rank)
+    torch.testing.assert_close(got.target_logp, want.target_logp, rtol=1e-6, atol=1e-6)
 
 
 def test_a_bridge_is_put_in_eval_mode_only_when_a_module_is_training() -> None:

@@ -12,7 +12,6 @@ prompt re-run per state where none passes (``mode == "rerun"``).
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -38,7 +37,7 @@ from lensdiv.ops.kvcache import (
 )
 from lensdiv.ops.purelayers import LayerCalls, pure_layers
 from lensdiv.ops.readout import final_readout
-from lensdiv.ops.resume import Resumer, stubbed_blocks
+from lensdiv.ops.resume import Resumer, recorded_calls, stubbed_blocks
 
 # Elements one continuation call may hold off a GPU: the prefix's keys and values for its rows
 # where they are copied per row (kept for the next call) and its activations (512 MiB in fp32;
@@ -189,11 +188,12 @@ class Inspection:
         bridge with every block stubbed (no attention runs, nothing is cached)."""
         calls = self._calls.get(n)
         if calls is None:
+            j = self.position
             cache = self._shared_cache() if self._shared else self._cache(n)
-            resid = self.clean[0][self.position :][None].expand(n, -1, -1)
-            self._bridged(self.n_layers, resid, cache, calls := LayerCalls())
-            if not calls.ok:
-                raise RuntimeError("the layers' arguments could not be recorded")
+            resid = self.clean[0][j:][None].expand(n, -1, -1)
+            tokens = self.tokens[:, j:].expand(n, -1)
+            calls = recorded_calls(self.model, tokens, resid, tuple_output=self._tuple, cache=cache)
+            self._calls[n] = calls
         return calls
 
     def generate(
@@ -270,12 +270,11 @@ class Inspection:
                     final.append(calls.run(self._pure, start, resid, cache)[:, -1])
             else:
                 cache = self._cache(n) if self.prefix else None
-                final.append(self._bridged(start, resid, cache, None))
+                final.append(self._bridged(start, resid, cache))
         return final
 
-    def _bridged(self, start: int, resid: Tensor, cache: Any, calls: LayerCalls | None) -> Tensor:
-        """One continuation through the bridge's forward (``calls``: record the layers'
-        arguments into it, kept for ``resid``'s number of rows if every layer's were found)."""
+    def _bridged(self, start: int, resid: Tensor, cache: Any) -> Tensor:
+        """One continuation through the bridge's forward."""
         j, n = self.position, resid.shape[0]
         final: list[Tensor] = []
 
@@ -291,18 +290,14 @@ class Inspection:
         if start == 0:
             hooks.append(("blocks.0.hook_resid_pre", inject))
         kwargs = cache_kwargs(self.model, cache) if cache is not None else {}
-        recording = calls.recording(self.model, cache) if calls else contextlib.nullcontext()
         with (
             torch.no_grad(),
             self.model.hooks(fwd_hooks=hooks),
             stubbed_blocks(self.model, start, resid, tuple_output=self._tuple),
             passing_cache(self.model),
-            recording,
             stopping(),
         ):
             self.model(self.tokens[:, j:].expand(n, -1), **kwargs)
-        if calls is not None and calls.ok:
-            self._calls[n] = calls
         return final[0]
 
     def _cache(self, n: int) -> Any:

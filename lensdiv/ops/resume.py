@@ -41,7 +41,7 @@ from lensdiv.core.analyzer import Step
 from lensdiv.core.bridge import Bridge
 from lensdiv.core.errors import HookError
 from lensdiv.ops.capture import halt_keeping, stop_hook_name, stopping
-from lensdiv.ops.kvcache import warn_fallback
+from lensdiv.ops.kvcache import cache_kwargs, passing_cache, warn_fallback
 from lensdiv.ops.purelayers import LayerCalls, pure_layers
 from lensdiv.ops.readout import final_readout
 
@@ -216,17 +216,7 @@ class Resumer:
         norm; kept for the next call on the same tokens)."""
         if self._calls is not None and torch.equal(self._calls[0], tokens):
             return self._calls[1]
-        calls = LayerCalls()
-        with (
-            torch.no_grad(),
-            self.model.hooks(fwd_hooks=[("ln_final.hook_in", halt_keeping({}))]),
-            stubbed_blocks(self.model, self.n_layers, resid, tuple_output=self._tuple_output),
-            calls.recording(self.model),
-            stopping(),
-        ):
-            self.model(tokens)
-        if not calls.ok:
-            raise HookError("the layers' arguments could not be recorded")
+        calls = recorded_calls(self.model, tokens, resid, tuple_output=self._tuple_output)
         self._calls = (tokens.clone(), calls)
         return calls
 
@@ -386,6 +376,40 @@ def resumer_for(step: Step, *, fast: bool = True) -> Resumer:
     """The run's :class:`Resumer` for ``step.model`` (built, and checked, once per run)."""
     resumer: Resumer = step.cached(("resumer", fast), lambda: Resumer(step.model, fast=fast))
     return resumer
+
+
+def recorded_calls(
+    model: Bridge,
+    tokens: Int[Tensor, "batch pos"],
+    resid: Tensor,
+    *,
+    tuple_output: bool | None,
+    cache: Any = None,
+) -> LayerCalls:
+    """The arguments ``model`` gives each of its Hugging Face layers on ``tokens`` (to replay
+    through :func:`~lensdiv.ops.purelayers.pure_layers`), recorded by a forward of the bridge
+    with every block stubbed to return ``resid`` (no attention runs, nothing is cached) and
+    stopped after the last block; ``cache`` handed to that forward (and left out of the
+    recorded arguments: each replay gives its own).
+
+    Raises:
+        HookError: A layer's call could not be recorded.
+    """
+    calls = LayerCalls()
+    L = len(model.blocks)
+    stop = stop_hook_name(model.hook_dict) or f"blocks.{L - 1}.hook_resid_post"
+    with (
+        torch.no_grad(),
+        model.hooks(fwd_hooks=[(stop, halt_keeping({}))]),
+        stubbed_blocks(model, L, resid, tuple_output=tuple_output),
+        passing_cache(model),
+        calls.recording(model, cache),
+        stopping(),
+    ):
+        model(tokens, **(cache_kwargs(model, cache) if cache is not None else {}))
+    if not calls.ok:
+        raise HookError("the layers' arguments could not be recorded")
+    return calls
 
 
 @contextmanager

@@ -22,6 +22,7 @@ from lensdiv.ops.fused import fuse, fused_sums
 from lensdiv.ops.readout import (
     BLOCK_ELEMENTS,
     LENS_MIN_ROWS,
+    TILE_ELEMENTS,
     FinalReadout,
     Workspace,
     block_rows,
@@ -42,6 +43,7 @@ class RowStats:
         target: ``z[target]``, if targets were given.
         rank: Tokens with a strictly larger logit than the target, if targets were given.
         top: Indices of the ``k`` largest logits ``[n, k]``, if ``k > 0``.
+        top_values: Their logits (readout dtype), largest first.
     """
 
     lse: Tensor
@@ -50,6 +52,7 @@ class RowStats:
     target: Tensor | None = None
     rank: Tensor | None = None
     top: Tensor | None = None
+    top_values: Tensor | None = None
 
 
 # Logits whose statistics are taken together (at least 32 rows): a few rows' logits and buffers
@@ -77,6 +80,7 @@ def row_stats(
     rank: bool = True,
     reference: Float[Tensor, "n d_vocab"] | None = None,
     product: Float[Tensor, "n d_vocab"] | None = None,
+    threshold: Float[Tensor, "n 1"] | None = None,
 ) -> RowStats:
     """Statistics of ``p = softmax(z)`` from the logits alone, one log-partition per row.
 
@@ -101,12 +105,16 @@ def row_stats(
         reference: Logits of the distribution to compare with: report ``E_p[z − z_ref]``, so
             ``KL(p ‖ p_ref) = E_p[z − z_ref] − lse + lse_ref``.
         product: A buffer for ``e·z`` that keeps ``z`` intact (without ``reference``).
+        threshold: Without ``targets``, count per row the logits above this one instead (a
+            part of the vocabulary that may not hold the target: :func:`merge_stats`).
     """
     n = z.shape[0]
     fused = fuse(z.numel())
     step = max(STATS_ROWS, STATS_ELEMENTS // max(1, z.shape[1]))
     if n <= step or fused:
-        return _row_stats(z, scratch, targets, k, expect, rank, reference, product, fused)
+        return _row_stats(
+            z, scratch, targets, k, expect, rank, reference, product, threshold, fused
+        )
     parts = [
         _row_stats(
             z[lo : lo + step],
@@ -117,6 +125,7 @@ def row_stats(
             rank,
             None if reference is None else reference[lo : lo + step],
             None if product is None else product[lo : lo + step],
+            None if threshold is None else threshold[lo : lo + step],
             False,
         )
         for lo in range(0, n, step)
@@ -135,6 +144,7 @@ def row_stats(
         target=cat("target"),
         rank=cat("rank"),
         top=cat("top"),
+        top_values=cat("top_values"),
     )
 
 
@@ -147,28 +157,30 @@ def _row_stats(
     rank: bool,
     reference: Float[Tensor, "n d_vocab"] | None,
     product: Float[Tensor, "n d_vocab"] | None,
+    threshold: Float[Tensor, "n 1"] | None,
     fused: bool,
 ) -> RowStats:
     """:func:`row_stats` of one block of rows (by :mod:`lensdiv.ops.fused`'s kernel if
     ``fused``)."""
-    top = None
+    top = values = None
     if k > 0:
         values, top = top_k(z, k)
         peak = values[:, :1]
     else:
         peak = z.amax(-1, keepdim=True)
     target = ranks = None
-    target_logit = None
+    target_logit = threshold
     if targets is not None:
         target_logit = z.gather(-1, targets.view(-1, 1).to(z.device))
         target = target_logit[:, 0].double()
     sums = fused_sums(z, peak, target_logit if rank else None, reference) if fused else None
     if sums is not None:  # one pass over the logits, nothing written
-        norm, ey, count, shift_sum = sums
+        norm, ey, count, shift_sum = (None if x is None else x.double() for x in sums)
+        assert norm is not None and ey is not None
         offset = peak[:, 0].double()
         expected = offset + ey / norm if expect else None
         shift = None if shift_sum is None else shift_sum / norm
-        ranks = None if count is None else count.double()
+        ranks = count
         return RowStats(
             lse=offset + norm.log(),
             expect=expected,
@@ -176,6 +188,7 @@ def _row_stats(
             target=target,
             rank=ranks,
             top=top,
+            top_values=values,
         )
     if target_logit is not None and rank:
         torch.gt(z, target_logit, out=scratch)  # 0/1 in the logits' dtype: exact, and fast
@@ -203,7 +216,42 @@ def _row_stats(
         else:
             torch.mul(scratch, z, out=product)
         expected = product.sum(-1).double() / norm
-    return RowStats(lse=lse, expect=expected, shift=shift, target=target, rank=ranks, top=top)
+    return RowStats(
+        lse=lse, expect=expected, shift=shift, target=target, rank=ranks, top=top, top_values=values
+    )
+
+
+def merge_stats(a: RowStats | None, b: RowStats, offset: int = 0) -> RowStats:
+    """The statistics of a row's logits from those of two disjoint parts of its vocabulary:
+    ``a`` (``None``: nothing yet) and ``b``, whose columns start at ``offset``. The
+    log-partitions add (``logaddexp``), the expectations are averaged with the parts' shares
+    of the mass, ranks counted against the same threshold add, and the top-k is the largest
+    ``k`` of both parts'. A target's logit comes from the part that holds it (kept from ``a``
+    when it has one)."""
+    top = None if b.top is None else b.top + offset
+    if a is None:
+        return RowStats(b.lse, b.expect, b.shift, b.target, b.rank, top, b.top_values)
+    lse = torch.logaddexp(a.lse, b.lse)
+    wa, wb = (a.lse - lse).exp(), (b.lse - lse).exp()
+
+    def mean(x: Tensor | None, y: Tensor | None) -> Tensor | None:
+        return None if x is None or y is None else wa * x + wb * y
+
+    values = a.top_values
+    if a.top is not None and top is not None and a.top_values is not None:
+        assert b.top_values is not None
+        k = a.top.shape[-1]
+        values, pick = torch.cat([a.top_values, b.top_values], -1).topk(k, dim=-1)
+        top = torch.cat([a.top, top], -1).gather(-1, pick)
+    return RowStats(
+        lse=lse,
+        expect=mean(a.expect, b.expect),
+        shift=mean(a.shift, b.shift),
+        target=a.target if a.target is not None else b.target,
+        rank=None if a.rank is None or b.rank is None else a.rank + b.rank,
+        top=top,
+        top_values=values,
+    )
 
 
 # Logits per chunk when :func:`top_k` looks for the largest among the chunks' maxima.
@@ -267,15 +315,19 @@ def lens_statistics(
     reference: int = -1,
     workspace: Workspace | None = None,
     block_elements: int | None = None,
+    tile_elements: int = TILE_ELEMENTS,
     translator: Lens | None = None,
     model: Bridge | None = None,
     tokens: Int[Tensor, "batch pos"] | None = None,
 ) -> LensRows:
     """The lens of every state at the given rows, against the reference state's output.
 
-    Blocks of rows; in each block the reference state is read first and its logits stay in a
-    buffer while every other state is read against them: one large unembedding matmul per state
-    and block, then the statistics of :func:`row_stats` in the block's buffers.
+    Blocks of rows; in each block the vocabulary is read a tile at a time
+    (:meth:`~lensdiv.ops.readout.FinalReadout.tile_columns`: the whole vocabulary but on a CPU
+    with a large one): the reference state's logits of the tile first, kept in a buffer, then
+    every other state's against them, one unembedding product per state and tile and the
+    statistics of :func:`row_stats` in the tile's buffers, merged across tiles
+    (:func:`merge_stats`). On a small vocabulary several states are read in one call.
 
     Args:
         readout: The model's :func:`final_readout`.
@@ -289,6 +341,8 @@ def lens_statistics(
         block_elements: Logits per buffer (rows per block = this / d_vocab); by default
             :data:`~lensdiv.ops.readout.BLOCK_ELEMENTS`, but at least
             :data:`~lensdiv.ops.readout.LENS_MIN_ROWS` rows.
+        tile_elements: Logits per vocabulary tile on a CPU
+            (:data:`~lensdiv.ops.readout.TILE_ELEMENTS`).
         translator: The lens (:class:`~lensdiv.ops.translators.Lens`; ``None``: the logit
             lens), indexed like ``states``: its reader gives the state the final norm reads
             (an affine translator applied in the readout dtype; a lens that runs blocks, in
@@ -318,41 +372,118 @@ def lens_statistics(
     read = (translator or LOGIT).reader(model, tokens, dtype=dtype, device=device)
     for lo in range(0, n, step):
         idx = rows[lo : lo + step]
-        r, t, block = int(idx.numel()), targets[lo : lo + step], slice(lo, lo + step)
-        z_ref = ws.get("lens.reference", (r, V), dtype, device)
-        scratch = ws.get("lens.scratch", (r, V), dtype, device)
-        ref = row_stats(
-            readout.logits(read(flat, reference, idx), out=z_ref),
-            scratch,
-            targets=t,
-            k=k,
-            expect=True,
-            product=ws.get("lens.logits", (r, V), dtype, device),
-        )
+        r, block = int(idx.numel()), slice(lo, lo + step)
+        width = readout.tile_columns(r, tile_elements)
+        sweep = _Sweep(readout, ws, targets[lo : lo + step], k, width)
+        x_ref = readout.normalize(read(flat, reference, idx))
+        held = max(1, HELD_ELEMENTS // max(1, r * x_ref.shape[-1]))
+        # a small vocabulary reads several states in one call (fewer, larger products and
+        # passes, the same numbers row by row); a tiled one holds the normalised rows of up to
+        # ``held`` states while it walks the tiles (the reference's logits made once a tile)
+        per_call = max(1, step // r) if width == V else 1
+        ref: RowStats | None = None
+        for first in range(0, max(1, len(others)), held):
+            group = others[first : first + held]
+            calls = [group[i : i + per_call] for i in range(0, len(group), per_call)]
+            units = [
+                torch.cat([readout.normalize(read(flat, i, idx)) for i in call]) for call in calls
+            ]
+            ref, found = sweep.run(x_ref, units, ref)
+            for call, s in zip(calls, found, strict=True):
+                g = len(call)
+                assert s.shift is not None
+                kl = (s.shift.view(g, r) - s.lse.view(g, r) + ref.lse).clamp_min(0.0)
+                _put(out, call, block, s, ref, k, kl)
+        assert ref is not None
         _put(out, [reference], block, ref, ref, k, torch.zeros_like(ref.lse))
-        # a block of few rows (a small vocabulary) reads several states in one call: fewer,
-        # larger products and passes, the same numbers row by row
-        per_call = max(1, step // r)
-        for first in range(0, len(others), per_call):
-            group = others[first : first + per_call]
-            g = len(group)
-            h = (
-                torch.cat([read(flat, i, idx) for i in group])
-                if g > 1
-                else read(flat, group[0], idx)
-            )
-            s = row_stats(
-                readout.logits(h, out=ws.get("lens.logits", (g * r, V), dtype, device)),
-                ws.get("lens.scratch", (g * r, V), dtype, device),  # the reference's is done
-                targets=t if g == 1 else t.repeat(g),
-                k=k,
-                expect=True,
-                reference=z_ref if g == 1 else z_ref.repeat(g, 1),
-            )
-            assert s.shift is not None
-            kl = (s.shift.view(g, r) - s.lse.view(g, r) + ref.lse).clamp_min(0.0)
-            _put(out, group, block, s, ref, k, kl)
     return LensRows(**{key: value.to(rows.device) for key, value in out.items()})
+
+
+# Normalised rows a tiled lens holds at once (float32: 256 MiB), states times rows times d_model.
+HELD_ELEMENTS = 1 << 26
+
+
+class _Sweep:
+    """One block of rows read through the vocabulary's tiles (:func:`lens_statistics`)."""
+
+    def __init__(
+        self, readout: FinalReadout, ws: Workspace, targets: Tensor, k: int, width: int
+    ) -> None:
+        self.readout, self.ws, self.targets, self.k = readout, ws, targets, k
+        V = readout.d_vocab
+        self.tiles = [slice(c, min(c + width, V)) for c in range(0, V, width)]
+
+    def run(
+        self, x_ref: Tensor, units: list[Tensor], ref: RowStats | None
+    ) -> tuple[RowStats, list[RowStats]]:
+        """The statistics of each unit (the normalised rows of one or more states, stacked),
+        and of the reference rows unless ``ref`` already has them."""
+        readout, ws, t = self.readout, self.ws, self.targets
+        dtype, device = readout.dtype, readout.device
+        r, whole = x_ref.shape[0], len(self.tiles) == 1
+        # a target's logit cannot be taken from a tile that may not hold it: ranks are counted
+        # against each row's own target logit, and each row's logit is taken from its tile
+        limits: list[Tensor | None] = [
+            None if whole else readout.target_logits(x, t.repeat(x.shape[0] // r))[:, None]
+            for x in [x_ref, *units]
+        ]
+        need_ref = ref is None
+        acc: list[RowStats | None] = [None] * (len(units) + 1)
+        for cols in self.tiles:
+            w = cols.stop - cols.start
+            z_ref = readout.unembed(
+                x_ref, None if whole else cols, out=ws.get("lens.reference", (r, w), dtype, device)
+            )
+            if need_ref:
+                acc[0] = self._add(acc[0], z_ref, cols, limits[0], product=True)
+            for u, x in enumerate(units, start=1):
+                g = x.shape[0] // r
+                z = readout.unembed(
+                    x, None if whole else cols, out=ws.get("lens.logits", (g * r, w), dtype, device)
+                )
+                against = z_ref if g == 1 else z_ref.repeat(g, 1)
+                acc[u] = self._add(acc[u], z, cols, limits[u], against=against)
+        if need_ref:
+            ref = acc[0]
+        assert ref is not None and all(a is not None for a in acc[1:])
+        return ref, [a for a in acc[1:] if a is not None]
+
+    def _add(
+        self,
+        acc: RowStats | None,
+        z: Tensor,
+        cols: slice,
+        limit: Tensor | None,
+        *,
+        product: bool = False,
+        against: Tensor | None = None,
+    ) -> RowStats:
+        """``acc`` with the statistics of the tile ``z`` of columns ``cols`` merged in
+        (``limit``: the rows' own target logits, for a vocabulary in several tiles)."""
+        ws, dtype, device = self.ws, self.readout.dtype, self.readout.device
+        n, w = z.shape
+        t = self.targets.repeat(n // self.targets.shape[0])
+        scratch = ws.get("lens.scratch", (n, w), dtype, device)
+        # the reference's e·z, its logits kept for the others (whose own are made afterwards)
+        keep = ws.get("lens.logits", (n, w), dtype, device) if product else None
+        if limit is None:  # the whole vocabulary: the target's logit read from it
+            return row_stats(
+                z, scratch, targets=t, k=self.k, expect=True, reference=against, product=keep
+            )
+        inside = (t >= cols.start) & (t < cols.stop)
+        at = (t - cols.start).clamp(0, w - 1)[:, None]
+        own = z.gather(-1, at)[:, 0]  # before the statistics overwrite z
+        part = row_stats(
+            z, scratch, k=self.k, expect=True, reference=against, product=keep, threshold=limit
+        )
+        merged = merge_stats(acc, part, cols.start)
+        assert merged.rank is not None
+        # the row's own logit (the product's, not the dot product's) where this tile holds it;
+        # a rounding above the limit counted the target itself, which is not above itself
+        base = merged.target if merged.target is not None else torch.zeros_like(merged.lse)
+        merged.target = torch.where(inside, own.double(), base)
+        merged.rank = merged.rank - (inside & (own > limit[:, 0])).to(merged.rank.dtype)
+        return merged
 
 
 def _put(
