@@ -225,7 +225,7 @@ def main() -> None:
     parser.add_argument("--sequence", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tight", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="bench/patchscope_cpu.json")
     args = parser.parse_args()
@@ -236,12 +236,12 @@ def main() -> None:
     spec = DataSpec(max_tokens=args.tokens, seq_len=args.seq_len, batch_size=8)
     found = inspection(model, PatchscopeLens().prompt, -1)
     t_lens = t_logit = floor_clean = floor_blocks = floor_readout = float("inf")
-    for _ in range(args.rounds):  # the lens and its floor interleaved: best of each
-        t_lens = min(t_lens, best(lambda: analyze(model, data=spec, plugins="lens",
-                                                  lens="patchscope", progress=False),
-                                  args.repeats))
-        t_logit = min(t_logit, best(lambda: analyze(model, data=spec, plugins="lens",
-                                                    progress=False), args.repeats))
+    rounds: list[dict[str, float]] = []
+    for _ in range(args.rounds):  # the lens and its floor side by side, round by round
+        lens_s = best(lambda: analyze(model, data=spec, plugins="lens", lens="patchscope",
+                                      progress=False), args.repeats)
+        logit_s = best(lambda: analyze(model, data=spec, plugins="lens", progress=False),
+                       args.repeats)
         clean = blocks = readout = 0.0
         for tokens in batches(model, args.tokens, args.seq_len):
             T = tokens.numel()
@@ -250,9 +250,13 @@ def main() -> None:
             blocks += sum((k + 1) * u for k, u in enumerate(units))
             h = torch.randn((L + 1) * T, model.cfg.d_model)
             readout += best(lambda h=h: readout_rows(model, h), args.repeats)
+        rounds.append({"lens_s": lens_s, "floor_s": clean + blocks + readout,
+                       "ratio": lens_s / (clean + blocks + readout)})
+        t_lens, t_logit = min(t_lens, lens_s), min(t_logit, logit_s)
         floor_clean, floor_blocks = min(floor_clean, clean), min(floor_blocks, blocks)
         floor_readout = min(floor_readout, readout)
     floor = floor_clean + floor_blocks + floor_readout
+    ratios = sorted(r["ratio"] for r in rounds)
     prompts = batches(model, 16 * args.seq_len, args.seq_len)
     last = torch.cat(prompts)[:16]
     last_states = [s.reshape(16, args.seq_len, -1)[:, -1] for s in states_of(model, last)]
@@ -277,6 +281,11 @@ def main() -> None:
         "floor_pieces_s": {"clean_pass": floor_clean, "blocks": floor_blocks,
                            "readout": floor_readout},
         "floor_ratio": t_lens / floor,
+        # each round's lens over the floor measured right after it: on a shared host the
+        # median of these is steadier than the best of each side from different moments
+        "round_ratios": [round(r, 3) for r in ratios],
+        "median_round_ratio": ratios[len(ratios) // 2],
+        "lensdiv_fused": os.environ.get("LENSDIV_FUSED", "auto"),
     }
     save()
     figures["peers_last_position_16_prompts"] = compare(model, last_states, torch.arange(16),

@@ -13,7 +13,10 @@ with Hugging Face's own modules, nothing of lensdiv's:
   the ``[d_model, vocab]`` matrix made contiguous once) into a preallocated buffer and one
   log-partition per row, in place —, and ``readout_kl``: the same
   plus the KL to the clean output's distribution (one dot product per row more); each timed in
-  row blocks of 64, 256 and 512, the fastest taken.
+  row blocks of 64, 256 and 512, and in row blocks of 256 and 512 with the vocabulary in tiles
+  of ``TILE_ELEMENTS / rows`` columns (each tile's logits read back from the cache, its
+  log-partition merged across tiles by ``logaddexp``: what lensdiv's readout does on a CPU);
+  the fastest taken.
 
 lensdiv runs with ``LENSDIV_FUSED=1`` (unless the environment says otherwise): its readout's
 row sums from the first logit by the fused kernel, as a long run has them after its first

@@ -57,7 +57,8 @@ BLOCK_ELEMENTS = 1 << 25
 # the vocabulary: on Gemma 3's 262k tokens a block of BLOCK_ELEMENTS would be 128 rows, whose
 # unembedding product costs about 1.25x per row what 512 rows cost (2 threads; the [d_model,
 # vocab] matrix is streamed once per block). A lens then holds three 512 x 262144 float32
-# buffers: 1.5 GiB, whatever the data.
+# buffers on a GPU (1.5 GiB, whatever the data); on a CPU three tiles of them (TILE_ELEMENTS:
+# 32 MiB each) and the block's normalised states (at most HELD_ELEMENTS).
 LENS_MIN_ROWS = 512
 
 # Logits of one vocabulary tile on a CPU (:meth:`FinalReadout.tile_columns`): a lens reads a block

@@ -399,6 +399,11 @@ def lens_statistics(
     return LensRows(**{key: value.to(rows.device) for key, value in out.items()})
 
 
+def _rows(t: Tensor, g: int) -> Tensor:
+    """``t`` repeated for ``g`` states' rows stacked (``t`` itself for one)."""
+    return t if g == 1 else t.repeat(g)
+
+
 # Normalised rows a tiled lens holds at once (float32: 256 MiB), states times rows times d_model.
 HELD_ELEMENTS = 1 << 26
 
@@ -424,7 +429,7 @@ class _Sweep:
         # a target's logit cannot be taken from a tile that may not hold it: ranks are counted
         # against each row's own target logit, and each row's logit is taken from its tile
         limits: list[Tensor | None] = [
-            None if whole else readout.target_logits(x, t.repeat(x.shape[0] // r))[:, None]
+            None if whole else readout.target_logits(x, _rows(t, x.shape[0] // r))[:, None]
             for x in [x_ref, *units]
         ]
         need_ref = ref is None
@@ -462,7 +467,7 @@ class _Sweep:
         (``limit``: the rows' own target logits, for a vocabulary in several tiles)."""
         ws, dtype, device = self.ws, self.readout.dtype, self.readout.device
         n, w = z.shape
-        t = self.targets.repeat(n // self.targets.shape[0])
+        t = _rows(self.targets, n // self.targets.shape[0])
         scratch = ws.get("lens.scratch", (n, w), dtype, device)
         # the reference's e·z, its logits kept for the others (whose own are made afterwards)
         keep = ws.get("lens.logits", (n, w), dtype, device) if product else None
