@@ -147,3 +147,11 @@ def test_exp_fast_path_is_exp(dtype: torch.dtype) -> None:
     out = torch.empty_like(x)
     assert exp(x, out=out) is out and torch.equal(out, y)
     assert torch.equal(exp_(x.clone()), y)
+
+
+def test_the_sums_accumulate_in_float32_only_on_a_cpu() -> None:
+    """A CPU reads a large vocabulary in tiles (float32 sums of at most a tile's columns); a row
+    read whole elsewhere keeps float64 accumulation."""
+    assert fused.accumulation(torch.zeros(2, 3)) == torch.float32
+    assert fused.accumulation(torch.zeros(2, 3, dtype=torch.float64)) == torch.float64
+    assert fused.accumulation(torch.zeros(2, 3, device="meta")) == torch.float64
