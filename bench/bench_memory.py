@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import time
@@ -34,7 +33,9 @@ def child(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     run = analyze(model, data=spec, plugins=args.plugins, progress=False)
     assert run.ok, run.errors
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    # this process's own high-water mark: ru_maxrss starts at the spawning parent's peak
+    with open("/proc/self/status") as status:
+        peak = next(int(line.split()[1]) for line in status if line.startswith("VmHWM")) / 1024
     tokens = run.manifest["timings"]["tokens"]
     print(
         json.dumps(

@@ -119,6 +119,51 @@ def test_the_prompts_own_state_patched_back_gives_its_output(models64: dict[str,
             torch.testing.assert_close(got, out, rtol=0, atol=1e-9 * float(out.abs().max()))
 
 
+@pytest.mark.parametrize(("arch", "position"), [("llama", -1), ("gpt2", -4)])
+@pytest.mark.parametrize("limit", [0, 3, 8, 512])
+def test_sweeps_read_each_block_once_for_the_starts_they_hold(
+    models64: dict[str, Any], monkeypatch: Any, arch: str, position: int, limit: int
+) -> None:
+    """``run_each`` gives what ``run`` gives start by start, and runs a block once for all the
+    starts of a sweep: a sweep holds at most ``SWEEP_ROWS`` rows, a start more than half of them
+    runs alone."""
+    from lensdiv.ops import inspection as inspection_module
+    from lensdiv.ops.purelayers import LayerCalls
+
+    model = models64[arch]
+    found = Inspection(model, DEFAULT_PROMPT, position)
+    assert found.layers == "shared prefix", found.layers_reason
+    L, n = found.n_layers, 3
+    generator = torch.Generator().manual_seed(1)
+    scale = float(found.clean[1].std())
+    by_start = {
+        start: torch.randn(n, found.clean[0].shape[-1], generator=generator, dtype=torch.float64)
+        * scale
+        for start in range(L)
+    }
+    want = {start: found.run(start, h) for start, h in by_start.items()}
+    monkeypatch.setattr(inspection_module, "SWEEP_ROWS", limit)
+    calls: list[int] = []
+    step = LayerCalls.step
+
+    def counted(self: Any, layers: Any, index: int, x: torch.Tensor, cache: Any) -> torch.Tensor:
+        calls.append(int(x.shape[0]))
+        return step(self, layers, index, x, cache)
+
+    monkeypatch.setattr(LayerCalls, "step", counted)
+    got = found.run_each(by_start)
+    for start in range(L):
+        torch.testing.assert_close(got[start], want[start], rtol=0,
+                                   atol=1e-12 * float(want[start].abs().max()))
+    per_start = L * (L + 1) // 2  # Σ (L − ℓ) block calls, one start at a time
+    if limit < 2 * n:  # no two starts fit in a call: each runs alone
+        assert len(calls) == per_start and set(calls) == {n}
+    else:
+        assert max(calls) <= limit and sum(calls) == n * per_start  # the same rows, fewer calls
+        firsts = range(0, L, limit // n)  # the sweeps: limit // n starts each, in order
+        assert len(calls) == sum(L - first for first in firsts) < per_start, calls
+
+
 @pytest.mark.parametrize(("arch", "position"), [("llama", -1), ("gpt2", -3)])
 def test_the_prefix_held_in_place_survives_calls_of_other_sizes(models64: dict[str, Any],
                                                                 arch: str, position: int) -> None:

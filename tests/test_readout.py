@@ -55,11 +55,13 @@ def test_logits_without_a_bias_pass_are_the_product_and_a_bias_set_later_counts(
     assert readout.logits(h, out=out).data_ptr() == out.data_ptr()
 
 
-@pytest.mark.parametrize("tiles", [1, 10])
+@pytest.mark.parametrize(("tiles", "block"), [(1, 7), (10, 7), (1, 40)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_lens_statistics_on_a_wide_vocabulary_equal_a_float64_reference(
-    bias: bool, tiles: int, monkeypatch: pytest.MonkeyPatch
+    bias: bool, tiles: int, block: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """``block``: rows a block holds; 40 (more than the 14 rows read) reads two states per
+    call, stacked against one reference."""
     if tiles > 1:
         monkeypatch.setattr(readout_module, "TILE_COLUMNS", 640)
     vocab, d, n, k = 6000, 24, 40, 5
@@ -69,10 +71,11 @@ def test_lens_statistics_on_a_wide_vocabulary_equal_a_float64_reference(
     rows = torch.arange(0, n, 3)
     targets = torch.randint(0, vocab, (rows.numel(),), generator=gen)
     # 7 rows a block; ten tiles: 9 of 640 columns and one of 240, each target in one of them
-    tile = 7 * 640 if tiles > 1 else 7 * vocab
-    assert len(range(0, vocab, readout.tile_columns(7, tile))) == tiles
+    tile = 7 * 640 if tiles > 1 else block * vocab
+    r = min(block, rows.numel())
+    assert len(range(0, vocab, readout.tile_columns(r, tile))) == tiles
     got = lens_statistics(
-        readout, states, rows, targets, k=k, block_elements=7 * vocab, tile_elements=tile
+        readout, states, rows, targets, k=k, block_elements=block * vocab, tile_elements=tile
     )
     W, b = readout.W_U.double(), readout.b_U.double()
     logp = [torch.log_softmax(s.reshape(-1, d)[rows].double() @ W + b, dim=-1) for s in states]

@@ -274,18 +274,25 @@ class PatchscopeLens(Lens):
     def read_all(
         self, found: Inspection, states: Sequence[Tensor], rows: Tensor
     ) -> dict[int, Tensor]:
-        """``R_l(h_l)`` at ``rows`` for every ``l < L``: one continuation per target block."""
+        """``R_l(h_l)`` at ``rows`` for every ``l < L``: the continuations from each target
+        block (:meth:`~lensdiv.ops.inspection.Inspection.run_each`: few rows run in sweeps)."""
         L = found.n_layers
         groups: dict[int, list[int]] = {}
         for index in range(L):
             groups.setdefault(self.target_layer(index, L), []).append(index)
         out: dict[int, Tensor] = {}
         n = int(rows.numel())
+        finals = found.run_each(
+            {
+                start: torch.cat(
+                    [states[i].index_select(0, rows.to(states[i].device)) for i in indices]
+                )
+                for start, indices in groups.items()
+            }
+        )
         for start, indices in groups.items():
-            h = torch.cat([states[i].index_select(0, rows.to(states[i].device)) for i in indices])
-            final = found.run(start, h)
             for k, index in enumerate(indices):
-                out[index] = final[k * n : (k + 1) * n]
+                out[index] = finals[start][k * n : (k + 1) * n]
         return out
 
 

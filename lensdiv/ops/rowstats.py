@@ -78,7 +78,7 @@ def row_stats(
     k: int = 0,
     expect: bool = False,
     rank: bool = True,
-    reference: Float[Tensor, "n d_vocab"] | None = None,
+    reference: Float[Tensor, "r d_vocab"] | None = None,
     product: Float[Tensor, "n d_vocab"] | None = None,
     threshold: Float[Tensor, "n 1"] | None = None,
 ) -> RowStats:
@@ -103,7 +103,8 @@ def row_stats(
         k: Report the top-``k`` indices.
         expect: Report ``E_p[z]`` (for the entropy).
         reference: Logits of the distribution to compare with: report ``E_p[z − z_ref]``, so
-            ``KL(p ‖ p_ref) = E_p[z − z_ref] − lse + lse_ref``.
+            ``KL(p ‖ p_ref) = E_p[z − z_ref] − lse + lse_ref``. Its rows may be fewer than
+            ``z``'s: then ``z`` is several states' rows stacked, each against the same rows.
         product: A buffer for ``e·z`` that keeps ``z`` intact (without ``reference``).
         threshold: Without ``targets``, count per row the logits above this one instead (a
             part of the vocabulary that may not hold the target: :func:`merge_stats`).
@@ -111,6 +112,8 @@ def row_stats(
     n = z.shape[0]
     fused = fuse(z.numel())
     step = max(STATS_ROWS, STATS_ELEMENTS // max(1, z.shape[1]))
+    if reference is not None and reference.shape[0] != n and (fused or n > step):
+        reference = reference.repeat(n // reference.shape[0], 1)  # row by row from here
     if n <= step or fused:
         return _row_stats(
             z, scratch, targets, k, expect, rank, reference, product, threshold, fused
@@ -155,7 +158,7 @@ def _row_stats(
     k: int,
     expect: bool,
     rank: bool,
-    reference: Float[Tensor, "n d_vocab"] | None,
+    reference: Float[Tensor, "r d_vocab"] | None,
     product: Float[Tensor, "n d_vocab"] | None,
     threshold: Float[Tensor, "n 1"] | None,
     fused: bool,
@@ -205,10 +208,10 @@ def _row_stats(
     lse = offset + norm.log()
     shift = expected = None
     if reference is not None:
-        z.sub_(reference).mul_(scratch)
-        shift = z.sum(-1).double() / norm
+        _grouped(z, reference).sub_(reference)
+        shift = z.mul_(scratch).sum(-1).double() / norm
         if expect:
-            torch.mul(scratch, reference, out=z)
+            torch.mul(_grouped(scratch, reference), reference, out=_grouped(z, reference))
             expected = shift + z.sum(-1).double() / norm
     elif expect:
         if product is None:
@@ -219,6 +222,12 @@ def _row_stats(
     return RowStats(
         lse=lse, expect=expected, shift=shift, target=target, rank=ranks, top=top, top_values=values
     )
+
+
+def _grouped(x: Tensor, reference: Tensor) -> Tensor:
+    """``x`` ``[g · r, V]`` as ``[g, r, V]`` against a ``reference`` of ``r`` rows (the same
+    reference for each of ``g`` states: broadcast, not copied), else ``x`` itself."""
+    return x if x.shape[0] == reference.shape[0] else x.view(-1, *reference.shape)
 
 
 def merge_stats(a: RowStats | None, b: RowStats, offset: int = 0) -> RowStats:
@@ -446,8 +455,7 @@ class _Sweep:
                 z = readout.unembed(
                     x, None if whole else cols, out=ws.get("lens.logits", (g * r, w), dtype, device)
                 )
-                against = z_ref if g == 1 else z_ref.repeat(g, 1)
-                acc[u] = self._add(acc[u], z, cols, limits[u], against=against)
+                acc[u] = self._add(acc[u], z, cols, limits[u], against=z_ref)
         if need_ref:
             ref = acc[0]
         assert ref is not None and all(a is not None for a in acc[1:])
