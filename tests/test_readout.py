@@ -4,6 +4,8 @@ lens statistics against a float64 reference with ``torch.topk``'s sets."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -127,6 +129,17 @@ def test_merged_parts_of_the_vocabulary_are_the_whole_rows_statistics(
         assert torch.equal(getattr(merged, name), getattr(whole, name)), name
 
 
+def test_target_logits_of_stacked_states_are_the_products_target_entries() -> None:
+    """The target columns are gathered once; each state's rows (two stacked here) give the
+    full product's logit of their own target, to rounding."""
+    readout = _readout(500, 16, bias=True)
+    gen = torch.Generator().manual_seed(9)
+    x, targets = torch.randn(2 * 7, 16, generator=gen), torch.randint(0, 500, (7,), generator=gen)
+    got = readout.target_logits(x, readout.target_columns(targets))
+    want = readout.unembed(x).gather(1, targets.repeat(2)[:, None])[:, 0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("rounding", [-1, 1])
 def test_a_tiled_rank_never_counts_the_target_itself(
     rounding: int, monkeypatch: pytest.MonkeyPatch
@@ -141,8 +154,8 @@ def test_a_tiled_rank_never_counts_the_target_itself(
     want = lens_statistics(readout, states, rows, targets, k=3)
     exact = readout.target_logits
 
-    def off(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:  # as far off as rounding can be
-        z = exact(x, t)
+    def off(x: torch.Tensor, columns: Any) -> torch.Tensor:  # as far off as rounding can be
+        z = exact(x, columns)
         return torch.nextafter(z, z + rounding * torch.inf)
 
     monkeypatch.setattr(readout, "target_logits", off)

@@ -214,16 +214,28 @@ class FinalReadout:
             z = self.transform(z) if out is None else out.copy_(self.transform(z))
         return z
 
-    def target_logits(
-        self, x: Float[Tensor, "n d_model"], targets: Int[Tensor, " n"]
-    ) -> Float[Tensor, " n"]:
-        """Each normalised row's logit of its own target token, without the other columns
-        (a dot product per row; rounding may differ from the full product's by an ulp)."""
+    def target_columns(
+        self, targets: Int[Tensor, " n"]
+    ) -> tuple[Float[Tensor, "n d_model"], Float[Tensor, " n"] | None]:
+        """The unembedding's column of each row's target token and its bias, gathered once
+        for every state read against the same targets (:meth:`target_logits`)."""
         if self.transform is not None:
             raise ValueError("the readout's transform reads whole rows of logits")
         idx = targets.to(self.device)
-        z = (x * self.W_U[:, idx].T).sum(-1)
-        return z + self.b_U[idx] if self.biased else z
+        return self.W_U[:, idx].T, (self.b_U[idx] if self.biased else None)
+
+    def target_logits(
+        self,
+        x: Float[Tensor, "rows d_model"],
+        columns: tuple[Float[Tensor, "n d_model"], Float[Tensor, " n"] | None],
+    ) -> Float[Tensor, " rows"]:
+        """Each normalised row's logit of its own target token (:meth:`target_columns`),
+        without the other columns: a dot product per row, whose rounding may differ from the
+        full product's by an ulp. ``x``: the rows of one or more states, one after another,
+        each state's against the same ``n`` targets."""
+        W, b = columns
+        z = (x.view(-1, *W.shape) * W).sum(-1)
+        return (z if b is None else z + b).reshape(-1)
 
     def tile_columns(self, rows: int, tile_elements: int = TILE_ELEMENTS) -> int:
         """Vocabulary columns a lens reads per tile for ``rows`` rows: the whole vocabulary

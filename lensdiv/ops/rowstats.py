@@ -437,8 +437,9 @@ class _Sweep:
         r, whole = x_ref.shape[0], len(self.tiles) == 1
         # a target's logit cannot be taken from a tile that may not hold it: ranks are counted
         # against each row's own target logit, and each row's logit is taken from its tile
+        columns = None if whole else readout.target_columns(t)  # once for every state
         limits: list[Tensor | None] = [
-            None if whole else readout.target_logits(x, _rows(t, x.shape[0] // r))[:, None]
+            None if columns is None else readout.target_logits(x, columns)[:, None]
             for x in [x_ref, *units]
         ]
         need_ref = ref is None
